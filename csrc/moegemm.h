@@ -1,0 +1,69 @@
+// moegemm's torch-free C++ interface: everything the binding (csrc/binding.cpp) calls.
+//
+// All pointers are device pointers; every function only enqueues work on `stream` (no host sync,
+// no allocation). Layouts are the canonical ones of moegemm/reference.py. Errors are thrown as
+// std::runtime_error before anything is launched where they can be detected on the host.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstddef>
+#include <cstdint>
+
+namespace moegemm {
+
+constexpr int kBlock = 128;       // FP8 scaling block (1x128, 128x1, 128x128)
+constexpr int kColAlign = 16;     // per-expert token padding of the transposed activation copy
+constexpr int kMaxExperts = 1024; // one thread per expert in the plan kernel
+
+enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t col_capacity(int64_t T, int64_t E) { return ceil_div(T + (kColAlign - 1) * E, kColAlign) * kColAlign; }
+inline int64_t block_capacity(int64_t T, int64_t E) { return (T + (kBlock - 1) * E) / kBlock; }
+
+// plan [3, E+1] int32: token starts, padded column starts, 128-token scale-block starts.
+// Negative counts count as 0 and the running total is clamped to T.
+void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t* plan, cudaStream_t stream);
+
+// Multi-cast activation quantization of x [T, K] in one launch. Either output pair may be null.
+//   rows: q [T, K] e4m3, s [T, ceil(K/128)]
+//   cols: qT [K, col_capacity] e4m3, sT [block_capacity, K]
+void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const int32_t* plan,
+                  uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
+
+// 128x128-block weight quantization of w [E, N, K]: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb].
+void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K,
+                     uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
+
+// Writes exact zeros into out[e] ([E, N, K] fp32) for every expert with no tokens (wgrad of an
+// empty expert gets no GEMM tiles, see SPEC §5).
+void zero_empty_experts(const int32_t* plan, int E, int64_t NK, float* out, cudaStream_t stream);
+
+// ---- grouped GEMMs (CUTLASS sm90 ptr-array). `workspace` holds the device-built arguments and
+// CUTLASS's own workspace; its size comes from the matching *_workspace_size(E).
+
+// out[t] (bf16) = Σ_j sa[t,j] sb[e,n/128,j] Σ_k qa[t,k] qb[e,n,k]; qa [T,K], qb [E,N,K].
+// fprop (b = W) and dgrad (b = Wᵀ copy, with K and N swapped).
+size_t gemm_fp8_ragged_m_workspace_size(int E);
+void gemm_fp8_ragged_m(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
+                       const int32_t* plan, int E, int64_t T, int64_t N, int64_t K, void* out,
+                       void* workspace, cudaStream_t stream);
+
+// out[e] (fp32, [E,N,K]) (+)= Σ over the expert's 128-token blocks: qaT [N, Wc], saT [NB, N],
+// qbT [K, Wc], sbT [NB, K] (column-quantized dy and x; Wc = col_cap). accumulate: out += instead of out =.
+size_t gemm_fp8_ragged_k_workspace_size(int E);
+void gemm_fp8_ragged_k(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
+                       const int32_t* plan, int E, int64_t col_cap, int64_t N, int64_t K, float* out,
+                       bool accumulate, void* workspace, cudaStream_t stream);
+
+// bf16 recipe. fprop: y[T,N] = x[T,K] w[e]ᵀ (w [E,N,K]); dgrad: dx[T,K] = dy[T,N] w[e] (w [E,N,K]);
+// wgrad: dw[E,N,K] (fp32) (+)= dy_eᵀ x_e.
+size_t gemm_bf16_workspace_size(int E);
+void gemm_bf16_fprop(const void* x, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,
+                     int64_t K, void* y, void* workspace, cudaStream_t stream);
+void gemm_bf16_dgrad(const void* dy, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,
+                     int64_t K, void* dx, void* workspace, cudaStream_t stream);
+void gemm_bf16_wgrad(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N,
+                     int64_t K, float* dw, bool accumulate, void* workspace, cudaStream_t stream);
+
+}  // namespace moegemm

@@ -1,0 +1,45 @@
+"""The one place that chooses between the CUDA extension and the plain-PyTorch reference.
+
+Both backends offer the same functions with the same canonical layouts (see ``reference.py``):
+``make_plan, quantize_act, quantize_weight, gemm_fp8_ragged_m, gemm_fp8_ragged_k, gemm_bf16_fprop,
+gemm_bf16_dgrad, gemm_bf16_wgrad``. Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA
+ops (built on first use); everything else, or ``MOEGEMM_BACKEND=reference``, goes to the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from . import reference
+
+
+@functools.lru_cache(maxsize=None)
+def _device_is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def uses_cuda(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("MOEGEMM_BACKEND", "") == "reference":
+        return False
+    if _device_is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
+        return True
+    _warn_not_hopper()
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_not_hopper() -> None:
+    warnings.warn("moegemm: the CUDA kernels need a Hopper GPU (sm_90a); using the slow reference path")
+
+
+def select(device: torch.device):
+    """The backend module for tensors on ``device``."""
+    if uses_cuda(device):
+        from . import cuda_ops
+
+        return cuda_ops
+    return reference

@@ -1,0 +1,121 @@
+"""The CUDA backend: thin wrappers over the extension's ``torch.ops.moegemm`` ops, with the same
+signatures as ``reference.py`` (parts not asked for come back as None), plus their fake (meta)
+implementations so that torch.compile can trace them."""
+
+from __future__ import annotations
+
+import torch
+
+from ._build import load_extension
+from .reference import BLOCK, block_capacity, ceil_div, col_capacity
+
+load_extension()
+_ops = torch.ops.moegemm
+
+
+def make_plan(m_splits: torch.Tensor, T: int) -> torch.Tensor:
+    return _ops.make_plan(m_splits, T)
+
+
+def quantize_act(x, plan, rows: bool = True, cols: bool = True):
+    q, s, qT, sT = _ops.quantize_act(x, plan, rows, cols)
+    return (q if rows else None, s if rows else None, qT if cols else None, sT if cols else None)
+
+
+def quantize_weight(w):
+    return _ops.quantize_weight(w)
+
+
+def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"the CUDA FP8 GEMM writes bfloat16 output, got out_dtype={out_dtype}")
+    return _ops.gemm_fp8_ragged_m(qa, sa, qb, sb, plan)
+
+
+def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None):
+    if out is None:
+        return _ops.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan)
+    _ops.gemm_fp8_ragged_k_accumulate(qaT, saT, qbT, sbT, plan, out)
+    return out
+
+
+def gemm_bf16_fprop(x, w, plan):
+    return _ops.gemm_bf16_fprop(x, w, plan)
+
+
+def gemm_bf16_dgrad(dy, w, plan):
+    return _ops.gemm_bf16_dgrad(dy, w, plan)
+
+
+def gemm_bf16_wgrad(dy, x, plan, out=None):
+    if out is None:
+        return _ops.gemm_bf16_wgrad(dy, x, plan)
+    _ops.gemm_bf16_wgrad_accumulate(dy, x, plan, out)
+    return out
+
+
+# ------------------------------------------------------------------------------ fake implementations
+def _fake(name):
+    return torch.library.register_fake(f"moegemm::{name}")
+
+
+@_fake("make_plan")
+def _(m_splits, T):
+    return m_splits.new_empty((3, m_splits.shape[0] + 1), dtype=torch.int32)
+
+
+@_fake("quantize_act")
+def _(x, plan, rows, cols):
+    T, K = x.shape
+    E = plan.shape[1] - 1
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    return (
+        x.new_empty((T, K) if rows else (0,), dtype=f8),
+        x.new_empty((T, ceil_div(K, BLOCK)) if rows else (0,), dtype=f32),
+        x.new_empty((K, col_capacity(T, E)) if cols else (0,), dtype=f8),
+        x.new_empty((block_capacity(T, E), K) if cols else (0,), dtype=f32),
+    )
+
+
+@_fake("quantize_weight")
+def _(w):
+    E, N, K = w.shape
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    nb, kb = ceil_div(N, BLOCK), ceil_div(K, BLOCK)
+    return (w.new_empty((E, N, K), dtype=f8), w.new_empty((E, nb, kb), dtype=f32),
+            w.new_empty((E, K, N), dtype=f8), w.new_empty((E, kb, nb), dtype=f32))
+
+
+@_fake("gemm_fp8_ragged_m")
+def _(qa, sa, qb, sb, plan):
+    return qa.new_empty((qa.shape[0], qb.shape[1]), dtype=torch.bfloat16)
+
+
+@_fake("gemm_fp8_ragged_k")
+def _(qaT, saT, qbT, sbT, plan):
+    return qaT.new_empty((plan.shape[1] - 1, qaT.shape[0], qbT.shape[0]), dtype=torch.float32)
+
+
+@_fake("gemm_fp8_ragged_k_accumulate")
+def _(qaT, saT, qbT, sbT, plan, out):
+    return None
+
+
+@_fake("gemm_bf16_fprop")
+def _(x, w, plan):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@_fake("gemm_bf16_dgrad")
+def _(dy, w, plan):
+    return dy.new_empty((dy.shape[0], w.shape[2]))
+
+
+@_fake("gemm_bf16_wgrad")
+def _(dy, x, plan):
+    return dy.new_empty((plan.shape[1] - 1, dy.shape[1], x.shape[1]), dtype=torch.float32)
+
+
+@_fake("gemm_bf16_wgrad_accumulate")
+def _(dy, x, plan, out):
+    return None

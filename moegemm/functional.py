@@ -1,0 +1,99 @@
+"""``grouped_linear``: the differentiable grouped GEMM of SPEC §2.
+
+The autograd Function is a thin shell: it validates nothing (the public function does, once) and calls
+the backend chosen in ``backend.py`` — the CUDA ops or the reference, which share one interface.
+For ``fp8_blockwise`` the forward quantizes ``x`` once into its row copy (fprop) and its per-expert
+transposed copy (saved for wgrad), so backward never re-reads ``x`` in bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import backend
+from ._validate import SplitsLike, check_bias, check_recipe, check_weight, check_x, splits_to_device
+from .reference import expert_ids
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan, recipe):
+        ops = backend.select(x.device)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if recipe == "fp8_blockwise":
+            qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw)
+            qw, sw, qwT, swT = ops.quantize_weight(weight)
+            y = ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, x.dtype)
+            ctx.save_for_backward(qxT, sxT, qwT if need_dx else None, swT if need_dx else None, plan)
+        else:
+            w = weight.to(x.dtype)
+            y = ops.gemm_bf16_fprop(x, w, plan)
+            ctx.save_for_backward(x if need_dw else None, w if need_dx else None, plan)
+        if bias is not None:
+            y = y + bias.to(y.dtype)[expert_ids(plan, x.shape[0])]
+        ctx.recipe, ctx.has_bias, ctx.weight = recipe, bias is not None, weight
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        ops = backend.select(dy.device)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy = dy.contiguous()
+        weight = ctx.weight
+        main_grad = getattr(weight, "main_grad", None) if need_dw else None
+        dx = dw = db = None
+        if ctx.recipe == "fp8_blockwise":
+            qxT, sxT, qwT, swT, plan = ctx.saved_tensors
+            if need_dx or need_dw:
+                qdy, sdy, qdyT, sdyT = ops.quantize_act(dy, plan, rows=need_dx, cols=need_dw)
+            if need_dx:
+                dx = ops.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, dy.dtype)
+            if need_dw:
+                dw = ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=main_grad)
+        else:
+            x, w, plan = ctx.saved_tensors
+            if need_dx:
+                dx = ops.gemm_bf16_dgrad(dy, w, plan)
+            if need_dw:
+                dw = ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad)
+        if dw is not None:
+            # Megatron's gradient-accumulation fusion: wgrad went into weight.main_grad.
+            dw = None if main_grad is not None else dw.to(weight.dtype)
+        if need_db:
+            E = plan.shape[1] - 1
+            db = torch.zeros(E, dy.shape[1], dtype=torch.float32, device=dy.device)
+            db.index_add_(0, expert_ids(plan, dy.shape[0]), dy.float())
+            db = db.to(ctx.bias_dtype)
+        return dx, dw, db, None, None
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    m_splits: SplitsLike,
+    bias: Optional[torch.Tensor] = None,
+    recipe: str = "fp8_blockwise",
+    check_splits: Optional[bool] = None,
+) -> torch.Tensor:
+    """``y[t] = x[t] @ weight[e(t)]ᵀ (+ bias[e(t)])`` for tokens packed by expert.
+
+    x: ``[T, K]``; weight: ``[E, N, K]``; m_splits: ``E`` token counts (list, CPU tensor, or an
+    int32/int64 tensor on x's device, which is never read on the host); bias: ``[E, N]``;
+    recipe: ``"fp8_blockwise"`` or ``"bf16"``. ``check_splits`` (or ``MOEGEMM_CHECK_SPLITS=1``)
+    validates device ``m_splits`` on the device, at the cost of one sync.
+    If ``weight`` has a ``main_grad`` attribute (fp32), its gradient is accumulated there instead.
+    """
+    check_recipe(recipe)
+    check_weight(weight)
+    E, N, K = weight.shape
+    check_x(x, K, weight.device)
+    check_bias(bias, E, N, weight.device)
+    m = splits_to_device(m_splits, E, x.shape[0], x.device, check_splits)
+    ops = backend.select(x.device)
+    if ops is not backend.reference and x.dtype != torch.bfloat16:
+        raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {x.dtype}")
+    plan = ops.make_plan(m, x.shape[0])
+    return _GroupedLinear.apply(x, weight, bias, plan, recipe)

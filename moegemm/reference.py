@@ -1,0 +1,218 @@
+"""Plain-PyTorch reference of SPEC §2–§4: the oracle of every test and the CPU fallback.
+
+It implements the same backend interface as the CUDA extension (see ``moegemm/backend.py``), with the
+same canonical layouts, so the CUDA outputs can be compared with it bitwise:
+
+* plan ``[3, E+1]`` int32 — row 0: token starts ``start_e`` (cumulative ``m_splits``); row 1: column
+  starts of each expert in the transposed activation copy (segments padded to 16 tokens, so every
+  segment is 16-byte aligned for TMA); row 2: first 128-token scale block of each expert.
+* activation rows: ``q [T, K]`` e4m3, ``s [T, ceil(K/128)]`` fp32 (1×128 blocks).
+* activation columns: ``qT [K, col_capacity(T, E)]`` e4m3, expert ``e`` at columns
+  ``[col_start_e, col_start_e + m_e)``; ``sT [block_capacity(T, E), K]`` fp32, expert ``e``'s 128×1
+  blocks at rows ``[blk_start_e, blk_start_e + ceil(m_e/128))``. Entries outside the experts' regions
+  are unspecified (the reference writes zeros).
+* weights: ``q [E, N, K]``, ``s [E, ceil(N/128), ceil(K/128)]``, plus the transposed copies
+  ``qT [E, K, N]``, ``sT [E, ceil(K/128), ceil(N/128)]`` used by dgrad.
+
+Loops over experts are fine here: this module is exempt from the no-host-work rule of SPEC §5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+COL_ALIGN = 16
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def col_capacity(T: int, E: int) -> int:
+    """Width of the transposed activation copy: Σ round_up(m_e, 16) ≤ T + 15·E, rounded up to 16."""
+    return ceil_div(T + (COL_ALIGN - 1) * E, COL_ALIGN) * COL_ALIGN
+
+
+def block_capacity(T: int, E: int) -> int:
+    """Rows of the column-block scale tensor: Σ ceil(m_e/128) ≤ (T + 127·E) / 128."""
+    return (T + (BLOCK - 1) * E) // BLOCK
+
+
+# ----------------------------------------------------------------------------------------------- plan
+def make_plan(m_splits: torch.Tensor, T: int) -> torch.Tensor:
+    """Offsets of every expert, from device (or CPU) counts, without reading them on the host.
+
+    Negative counts are taken as 0 and the running total is clamped to T, so that no kernel ever
+    reads or writes out of bounds whatever the values (SPEC §6, fast path)."""
+    m = m_splits.to(torch.int64).clamp(min=0)
+    zero = torch.zeros(1, dtype=torch.int64, device=m.device)
+    tok = torch.cat([zero, m.cumsum(0)]).clamp(max=T)
+    counts = tok[1:] - tok[:-1]
+    col = torch.cat([zero, ((counts + COL_ALIGN - 1) // COL_ALIGN * COL_ALIGN).cumsum(0)])
+    blk = torch.cat([zero, ((counts + BLOCK - 1) // BLOCK).cumsum(0)])
+    return torch.stack([tok, col, blk]).to(torch.int32)
+
+
+def _segments(plan: torch.Tensor):
+    """Host copy of the plan, for the reference's per-expert loops."""
+    tok, col, blk = plan.cpu().tolist()
+    return [(tok[e], tok[e + 1] - tok[e], col[e], blk[e]) for e in range(len(tok) - 1)]
+
+
+# ------------------------------------------------------------------------------------------ quantizer
+def block_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ≥ fl32(amax / 448), from the exponent bits (SPEC §3 step 2).
+
+    amax == 0 gives 1; a non-finite amax gives +inf, so that every value of the block dequantizes to
+    NaN (0·inf or NaN) and nothing downstream is silently finite."""
+    amax = amax.float()
+    r = amax / FP8_MAX
+    mant, exp = torch.frexp(r)
+    exp = torch.where(mant == 0.5, exp - 1, exp)  # r is already a power of two
+    scale = torch.ldexp(torch.ones_like(r), exp)
+    scale = torch.where(amax == 0, torch.ones_like(r), scale)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(r, float("inf")))
+
+
+def _nan_amax(v: torch.Tensor, dim) -> torch.Tensor:
+    return v.abs().amax(dim=dim)  # torch.amax propagates NaN
+
+
+def _cast(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (v / scale).to(FP8)
+
+
+def quantize_rows(x: torch.Tensor):
+    """1×128 blocks along the last dim: ``[T, K] -> (q [T, K], s [T, ceil(K/128)])``."""
+    T, K = x.shape
+    kb = ceil_div(K, BLOCK)
+    xf = x.float()
+    padded = torch.zeros(T, kb * BLOCK, dtype=torch.float32, device=x.device)
+    padded[:, :K] = xf
+    s = block_scale(_nan_amax(padded.view(T, kb, BLOCK), -1))  # [T, kb]
+    q = _cast(padded.view(T, kb, BLOCK), s[..., None]).view(T, kb * BLOCK)[:, :K]
+    return q.contiguous(), s
+
+
+def quantize_cols(x: torch.Tensor, plan: torch.Tensor):
+    """128×1 blocks within each expert's rows, written transposed: ``(qT [K, Wc], sT [NB, K])``."""
+    T, K = x.shape
+    E = plan.shape[1] - 1
+    qT = torch.zeros(K, col_capacity(T, E), dtype=FP8, device=x.device)
+    sT = torch.zeros(block_capacity(T, E), K, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for start, m, col, blk in _segments(plan):
+        for i in range(ceil_div(m, BLOCK)):
+            rows = xf[start + i * BLOCK: start + min((i + 1) * BLOCK, m)]  # [r, K]
+            s = block_scale(_nan_amax(rows, 0))  # [K]
+            qT[:, col + i * BLOCK: col + i * BLOCK + rows.shape[0]] = _cast(rows, s).t()
+            sT[blk + i] = s
+    return qT, sT
+
+
+def quantize_act(x: torch.Tensor, plan: torch.Tensor, rows: bool = True, cols: bool = True):
+    """Multi-cast activation quantization: ``(q, s, qT, sT)``; the parts not asked for are None."""
+    q, s = quantize_rows(x) if rows else (None, None)
+    qT, sT = quantize_cols(x, plan) if cols else (None, None)
+    return q, s, qT, sT
+
+
+def quantize_weight(w: torch.Tensor):
+    """128×128 blocks per expert: ``(q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb])``."""
+    E, N, K = w.shape
+    nb, kb = ceil_div(N, BLOCK), ceil_div(K, BLOCK)
+    padded = torch.zeros(E, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+    padded[:, :N, :K] = w.float()
+    blocks = padded.view(E, nb, BLOCK, kb, BLOCK)
+    s = block_scale(_nan_amax(blocks, (2, 4)))  # [E, nb, kb]
+    q = _cast(blocks, s[:, :, None, :, None]).view(E, nb * BLOCK, kb * BLOCK)[:, :N, :K].contiguous()
+    return q, s, q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+
+
+# --------------------------------------------------------------------------------------- dequantizers
+def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    K = q.shape[-1]
+    return q.double() * s.double().repeat_interleave(BLOCK, dim=-1)[..., :K]
+
+
+def dequantize_cols(qT: torch.Tensor, sT: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """Back to token-major ``[T, K]`` float64."""
+    K = qT.shape[0]
+    segs = _segments(plan)
+    T = segs[-1][0] + segs[-1][1] if segs else 0
+    out = torch.zeros(T, K, dtype=torch.float64, device=qT.device)
+    for start, m, col, blk in segs:
+        if m == 0:
+            continue
+        nblk = ceil_div(m, BLOCK)
+        s = sT[blk: blk + nblk].double().repeat_interleave(BLOCK, dim=0)[:m]  # [m, K]
+        out[start: start + m] = qT[:, col: col + m].double().t() * s
+    return out
+
+
+def dequantize_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    N, K = q.shape[-2:]
+    full = s.double().repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return q.double() * full[..., :N, :K]
+
+
+# ---------------------------------------------------------------------------------------------- GEMMs
+def _ragged_m(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, out_dtype) -> torch.Tensor:
+    """``out[t] = a[t] @ b[e(t)]ᵀ`` in float64; a ``[T, K]``, b ``[E, N, K]``."""
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    for e, (start, m, _, _) in enumerate(_segments(plan)):
+        if m:
+            out[start: start + m] = a[start: start + m] @ b[e].t()
+    return out.to(out_dtype)
+
+
+def _ragged_k(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, E: int) -> torch.Tensor:
+    """``out[e] = a_eᵀ @ b_e`` in float64; a ``[T, N]``, b ``[T, K]``; empty experts give zeros."""
+    out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
+    for e, (start, m, _, _) in enumerate(_segments(plan)):
+        if m:
+            out[e] = a[start: start + m].t() @ b[start: start + m]
+    return out
+
+
+def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
+    """fprop (b = W) and dgrad (b = Wᵀ copy): row-quantized a times per-expert block-quantized b."""
+    return _ragged_m(dequantize_rows(qa, sa), dequantize_weight(qb, sb), plan, out_dtype)
+
+
+def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None):
+    """wgrad: ``dW[e] = a_eᵀ b_e`` from column-quantized a (dy) and b (x); fp32, or added to ``out``."""
+    E = plan.shape[1] - 1
+    res = _ragged_k(dequantize_cols(qaT, saT, plan), dequantize_cols(qbT, sbT, plan), plan, E)
+    return _accumulate(res, out)
+
+
+def gemm_bf16_fprop(x, w, plan):
+    return _ragged_m(x.double(), w.double(), plan, x.dtype)
+
+
+def gemm_bf16_dgrad(dy, w, plan):
+    return _ragged_m(dy.double(), w.double().transpose(1, 2), plan, dy.dtype)
+
+
+def gemm_bf16_wgrad(dy, x, plan, out=None):
+    E = plan.shape[1] - 1
+    return _accumulate(_ragged_k(dy.double(), x.double(), plan, E), out)
+
+
+def _accumulate(res: torch.Tensor, out):
+    if out is None:
+        return res.float()
+    out.add_(res.to(out.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------- bias (both paths)
+def expert_ids(plan: torch.Tensor, T: int) -> torch.Tensor:
+    """Expert index of every row, on the plan's device, without a host sync."""
+    E = plan.shape[1] - 1
+    counts = (plan[0, 1:] - plan[0, :-1]).long()
+    return torch.repeat_interleave(torch.arange(E, device=plan.device), counts, output_size=T)

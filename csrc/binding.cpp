@@ -157,7 +157,7 @@ Tensor gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, 
   c10::DeviceGuard guard(a.device());
   Tensor out = at::empty({T, dgrad ? K : N}, a.options());
   if (T == 0) return out;
-  Tensor ws = workspace(gemm_bf16_workspace_size(E), a);
+  Tensor ws = workspace(dgrad ? gemm_bf16_dgrad_workspace_size(E) : gemm_bf16_fprop_workspace_size(E), a);
   auto fn = dgrad ? gemm_bf16_dgrad : gemm_bf16_fprop;
   fn(a.data_ptr(), w.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr(), ws.data_ptr(), current_stream(a));
   return out;
@@ -176,7 +176,7 @@ void gemm_bf16_wgrad_into(const Tensor& dy, const Tensor& x, const Tensor& plan,
   TORCH_CHECK(x.size(0) == T, "moegemm: dy and x have different token counts: ", dy.sizes(), x.sizes());
   TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", E, ", ", N, ", ", K, "], got ", out.sizes());
   c10::DeviceGuard guard(dy.device());
-  Tensor ws = workspace(gemm_bf16_workspace_size(E), dy);
+  Tensor ws = workspace(gemm_bf16_wgrad_workspace_size(E), dy);
   gemm_bf16_wgrad(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr<float>(), accumulate,
                   ws.data_ptr(), current_stream(dy));
 }

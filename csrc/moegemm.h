@@ -58,7 +58,9 @@ void gemm_fp8_ragged_k(const uint8_t* qaT, const float* saT, const uint8_t* qbT,
 
 // bf16 recipe. fprop: y[T,N] = x[T,K] w[e]ᵀ (w [E,N,K]); dgrad: dx[T,K] = dy[T,N] w[e] (w [E,N,K]);
 // wgrad: dw[E,N,K] (fp32) (+)= dy_eᵀ x_e.
-size_t gemm_bf16_workspace_size(int E);
+size_t gemm_bf16_fprop_workspace_size(int E);
+size_t gemm_bf16_dgrad_workspace_size(int E);
+size_t gemm_bf16_wgrad_workspace_size(int E);
 void gemm_bf16_fprop(const void* x, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,
                      int64_t K, void* y, void* workspace, cudaStream_t stream);
 void gemm_bf16_dgrad(const void* dy, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,

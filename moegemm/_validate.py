@@ -8,6 +8,7 @@ a device tensor is never read on the host unless the checked mode is on (``check
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Sequence, Union
 
@@ -71,6 +72,18 @@ def check_bias(bias, E: int, N: int, device: torch.device) -> None:
         raise TypeError(f"bias.dtype must be floating point, got {bias.dtype}")
 
 
+def check_main_grad(weight: torch.Tensor) -> None:
+    """Megatron's gradient-accumulation fusion: ``weight.main_grad`` must be an fp32 buffer like weight."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return
+    if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32:
+        raise TypeError(f"weight.main_grad must be a float32 tensor, got {getattr(main_grad, 'dtype', type(main_grad))}")
+    if main_grad.shape != weight.shape or main_grad.device != weight.device or not main_grad.is_contiguous():
+        raise ValueError(f"weight.main_grad must be contiguous with weight's shape {tuple(weight.shape)} on "
+                         f"{weight.device}, got {tuple(main_grad.shape)} on {main_grad.device}")
+
+
 def checked_mode(check_splits) -> bool:
     if check_splits is not None:
         return bool(check_splits)
@@ -106,9 +119,9 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
         raise ValueError(f"len(m_splits) must equal the number of experts E = {E}, got {len(m_splits)}")
     counts = []
     for i, m in enumerate(m_splits):
-        if isinstance(m, bool) or not isinstance(m, int):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"m_splits[{i}] must be an int, got {type(m).__name__}")
-        counts.append(m)
+        counts.append(int(m))
     _check_host_counts(counts, T)
     t = torch.tensor(counts, dtype=torch.int64)
     if device.type == "cpu":

@@ -13,27 +13,34 @@ from typing import Optional
 import torch
 
 from . import backend
-from ._validate import SplitsLike, check_bias, check_recipe, check_weight, check_x, splits_to_device
+from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
+                        splits_to_device)
 from .reference import expert_ids
+
+
+def _forward(x, weight, bias, plan, recipe, need_dx: bool, need_dw: bool):
+    """y and the tensors backward needs (quantized copies for fp8, bf16 operands otherwise)."""
+    ops = backend.select(x.device)
+    if recipe == "fp8_blockwise":
+        qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw)
+        qw, sw, qwT, swT = ops.quantize_weight(weight.contiguous())
+        y = ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, x.dtype)
+        saved = (qxT, sxT, qwT if need_dx else None, swT if need_dx else None)
+    else:
+        w = weight.to(x.dtype).contiguous()
+        y = ops.gemm_bf16_fprop(x, w, plan)
+        saved = (x if need_dw else None, w if need_dx else None)
+    if bias is not None:
+        y = y + bias.to(y.dtype)[expert_ids(plan, x.shape[0])]
+    return y, saved
 
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan, recipe):
-        ops = backend.select(x.device)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if recipe == "fp8_blockwise":
-            qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw)
-            qw, sw, qwT, swT = ops.quantize_weight(weight)
-            y = ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, x.dtype)
-            ctx.save_for_backward(qxT, sxT, qwT if need_dx else None, swT if need_dx else None, plan)
-        else:
-            w = weight.to(x.dtype)
-            y = ops.gemm_bf16_fprop(x, w, plan)
-            ctx.save_for_backward(x if need_dw else None, w if need_dx else None, plan)
-        if bias is not None:
-            y = y + bias.to(y.dtype)[expert_ids(plan, x.shape[0])]
-        ctx.recipe, ctx.has_bias, ctx.weight = recipe, bias is not None, weight
+        y, saved = _forward(x, weight, bias, plan, recipe, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(*saved, plan)
+        ctx.recipe, ctx.weight = recipe, weight
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -91,9 +98,12 @@ def grouped_linear(
     E, N, K = weight.shape
     check_x(x, K, weight.device)
     check_bias(bias, E, N, weight.device)
+    check_main_grad(weight)
     m = splits_to_device(m_splits, E, x.shape[0], x.device, check_splits)
     ops = backend.select(x.device)
     if ops is not backend.reference and x.dtype != torch.bfloat16:
         raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {x.dtype}")
     plan = ops.make_plan(m, x.shape[0])
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _forward(x, weight, bias, plan, recipe, need_dx=False, need_dw=False)[0]  # inference
     return _GroupedLinear.apply(x, weight, bias, plan, recipe)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install carried wheels, build the extension, run the GPU tests and the
+# benchmark; logs under $OUT (or ./gpu_out), a short table last.
+#   bash bench/gpu_run.sh [pytest args...]
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+start=$(date +%s)
+python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+${SKIP_BENCH:+true} python3 bench/fprop.py --json "$OUT/fprop.json" 2>&1 | tee "$OUT/bench.log"

@@ -1,0 +1,55 @@
+// The bf16 recipe's three grouped GEMMs share one argument builder; each lives in its own translation
+// unit (gemm_bf16_{fprop,dgrad,wgrad}.cu) so that they compile in parallel.
+#pragma once
+
+#include "../moegemm.h"
+#include "gemm_configs.cuh"
+
+namespace moegemm::bf16 {
+
+// Which operand is ragged: rows of A and D (fprop, dgrad), or the reduction (wgrad).
+enum class Ragged { kRows, kReduction };
+
+// Per expert e with token start s and count m:
+//   kRows:      A = a + s*lda ([m, Kg]),  B = b + e*N*K, D = d + s*ldd ([m, Ng]); shape (m, Ng, Kg)
+//   kReduction: A = a + s*lda, B = b + s*ldb, C = D = d + e*Ng*Kg; shape (Mg, Ng, m), or no tiles if m = 0
+template <class Arrays, Ragged kRagged>
+__global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int Mg, int Ng, int Kg,
+                           const typename Arrays::ElementA* A, int64_t lda, const typename Arrays::ElementB* B,
+                           int64_t ldb, typename Arrays::ElementD* D, int64_t ldd) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  const int64_t start = plan[e];
+  const int m = plan[e + 1] - plan[e];
+  a.A[e] = A + start * lda;
+  if constexpr (kRagged == Ragged::kRows) {
+    a.shape[e] = grouped::GroupShape{m, Ng, Kg};
+    a.B[e] = B + int64_t(e) * Ng * Kg;
+    a.C[e] = nullptr;
+    a.D[e] = D + start * ldd;
+  } else {
+    a.shape[e] = m > 0 ? grouped::GroupShape{Mg, Ng, m} : grouped::GroupShape{0, 0, 0};
+    a.B[e] = B + start * ldb;
+    a.C[e] = D + int64_t(e) * Mg * Ng;
+    a.D[e] = D + int64_t(e) * Mg * Ng;
+  }
+  a.stride_A[e] = grouped::leading<typename Arrays::StrideA>(lda);
+  a.stride_B[e] = grouped::leading<typename Arrays::StrideB>(ldb);
+  a.stride_C[e] = grouped::leading<typename Arrays::StrideC>(ldd);
+  a.stride_D[e] = grouped::leading<typename Arrays::StrideD>(ldd);
+}
+
+template <class Config, Ragged kRagged>
+void run(const int32_t* plan, int E, int Mg, int Ng, int Kg, const void* A, int64_t lda, const void* B, int64_t ldb,
+         void* D, int64_t ldd, float beta, void* workspace, cudaStream_t stream, const char* name) {
+  using Runner = typename Config::Runner;
+  using Arrays = typename Runner::Arrays;
+  Arrays a = Runner::arrays(workspace, E);
+  build_args<Arrays, kRagged><<<grouped::prep_grid(E), grouped::kPrepThreads, 0, stream>>>(
+      a, plan, E, Mg, Ng, Kg, static_cast<const typename Arrays::ElementA*>(A), lda,
+      static_cast<const typename Arrays::ElementB*>(B), ldb, static_cast<typename Arrays::ElementD*>(D), ldd);
+  check_launch(name);
+  Runner::run(a, E, 1.f, beta, workspace, stream, name);
+}
+
+}  // namespace moegemm::bf16

@@ -1,0 +1,69 @@
+// The kernel configurations of moegemm's grouped GEMMs, declared once (CUTLASS-example style).
+//   Fp8BlockwiseGemm: e4m3 A (K-major) x e4m3 B (K-major), fp32 accumulation with per-128-K-block
+//                     scale promotion (SPEC §3), cooperative 128x128x128 tiles, cluster 1x2.
+//   Bf16Gemm:         bf16 A x bf16 B in any major-ness, fp32 accumulation, cooperative 128x256x64
+//                     tiles, cluster 2x1.
+// ElementC = void means out = acc; float C allows out = acc + beta * out (wgrad accumulation).
+#pragma once
+
+#include "grouped_gemm.cuh"
+
+namespace moegemm::grouped {
+
+template <class ElementC, class ElementD, class EpilogueSchedule, class TileShape, class ClusterShape>
+using RowMajorEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    ElementC, cutlass::layout::RowMajor*, 16 / sizeof(ElementD),
+    ElementD, cutlass::layout::RowMajor*, 16 / sizeof(ElementD), EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+
+template <class ScaleConfig, class ElementC, class ElementD>
+struct Fp8BlockwiseGemm {
+  using Element = cutlass::float_e4m3_t;
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using Epilogue = RowMajorEpilogue<ElementC, ElementD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                    TileShape, ClusterShape>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, 16,
+      Element, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, 16,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Runner = GroupedGemm<Gemm, /*kBlockwise=*/true>;
+};
+
+template <class LayoutA, class LayoutB, class ElementC, class ElementD>
+struct Bf16Gemm {
+  using Element = cutlass::bfloat16_t;
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using Epilogue = RowMajorEpilogue<ElementC, ElementD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                    TileShape, ClusterShape>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, LayoutA*, 8, Element, LayoutB*, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Runner = GroupedGemm<Gemm, /*kBlockwise=*/false>;
+};
+
+// A stride of the ptr-array kernels with leading dimension `ld`: whichever of the first two modes is
+// dynamic gets it (row-major: mode 0, column-major: mode 1); the other is the static unit stride.
+template <class Stride>
+__device__ __forceinline__ Stride leading(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(get<0>(s))>>::value) get<1>(s) = ld;
+  else get<0>(s) = ld;
+  return s;
+}
+
+}  // namespace moegemm::grouped

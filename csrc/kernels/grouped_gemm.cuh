@@ -1,0 +1,149 @@
+// Shared machinery of moegemm's CUTLASS sm90 ptr-array grouped GEMMs.
+//
+// Each GEMM translation unit declares its kernel configuration as type aliases (CUTLASS-example
+// style), a tiny device kernel that builds every group's problem shape, pointers and strides from the
+// plan (one thread per expert; PyTorch's GroupMMCommon.cuh does the same), and calls
+// GroupedGemm<Gemm>::run. Problem shapes exist only on the device: CUTLASS gets
+// {E, device_shapes, nullptr} and a persistent grid of sm_count CTAs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+
+#include "cuda_check.h"
+
+namespace moegemm::grouped {
+
+using namespace cute;
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+
+// The per-group argument arrays, carved out of the front of the caller's workspace.
+template <class Gemm, bool kBlockwise>
+struct GroupArrays {
+  using Kernel = typename Gemm::GemmKernel;
+  using ElementA = typename Kernel::ElementA;
+  using ElementB = typename Kernel::ElementB;
+  using ElementC = typename Kernel::CollectiveEpilogue::ElementC;
+  using ElementD = typename Kernel::CollectiveEpilogue::ElementD;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+
+  GroupShape* shape;
+  const ElementA** A;
+  const ElementB** B;
+  const ElementC** C;
+  ElementD** D;
+  StrideA* stride_A;
+  StrideB* stride_B;
+  StrideC* stride_C;
+  StrideD* stride_D;
+  const float** SFA;  // blockwise only
+  const float** SFB;
+
+  // Lays the arrays out from `base`; returns the bytes they take (each array 128-byte aligned).
+  static size_t carve(void* base, int E, GroupArrays* out) {
+    size_t offset = 0;
+    auto take = [&](auto*& ptr, size_t elem) {
+      offset = (offset + 127) / 128 * 128;
+      if (out) ptr = reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(static_cast<char*>(base) + offset);
+      offset += elem * E;
+    };
+    GroupArrays dummy{};
+    GroupArrays& a = out ? *out : dummy;
+    take(a.shape, sizeof(GroupShape));
+    take(a.A, sizeof(void*));
+    take(a.B, sizeof(void*));
+    take(a.C, sizeof(void*));
+    take(a.D, sizeof(void*));
+    take(a.stride_A, sizeof(StrideA));
+    take(a.stride_B, sizeof(StrideB));
+    take(a.stride_C, sizeof(StrideC));
+    take(a.stride_D, sizeof(StrideD));
+    if constexpr (kBlockwise) {
+      take(a.SFA, sizeof(void*));
+      take(a.SFB, sizeof(void*));
+    }
+    return (offset + 127) / 128 * 128;
+  }
+};
+
+// Device id -> hardware info (SM count, max active clusters), queried once per device.
+template <class Kernel>
+cutlass::KernelHardwareInfo hardware_info() {
+  static std::array<cutlass::KernelHardwareInfo, 64> cache{};
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] { cache[device] = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device); });
+  return cache[device];
+}
+
+template <class Gemm, bool kBlockwise>
+struct GroupedGemm {
+  using Arrays = GroupArrays<Gemm, kBlockwise>;
+  using Kernel = typename Gemm::GemmKernel;
+
+  static typename Gemm::Arguments arguments(const Arrays& a, int E, float alpha, float beta) {
+    typename Gemm::Arguments args;
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = {E, a.shape, nullptr};
+    if constexpr (kBlockwise) {
+      args.mainloop = {a.A, a.stride_A, a.B, a.stride_B, a.SFA, nullptr, a.SFB, nullptr};
+    } else {
+      args.mainloop = {a.A, a.stride_A, a.B, a.stride_B};
+    }
+    args.epilogue = {{}, a.C, a.stride_C, a.D, a.stride_D};
+    args.epilogue.thread.alpha = alpha;
+    args.epilogue.thread.beta = beta;
+    args.hw_info = hardware_info<Kernel>();
+    return args;
+  }
+
+  // Argument arrays + CUTLASS's own workspace (tensor maps per SM).
+  static size_t workspace_size(int E) {
+    Arrays a{};
+    return Arrays::carve(nullptr, E, nullptr) + Gemm::get_workspace_size(arguments(a, E, 1.f, 0.f));
+  }
+
+  // Carves the arrays; the caller's build kernel fills them before `run`.
+  static Arrays arrays(void* workspace, int E) {
+    Arrays a{};
+    Arrays::carve(workspace, E, &a);
+    return a;
+  }
+
+  static void run(const Arrays& a, int E, float alpha, float beta, void* workspace, cudaStream_t stream, const char* name) {
+    auto args = arguments(a, E, alpha, beta);
+    void* cutlass_ws = static_cast<char*>(workspace) + Arrays::carve(nullptr, E, nullptr);
+    Gemm gemm;
+    cutlass::Status status = gemm.can_implement(args);
+    if (status != cutlass::Status::kSuccess) throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS cannot implement these arguments");
+    status = gemm.initialize(args, cutlass_ws, stream);
+    if (status != cutlass::Status::kSuccess) throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS initialize failed");
+    status = gemm.run(stream);
+    if (status != cutlass::Status::kSuccess) throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS launch failed");
+    check_launch(name);
+  }
+};
+
+constexpr int kPrepThreads = 128;
+inline dim3 prep_grid(int E) { return dim3((E + kPrepThreads - 1) / kPrepThreads); }
+
+}  // namespace moegemm::grouped

@@ -1,0 +1,66 @@
+"""Shared helpers of the moegemm test suite.
+
+* ``requires_cuda``: marker for tests that need the CUDA kernels (a Hopper GPU, capability 9.0).
+  Use it as ``@requires_cuda`` (imported from this module) or ``@pytest.mark.requires_cuda``;
+  such tests are skipped everywhere else.
+* ``zipf_splits(E, T, empty=True)``: Zipf-skewed token counts, with some empty experts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+
+def has_hopper() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    except Exception:  # pragma: no cover - broken driver etc.
+        return False
+
+
+HAS_HOPPER = has_hopper()
+requires_cuda = pytest.mark.requires_cuda
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU of compute capability 9.0 (Hopper)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_HOPPER:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU of compute capability (9, 0)")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def zipf_splits(E: int, T: int, empty: bool = True, alpha: float = 1.2) -> list:
+    """E non-negative ints summing to T, Zipf-skewed (in a random expert order).
+
+    With ``empty=True`` (and E >= 2) about a quarter of the experts, at least one, get no tokens."""
+    if E < 1:
+        raise ValueError("E must be >= 1")
+    if T < 0:
+        raise ValueError("T must be >= 0")
+    weights = [1.0 / (r + 1) ** alpha for r in range(E)]
+    random.shuffle(weights)
+    if empty and E >= 2:
+        n_empty = max(1, E // 4)
+        for e in random.sample(range(E), n_empty):
+            weights[e] = 0.0
+    if T == 0:
+        return [0] * E
+    probs = torch.tensor(weights, dtype=torch.float64)
+    idx = torch.multinomial(probs, T, replacement=True)
+    counts = torch.bincount(idx, minlength=E).tolist()
+    assert sum(counts) == T and len(counts) == E
+    return [int(c) for c in counts]
+
+
+@pytest.fixture
+def zipf():
+    return zipf_splits

@@ -1,0 +1,234 @@
+"""SPEC §6: every bad input raises ValueError/TypeError naming the argument, before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moegemm
+from moegemm import GroupedLinear, grouped_linear
+
+from conftest import requires_cuda
+
+E, T, K, N = 3, 40, 32, 48
+SPLITS = [10, 0, 30]
+
+
+def inputs():
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, dtype=torch.bfloat16)
+    b = torch.randn(E, N, dtype=torch.bfloat16)
+    return x, w, b
+
+
+def test_good_inputs_work():
+    x, w, b = inputs()
+    assert grouped_linear(x, w, SPLITS, b).shape == (T, N)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
+def test_x_dtype(dtype):
+    x, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"x\.dtype"):
+        grouped_linear(x.to(dtype), w, SPLITS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int32, torch.float64, torch.float8_e4m3fn])
+def test_weight_dtype(dtype):
+    x, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"weight\.dtype"):
+        grouped_linear(x, w.to(dtype), SPLITS)
+
+
+@pytest.mark.parametrize("shape", [(T * K,), (1, T, K), ()])
+def test_x_not_2d(shape):
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"\bx\b.*2-D"):
+        grouped_linear(x.reshape(shape) if shape else x[0, 0], w, SPLITS)
+
+
+@pytest.mark.parametrize("shape", [(E * N, K), (E, N, K, 1)])
+def test_weight_not_3d(shape):
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"weight.*3-D"):
+        grouped_linear(x, w.reshape(shape), SPLITS)
+
+
+def test_x_inner_dim_mismatch():
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"x\.shape\[1\]"):
+        grouped_linear(torch.randn(T, K + 16, dtype=torch.bfloat16), w, SPLITS)
+
+
+def test_x_non_contiguous():
+    x, w, _ = inputs()
+    xt = torch.randn(K, T, dtype=torch.bfloat16).t()
+    assert not xt.is_contiguous()
+    with pytest.raises(ValueError, match=r"\bx\b.*contiguous"):
+        grouped_linear(xt, w, SPLITS)
+
+
+@pytest.mark.parametrize("ms", [[10, 30], [10, 0, 30, 0], [], torch.tensor([10, 30]), torch.tensor([10, 0, 0, 30])])
+def test_len_m_splits(ms):
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"len\(m_splits\)"):
+        grouped_linear(x, w, ms)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_negative_count(as_tensor):
+    x, w, _ = inputs()
+    ms = [20, -10, 30]
+    with pytest.raises(ValueError, match=r"m_splits\[1\].*non-negative"):
+        grouped_linear(x, w, torch.tensor(ms) if as_tensor else ms)
+
+
+@pytest.mark.parametrize("ms", [[10, 0, 29], [10, 0, 31], [0, 0, 0]])
+@pytest.mark.parametrize("kind", ["list", "int64", "int32"])
+def test_sum_not_T(ms, kind):
+    x, w, _ = inputs()
+    arg = ms if kind == "list" else torch.tensor(ms, dtype=getattr(torch, kind))
+    with pytest.raises(ValueError, match=r"sum\(m_splits\)"):
+        grouped_linear(x, w, arg)
+
+
+@pytest.mark.parametrize("n,k,which", [(40, 32, "N"), (48, 24, "K"), (8, 32, "N"), (48, 136, "K")])
+def test_n_k_multiple_of_16(n, k, which):
+    x = torch.randn(T, k, dtype=torch.bfloat16)
+    w = torch.randn(E, n, k, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"weight\.shape.*\({which}\b.*multiple of 16"):
+        grouped_linear(x, w, SPLITS)
+
+
+def test_too_many_experts():
+    Ebig = moegemm._validate.MAX_EXPERTS + 1
+    assert Ebig == 1025
+    w = torch.zeros(Ebig, 16, 16, dtype=torch.bfloat16)
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight\.shape\[0\].*experts"):
+        grouped_linear(x, w, [4] + [0] * (Ebig - 1))
+    # the maximum itself is fine
+    w = torch.zeros(1024, 16, 16, dtype=torch.bfloat16)
+    assert grouped_linear(x, w, [4] + [0] * 1023, recipe="bf16").shape == (4, 16)
+
+
+def test_zero_experts():
+    w = torch.zeros(0, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight\.shape\[0\]"):
+        grouped_linear(torch.zeros(0, 16, dtype=torch.bfloat16), w, [])
+
+
+@pytest.mark.parametrize("shape", [(E, N + 16), (E + 1, N), (N,), (E, N, 1), (E * N,)])
+def test_bias_shape(shape):
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"bias.*shape"):
+        grouped_linear(x, w, SPLITS, torch.zeros(shape, dtype=torch.bfloat16))
+
+
+def test_bias_type_and_dtype():
+    x, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"bias"):
+        grouped_linear(x, w, SPLITS, torch.zeros(E, N, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"bias"):
+        grouped_linear(x, w, SPLITS, [[0.0] * N] * E)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "FP8_BLOCKWISE", "mxfp8", "", None])
+def test_unknown_recipe(recipe):
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"recipe"):
+        grouped_linear(x, w, SPLITS, recipe=recipe)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int16, torch.uint8, torch.bool])
+def test_m_splits_tensor_dtype(dtype):
+    x, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"m_splits\.dtype"):
+        grouped_linear(x, w, torch.tensor(SPLITS).to(dtype))
+
+
+def test_m_splits_tensor_not_1d():
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"m_splits.*1-D"):
+        grouped_linear(x, w, torch.tensor(SPLITS).view(1, 3))
+
+
+@pytest.mark.parametrize("ms", [[10.0, 0, 30], [10, "0", 30], [10, None, 30], [10, True, 29], [10, 0, 30.0]])
+def test_m_splits_non_int_element(ms):
+    x, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"m_splits\[\d\]"):
+        grouped_linear(x, w, ms)
+
+
+@pytest.mark.parametrize("ms", [40, "10,0,30", {10, 0, 30}, None])
+def test_m_splits_wrong_type(ms):
+    x, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"m_splits"):
+        grouped_linear(x, w, ms)
+
+
+def test_x_not_a_tensor():
+    _, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        grouped_linear([[0.0] * K] * T, w, SPLITS)
+    with pytest.raises(TypeError, match=r"weight"):
+        grouped_linear(torch.zeros(T, K), [[[0.0] * K] * N] * E, SPLITS)
+
+
+def test_module_forward_errors():
+    m = GroupedLinear(E, K, N)
+    with pytest.raises(ValueError, match=r"len\(m_splits\)"):
+        m(torch.randn(T, K, dtype=torch.bfloat16), [T])
+    with pytest.raises(ValueError, match=r"x\.shape\[1\]"):
+        m(torch.randn(T, K + 16, dtype=torch.bfloat16), SPLITS)
+
+
+def test_public_quantizer_errors():
+    with pytest.raises(ValueError, match=r"sum\(m_splits\)"):
+        moegemm.make_plan([1, 2], 4)
+    with pytest.raises(ValueError, match=r"m_splits\[0\]"):
+        moegemm.make_plan([-1, 5], 4)
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        moegemm.quantize_act(torch.randn(8, 24), [8])
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        moegemm.quantize_act(torch.randn(8, 16, 1), [8])
+    with pytest.raises(ValueError, match=r"weight"):
+        moegemm.quantize_weight(torch.randn(16, 16))
+    with pytest.raises(ValueError, match=r"weight\.shape"):
+        moegemm.quantize_weight(torch.randn(1, 24, 16))
+
+
+def test_errors_raise_before_work(monkeypatch):
+    """Validation runs before the backend is touched."""
+    from moegemm import backend
+
+    def boom(*a, **k):
+        raise AssertionError("backend used before validation")
+
+    monkeypatch.setattr(backend, "select", boom)
+    x, w, _ = inputs()
+    with pytest.raises(ValueError, match=r"sum\(m_splits\)"):
+        grouped_linear(x, w, [1, 2, 3])
+    with pytest.raises(ValueError, match=r"bias"):
+        grouped_linear(x, w, SPLITS, torch.zeros(E, N + 16))
+
+
+# ------------------------------------------------------------------------------------- CUDA-only checks
+@requires_cuda
+def test_device_mismatch():
+    x, w, b = inputs()
+    wc = w.cuda()
+    with pytest.raises(ValueError, match=r"\bx\b.*cpu"):
+        grouped_linear(x, wc, SPLITS)
+    with pytest.raises(ValueError, match=r"bias"):
+        grouped_linear(x.cuda(), wc, SPLITS, b)
+
+
+@requires_cuda
+def test_device_m_splits_checked_mode():
+    x, w, _ = (t.cuda() for t in inputs())
+    bad = torch.tensor([10, -1, 31], device="cuda")
+    with pytest.raises(ValueError, match=r"non-negative"):
+        grouped_linear(x, w, bad, check_splits=True)
+    with pytest.raises(ValueError, match=r"sum\(m_splits\)"):
+        grouped_linear(x, w, torch.tensor([10, 0, 29], device="cuda"), check_splits=True)

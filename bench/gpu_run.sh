@@ -15,3 +15,9 @@ python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
 ${SKIP_BENCH:+true} python3 bench/fprop.py --json "$OUT/fprop.json" 2>&1 | tee "$OUT/bench.log"
+if [ -n "${SANITIZE:-}" ]; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+  done
+fi

@@ -40,8 +40,8 @@ def cutlass_include_dirs() -> list[str]:
     return dirs
 
 
-NVCC_FLAGS = [
-    "-gencode=arch=compute_90a,code=sm_90a",
+ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+NVCC_FLAGS = ARCH_FLAGS + [
     "-std=c++17",
     "-O3",
     "--expt-relaxed-constexpr",
@@ -82,3 +82,44 @@ def load_extension():
     )
     print(f"moegemm: extension ready in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
     return module
+
+
+def compile_check(jobs: int = 2) -> int:
+    """Compile every translation unit of csrc/ without linking (no GPU and no CUDA build of torch
+    needed): the .cu kernels with nvcc for sm_90a, the binding with the host compiler against torch's
+    headers (syntax only). Used by CI to catch compile errors. Returns the number of failures."""
+    import shutil
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.utils.cpp_extension as ext
+
+    includes = [f"-I{d}" for d in cutlass_include_dirs() + [str(CSRC)]]
+    torch_includes = [f"-I{d}" for d in ext.include_paths()]
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    nvcc = shutil.which("nvcc") or os.path.join(cuda_home, "bin", "nvcc")
+    out = tempfile.mkdtemp()
+    cmds = []
+    for src in sources():
+        obj = os.path.join(out, Path(src).name + ".o")
+        if src.endswith(".cu"):
+            cmds.append([nvcc, *NVCC_FLAGS, *includes, "-c", src, "-o", obj])
+        else:
+            cmds.append(["c++", *CXX_FLAGS, "-fsyntax-only", *includes, *torch_includes,
+                         f"-I{os.path.join(cuda_home, 'include')}", src])
+
+    def run(cmd):
+        start = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        name = Path(cmd[-3] if cmd[-2] == "-o" else cmd[-1]).name
+        status = "ok" if proc.returncode == 0 else "FAILED"
+        print(f"compile {name}: {status} ({time.time() - start:.0f} s)", flush=True)
+        if proc.returncode:
+            print(proc.stdout + proc.stderr, flush=True)
+        return proc.returncode != 0
+
+    with ThreadPoolExecutor(jobs) as pool:
+        failures = sum(pool.map(run, cmds))
+    shutil.rmtree(out, ignore_errors=True)
+    return failures

@@ -1,0 +1,34 @@
+"""A small case that runs every CUDA kernel of moegemm once, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python bench/sanitize_case.py
+    compute-sanitizer --tool racecheck python bench/sanitize_case.py
+
+Shapes include an empty expert, counts that are not multiples of 16 or 128 and K, N that are not
+multiples of 128, so partial tiles and padding are exercised. Checks the results loosely too."""
+
+import torch
+
+import moegemm
+from moegemm import cuda_ops, reference as ref
+
+torch.manual_seed(0)
+splits = [0, 17, 130, 1, 64]
+T, E, K, N = sum(splits), len(splits), 144, 272
+m = torch.tensor(splits, device="cuda", dtype=torch.int32)
+plan = cuda_ops.make_plan(m, T)
+for recipe in ["fp8_blockwise", "bf16"]:
+    for wdtype in [torch.bfloat16, torch.float32]:
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(E, N, K, device="cuda") * 0.05).to(wdtype).requires_grad_()
+        b = torch.randn(E, N, device="cuda", requires_grad=True)
+        y = moegemm.grouped_linear(x, w, m, b, recipe=recipe)
+        y.backward(torch.randn_like(y))
+        w.main_grad = torch.zeros(E, N, K, device="cuda")
+        moegemm.grouped_linear(x, w, m, recipe=recipe).backward(torch.randn_like(y))  # accumulate path
+        del w.main_grad
+xf = torch.randn(T, K, device="cuda")  # fp32 activations through the multi-cast kernel
+q, s, qT, sT = cuda_ops.quantize_act(xf, plan, True, True)
+rq, rs, _, _ = ref.quantize_act(xf, ref.make_plan(m, T), True, False)
+assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+torch.cuda.synchronize()
+print("sanitize case ran every kernel")

@@ -14,6 +14,7 @@ start=$(date +%s)
 python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+[ -n "${TRAIN_LM:-}" ] && python3 bench/train_lm.py --out "$OUT" 2>&1 | tee "$OUT/train_lm.log" | tail -12
 ${SKIP_BENCH:+true} python3 bench/fprop.py --json "$OUT/fprop.json" 2>&1 | tee "$OUT/bench.log"
 if [ -n "${SANITIZE:-}" ]; then
   for tool in memcheck racecheck; do

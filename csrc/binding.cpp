@@ -8,6 +8,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #include "moegemm.h"
 
 namespace moegemm {
@@ -46,6 +48,15 @@ uint8_t* bytes(const Tensor& t) { return t.numel() ? static_cast<uint8_t*>(t.dat
 const uint8_t* cbytes(const Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
 Tensor workspace(size_t size, const Tensor& like) { return at::empty({int64_t(size)}, like.options().dtype(at::kByte)); }
 
+// Outputs of a multi-cast quantization of [T, K] values; the parts not asked for are empty.
+std::tuple<Tensor, Tensor, Tensor, Tensor> multicast_outputs(const Tensor& like, int64_t T, int64_t K, int E, bool rows,
+                                                             bool cols) {
+  auto f8 = like.options().dtype(at::kFloat8_e4m3fn);
+  auto f32 = like.options().dtype(at::kFloat);
+  return {rows ? at::empty({T, K}, f8) : at::empty({0}, f8), rows ? at::empty({T, ceil_div(K, kBlock)}, f32) : at::empty({0}, f32),
+          cols ? at::empty({K, col_capacity(T, E)}, f8) : at::empty({0}, f8), cols ? at::empty({block_capacity(T, E), K}, f32) : at::empty({0}, f32)};
+}
+
 // ------------------------------------------------------------------------------------------------ ops
 Tensor make_plan_op(const Tensor& m_splits, int64_t T) {
   TORCH_CHECK(m_splits.is_cuda() && m_splits.dim() == 1 && m_splits.is_contiguous(), "moegemm: m_splits must be a contiguous 1-D CUDA tensor");
@@ -66,16 +77,62 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_act_op(const Tensor& x, cons
   const int64_t T = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kColAlign == 0, "moegemm: x.shape[1] must be a multiple of 16, got ", K);
   c10::DeviceGuard guard(x.device());
-  auto f8 = x.options().dtype(at::kFloat8_e4m3fn);
-  auto f32 = x.options().dtype(at::kFloat);
-  Tensor q = rows ? at::empty({T, K}, f8) : at::empty({0}, f8);
-  Tensor s = rows ? at::empty({T, ceil_div(K, kBlock)}, f32) : at::empty({0}, f32);
-  Tensor qT = cols ? at::empty({K, col_capacity(T, E)}, f8) : at::empty({0}, f8);
-  Tensor sT = cols ? at::empty({block_capacity(T, E), K}, f32) : at::empty({0}, f32);
+  auto [q, s, qT, sT] = multicast_outputs(x, T, K, E, rows, cols);
   quantize_act(x.data_ptr(), dtype, T, K, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
                rows ? s.data_ptr<float>() : nullptr, cols ? bytes(qT) : nullptr, cols ? sT.data_ptr<float>() : nullptr,
                current_stream(x));
   return {q, s, qT, sT};
+}
+
+Activation to_activation(int64_t activation) {
+  TORCH_CHECK(activation >= 0 && activation <= static_cast<int64_t>(Activation::kSquaredRelu), "moegemm: unknown activation ", activation);
+  return static_cast<Activation>(activation);
+}
+
+const float* probs_ptr(const std::optional<Tensor>& probs, int64_t T, const Tensor& like) {
+  if (!probs.has_value()) return nullptr;
+  check(*probs, "probs", at::kFloat, 1, like);
+  TORCH_CHECK(probs->size(0) == T, "moegemm: probs must have ", T, " entries, got ", probs->size(0));
+  return probs->data_ptr<float>();
+}
+
+// a = act(h) * probs, quantized like quantize_act; h is [T, 2F] for GLU activations, else [T, F].
+std::tuple<Tensor, Tensor, Tensor, Tensor> act_quantize_op(const Tensor& h, const std::optional<Tensor>& probs,
+                                                           int64_t activation, const Tensor& plan, bool rows, bool cols) {
+  check(h, "h", at::kBFloat16, 2, h);
+  check(plan, "plan", at::kInt, 2, h);
+  const Activation act = to_activation(activation);
+  const int E = num_experts(plan);
+  const int64_t T = h.size(0), F = is_glu(act) ? h.size(1) / 2 : h.size(1);
+  TORCH_CHECK(F % kColAlign == 0 && (!is_glu(act) || h.size(1) == 2 * F), "moegemm: h has shape ", h.sizes());
+  c10::DeviceGuard guard(h.device());
+  auto [q, s, qT, sT] = multicast_outputs(h, T, F, E, rows, cols);
+  act_quantize(h.data_ptr(), probs_ptr(probs, T, h), act, T, F, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
+               rows ? s.data_ptr<float>() : nullptr, cols ? bytes(qT) : nullptr, cols ? sT.data_ptr<float>() : nullptr,
+               current_stream(h));
+  return {q, s, qT, sT};
+}
+
+// dh from da [T, F] and h, quantized like quantize_act; plus per-row partial sums for dprobs.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(
+    const Tensor& da, const Tensor& h, const std::optional<Tensor>& probs, int64_t activation, const Tensor& plan,
+    bool rows, bool cols) {
+  check(da, "da", at::kBFloat16, 2, da);
+  check(h, "h", at::kBFloat16, 2, da);
+  check(plan, "plan", at::kInt, 2, da);
+  const Activation act = to_activation(activation);
+  const int E = num_experts(plan);
+  const int64_t T = da.size(0), F = da.size(1), F1 = is_glu(act) ? 2 * F : F;
+  TORCH_CHECK(h.size(0) == T && h.size(1) == F1 && F % kColAlign == 0, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  c10::DeviceGuard guard(da.device());
+  auto [q, s, qT, sT] = multicast_outputs(da, T, F1, E, rows, cols);
+  const float* p = probs_ptr(probs, T, da);
+  Tensor partial = at::empty({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, da.options().dtype(at::kFloat));
+  act_backward_quantize(da.data_ptr(), h.data_ptr(), p, act, T, F, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
+                        rows ? s.data_ptr<float>() : nullptr, cols ? bytes(qT) : nullptr,
+                        cols ? sT.data_ptr<float>() : nullptr, p != nullptr ? partial.data_ptr<float>() : nullptr,
+                        current_stream(da));
+  return {q, s, qT, sT, partial};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_weight_op(const Tensor& w) {
@@ -197,6 +254,8 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("make_plan(Tensor m_splits, int T) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("act_quantize(Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("gemm_fp8_ragged_m(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan) -> Tensor");
   m.def("gemm_fp8_ragged_k(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan) -> Tensor");
   m.def("gemm_fp8_ragged_k_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, Tensor(a!) out) -> ()");
@@ -210,6 +269,8 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("make_plan", &make_plan_op);
   m.impl("quantize_act", &quantize_act_op);
   m.impl("quantize_weight", &quantize_weight_op);
+  m.impl("act_quantize", &act_quantize_op);
+  m.impl("act_backward_quantize", &act_backward_quantize_op);
   m.impl("gemm_fp8_ragged_m", &gemm_fp8_ragged_m_op);
   m.impl("gemm_fp8_ragged_k", &gemm_fp8_ragged_k_op);
   m.impl("gemm_fp8_ragged_k_accumulate", &gemm_fp8_ragged_k_accumulate_op);

@@ -31,6 +31,23 @@ void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t*
 void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const int32_t* plan,
                   uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
 
+// Activations of the expert MLP. GLU variants read fc1's output h [T, 2F] as Megatron lays it out:
+// gate = h[:, :F], up = h[:, F:]; the others read h [T, F].
+enum class Activation : int { kSwiglu = 0, kGeglu = 1, kGelu = 2, kRelu = 3, kSquaredRelu = 4 };
+inline bool is_glu(Activation a) { return a == Activation::kSwiglu || a == Activation::kGeglu; }
+
+// Fused: a = act(gate) (* up) * probs[t] (probs may be null), then the multi-cast quantization of
+// a [T, F] exactly as quantize_act would quantize it (outputs as for quantize_act, either pair null).
+void act_quantize(const void* h_bf16, const float* probs, Activation act, int64_t T, int64_t F, int E,
+                  const int32_t* plan, uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
+
+// Fused backward: from da [T, F] (bf16) and h, dh [T, F1] (F1 = 2F for GLU, else F) is quantized like
+// quantize_act (either pair null). If probs is given, dprobs_partial [T, ceil(F1/128)] receives per-row
+// partial sums of da * act(gate) (* up) (sum over its columns to get dprobs).
+void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float* probs, Activation act, int64_t T,
+                           int64_t F, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT, float* sT,
+                           float* dprobs_partial, cudaStream_t stream);
+
 // 128x128-block weight quantization of w [E, N, K]: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb].
 void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K,
                      uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);

@@ -1,13 +1,14 @@
 """moegemm: FP8 grouped GEMMs for Mixture-of-Experts layers on NVIDIA Hopper.
 
-Public API: ``grouped_linear``, ``GroupedLinear``, the quantizers ``quantize_act`` / ``quantize_weight``
+Public API: ``grouped_linear``, ``GroupedLinear``, ``grouped_mlp``, ``GroupedMLP``, the quantizers ``quantize_act`` / ``quantize_weight``
 / ``make_plan``, and the oracle ``moegemm.reference``.
 """
 
 from . import reference
 from .functional import grouped_linear
+from .mlp import GroupedMLP, grouped_mlp
 from .modules import GroupedLinear
 from .quantize import make_plan, quantize_act, quantize_weight
 
-__all__ = ["grouped_linear", "GroupedLinear", "make_plan", "quantize_act", "quantize_weight", "reference"]
+__all__ = ["grouped_linear", "GroupedLinear", "grouped_mlp", "GroupedMLP", "make_plan", "quantize_act", "quantize_weight", "reference"]
 __version__ = "0.1.0"

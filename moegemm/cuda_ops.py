@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ._build import load_extension
-from .reference import BLOCK, block_capacity, ceil_div, col_capacity
+from .reference import ACTIVATIONS, BLOCK, block_capacity, ceil_div, col_capacity
 
 load_extension()
 _ops = torch.ops.moegemm
@@ -64,10 +64,8 @@ def _(m_splits, T):
     return m_splits.new_empty((3, m_splits.shape[0] + 1), dtype=torch.int32)
 
 
-@_fake("quantize_act")
-def _(x, plan, rows, cols):
-    T, K = x.shape
-    E = plan.shape[1] - 1
+def _multicast_like(x, K, plan, rows, cols):
+    T, E = x.shape[0], plan.shape[1] - 1
     f8, f32 = torch.float8_e4m3fn, torch.float32
     return (
         x.new_empty((T, K) if rows else (0,), dtype=f8),
@@ -75,6 +73,11 @@ def _(x, plan, rows, cols):
         x.new_empty((K, col_capacity(T, E)) if cols else (0,), dtype=f8),
         x.new_empty((block_capacity(T, E), K) if cols else (0,), dtype=f32),
     )
+
+
+@_fake("quantize_act")
+def _(x, plan, rows, cols):
+    return _multicast_like(x, x.shape[1], plan, rows, cols)
 
 
 @_fake("quantize_weight")
@@ -119,3 +122,27 @@ def _(dy, x, plan):
 @_fake("gemm_bf16_wgrad_accumulate")
 def _(dy, x, plan, out):
     return None
+
+
+def act_quantize(h, probs, activation: str, plan, rows: bool = True, cols: bool = True):
+    q, s, qT, sT = _ops.act_quantize(h, probs, ACTIVATIONS[activation], plan, rows, cols)
+    return (q if rows else None, s if rows else None, qT if cols else None, sT if cols else None)
+
+
+def act_backward_quantize(da, h, probs, activation: str, plan, rows: bool = True, cols: bool = True):
+    q, s, qT, sT, partial = _ops.act_backward_quantize(da, h, probs, ACTIVATIONS[activation], plan, rows, cols)
+    dprobs = partial.sum(1) if probs is not None else None
+    return (q if rows else None, s if rows else None, qT if cols else None, sT if cols else None, dprobs)
+
+
+@_fake("act_quantize")
+def _(h, probs, activation, plan, rows, cols):
+    F = h.shape[1] // 2 if activation in (0, 1) else h.shape[1]
+    return _multicast_like(h, F, plan, rows, cols)
+
+
+@_fake("act_backward_quantize")
+def _(da, h, probs, activation, plan, rows, cols):
+    T, F1 = h.shape
+    partial = da.new_empty((T if probs is not None else 0, ceil_div(F1, BLOCK)), dtype=torch.float32)
+    return (*_multicast_like(da, F1, plan, rows, cols), partial)

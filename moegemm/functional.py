@@ -30,9 +30,27 @@ def _forward(x, weight, bias, plan, recipe, need_dx: bool, need_dw: bool):
         w = weight.to(x.dtype).contiguous()
         y = ops.gemm_bf16_fprop(x, w, plan)
         saved = (x if need_dw else None, w if need_dx else None)
-    if bias is not None:
-        y = y + bias.to(y.dtype)[expert_ids(plan, x.shape[0])]
-    return y, saved
+    return add_bias(y, bias, plan), saved
+
+
+def add_bias(y, bias, plan):
+    return y if bias is None else y + bias.to(y.dtype)[expert_ids(plan, y.shape[0])]
+
+
+def bias_grad(dy, plan, dtype):
+    """``dbias[e] = Σ_{t ∈ e} dy[t]`` in fp32, without a host sync."""
+    db = torch.zeros(plan.shape[1] - 1, dy.shape[1], dtype=torch.float32, device=dy.device)
+    return db.index_add_(0, expert_ids(plan, dy.shape[0]), dy.float()).to(dtype)
+
+
+def weight_grad_target(weight, need_dw: bool):
+    """Megatron's gradient-accumulation fusion: wgrad goes into ``weight.main_grad`` when it exists."""
+    return getattr(weight, "main_grad", None) if need_dw else None
+
+
+def finish_weight_grad(dw, weight, main_grad):
+    """The gradient autograd returns for ``weight``: None when it went into main_grad."""
+    return None if dw is None or main_grad is not None else dw.to(weight.dtype)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -49,8 +67,7 @@ class _GroupedLinear(torch.autograd.Function):
         ops = backend.select(dy.device)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
-        weight = ctx.weight
-        main_grad = getattr(weight, "main_grad", None) if need_dw else None
+        main_grad = weight_grad_target(ctx.weight, need_dw)
         dx = dw = db = None
         if ctx.recipe == "fp8_blockwise":
             qxT, sxT, qwT, swT, plan = ctx.saved_tensors
@@ -66,14 +83,8 @@ class _GroupedLinear(torch.autograd.Function):
                 dx = ops.gemm_bf16_dgrad(dy, w, plan)
             if need_dw:
                 dw = ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad)
-        if dw is not None:
-            # Megatron's gradient-accumulation fusion: wgrad went into weight.main_grad.
-            dw = None if main_grad is not None else dw.to(weight.dtype)
-        if need_db:
-            E = plan.shape[1] - 1
-            db = torch.zeros(E, dy.shape[1], dtype=torch.float32, device=dy.device)
-            db.index_add_(0, expert_ids(plan, dy.shape[0]), dy.float())
-            db = db.to(ctx.bias_dtype)
+        dw = finish_weight_grad(dw, ctx.weight, main_grad)
+        db = bias_grad(dy, plan, ctx.bias_dtype) if need_db else None
         return dx, dw, db, None, None
 
 

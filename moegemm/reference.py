@@ -216,3 +216,67 @@ def expert_ids(plan: torch.Tensor, T: int) -> torch.Tensor:
     E = plan.shape[1] - 1
     counts = (plan[0, 1:] - plan[0, :-1]).long()
     return torch.repeat_interleave(torch.arange(E, device=plan.device), counts, output_size=T)
+
+
+# ------------------------------------------------------------------- expert-MLP activation (both paths)
+ACTIVATIONS = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3, "squared_relu": 4}  # csrc/moegemm.h: Activation
+GLU_ACTIVATIONS = ("swiglu", "geglu")
+
+
+def _act_and_grad(activation: str, g: torch.Tensor):
+    """(act(g), act'(g)) in fp32; GLU variants use silu (swiglu) or exact GELU (geglu) on the gate."""
+    if activation == "swiglu":
+        sig = torch.sigmoid(g)
+        return g * sig, sig * (1 + g * (1 - sig))
+    if activation in ("geglu", "gelu"):
+        cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
+        return g * cdf, cdf + g * 0.3989422804014327 * torch.exp(-0.5 * g * g)
+    if activation == "relu":
+        return g.clamp_min(0), (g > 0).float()
+    if activation == "squared_relu":
+        r = g.clamp_min(0)
+        return r * r, 2 * r
+    raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+
+
+def _gate_up(h: torch.Tensor, activation: str):
+    h = h.float()
+    if activation in GLU_ACTIVATIONS:
+        F = h.shape[1] // 2
+        return h[:, :F], h[:, F:]
+    return h, None
+
+
+def act_forward(h, probs, activation: str) -> torch.Tensor:
+    """``a = act(gate) (* up) * probs[:, None]`` in fp32 (Megatron's GLU layout: gate = h[:, :F])."""
+    gate, up = _gate_up(h, activation)
+    a = _act_and_grad(activation, gate)[0]
+    if up is not None:
+        a = a * up
+    return a * probs.float()[:, None] if probs is not None else a
+
+
+def act_backward(da, h, probs, activation: str):
+    """``(dh [T, F1] fp32, dprobs [T] fp32 or None)`` for ``a = act_forward(h, probs)``."""
+    gate, up = _gate_up(h, activation)
+    act, dact = _act_and_grad(activation, gate)
+    da = da.float()
+    dpa = da * probs.float()[:, None] if probs is not None else da
+    if up is not None:
+        dh = torch.cat([dpa * up * dact, dpa * act], dim=1)
+        pre = act * up
+    else:
+        dh, pre = dpa * dact, act
+    dprobs = (da * pre).sum(1) if probs is not None else None
+    return dh, dprobs
+
+
+def act_quantize(h, probs, activation: str, plan, rows: bool = True, cols: bool = True):
+    """The fused kernel's contract: the multi-cast quantization of ``act_forward(h, probs)``."""
+    return quantize_act(act_forward(h, probs, activation), plan, rows, cols)
+
+
+def act_backward_quantize(da, h, probs, activation: str, plan, rows: bool = True, cols: bool = True):
+    """``(q, s, qT, sT, dprobs)``: the multi-cast quantization of dh, and dprobs (None without probs)."""
+    dh, dprobs = act_backward(da, h, probs, activation)
+    return (*quantize_act(dh, plan, rows, cols), dprobs)

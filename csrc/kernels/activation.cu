@@ -1,0 +1,126 @@
+// The fused kernels between an expert MLP's two GEMMs: activation x router probs -> FP8 multi-cast,
+// and its backward (activation gradient -> FP8 multi-cast, plus the probs gradient). They are the
+// multi-cast kernel of multicast.cuh with loaders that compute their values on the fly in fp32.
+#include "../moegemm.h"
+#include "multicast.cuh"
+
+namespace moegemm {
+namespace {
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+
+struct Silu {
+  __device__ static float f(float x) { return x / (1.f + expf(-x)); }
+  __device__ static float df(float x) {
+    const float sig = 1.f / (1.f + expf(-x));
+    return sig * (1.f + x * (1.f - sig));
+  }
+};
+struct Gelu {  // exact (erf) GELU, as torch.nn.functional.gelu
+  __device__ static float f(float x) { return 0.5f * x * (1.f + erff(x * kInvSqrt2)); }
+  __device__ static float df(float x) { return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x); }
+};
+struct Relu {
+  __device__ static float f(float x) { return x > 0.f ? x : 0.f; }
+  __device__ static float df(float x) { return x > 0.f ? 1.f : 0.f; }
+};
+struct SquaredRelu {
+  __device__ static float f(float x) { return x > 0.f ? x * x : 0.f; }
+  __device__ static float df(float x) { return x > 0.f ? 2.f * x : 0.f; }
+};
+
+__device__ __forceinline__ float prob(const float* probs, int64_t row) { return probs != nullptr ? probs[row] : 1.f; }
+
+// a[t, k] = act(h[t, k]) * (GLU: h[t, F + k]) * probs[t]
+template <class Act, bool kGlu>
+struct ActForward {
+  using Stage = float;
+  static constexpr bool kExtra = false;
+  const __nv_bfloat16* h;
+  const float* probs;
+  int64_t F;
+  __device__ __forceinline__ float load4(int64_t row, int64_t k, float (&v)[4]) const {
+    const int64_t ld = kGlu ? 2 * F : F;
+    float g[4], u[4] = {1.f, 1.f, 1.f, 1.f};
+    multicast::load4(h + row * ld + k, g);
+    if (kGlu) multicast::load4(h + row * ld + F + k, u);
+    const float p = prob(probs, row);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = Act::f(g[i]) * u[i] * p;
+    return 0.f;
+  }
+};
+
+// dh[t, k] for k < F: da * p * (GLU: up) * act'(gate); GLU, k >= F: da[t, k - F] * p * act(gate).
+// extra (for dprobs): da * act(gate) * up, counted on the k < F columns only.
+template <class Act, bool kGlu>
+struct ActBackward {
+  using Stage = float;
+  static constexpr bool kExtra = true;
+  const __nv_bfloat16* da;
+  const __nv_bfloat16* h;
+  const float* probs;
+  int64_t F;
+  __device__ __forceinline__ float load4(int64_t row, int64_t k, float (&v)[4]) const {
+    const int64_t ld = kGlu ? 2 * F : F;
+    const bool up_half = kGlu && k >= F;
+    const int64_t kf = up_half ? k - F : k;
+    float d[4], g[4], u[4] = {1.f, 1.f, 1.f, 1.f};
+    multicast::load4(da + row * F + kf, d);
+    multicast::load4(h + row * ld + kf, g);
+    if (kGlu) multicast::load4(h + row * ld + F + kf, u);
+    const float p = prob(probs, row);
+    float extra = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (up_half) {
+        v[i] = d[i] * p * Act::f(g[i]);
+      } else {
+        v[i] = d[i] * p * u[i] * Act::df(g[i]);
+        extra += d[i] * Act::f(g[i]) * u[i];
+      }
+    }
+    return extra;
+  }
+};
+
+template <template <class, bool> class Loader, class Fn>
+void dispatch(Activation act, Fn&& fn) {
+  switch (act) {
+    case Activation::kSwiglu: return fn(Loader<Silu, true>{});
+    case Activation::kGeglu: return fn(Loader<Gelu, true>{});
+    case Activation::kGelu: return fn(Loader<Gelu, false>{});
+    case Activation::kRelu: return fn(Loader<Relu, false>{});
+    case Activation::kSquaredRelu: return fn(Loader<SquaredRelu, false>{});
+  }
+  throw std::runtime_error("moegemm: unknown activation");
+}
+
+}  // namespace
+
+void act_quantize(const void* h_bf16, const float* probs, Activation act, int64_t T, int64_t F, int E,
+                  const int32_t* plan, uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream) {
+  if (q == nullptr && qT == nullptr) return;
+  dispatch<ActForward>(act, [&](auto loader) {
+    loader.h = static_cast<const __nv_bfloat16*>(h_bf16);
+    loader.probs = probs;
+    loader.F = F;
+    multicast::launch(loader, T, F, E, plan, q, s, qT, sT, nullptr, stream, "act_quantize");
+  });
+}
+
+void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float* probs, Activation act, int64_t T,
+                           int64_t F, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT, float* sT,
+                           float* dprobs_partial, cudaStream_t stream) {
+  dispatch<ActBackward>(act, [&](auto loader) {
+    loader.da = static_cast<const __nv_bfloat16*>(da_bf16);
+    loader.h = static_cast<const __nv_bfloat16*>(h_bf16);
+    loader.probs = probs;
+    loader.F = F;
+    const int64_t F1 = is_glu(act) ? 2 * F : F;
+    multicast::launch(loader, T, F1, E, plan, q, s, qT, sT, dprobs_partial, stream, "act_backward_quantize");
+  });
+}
+
+}  // namespace moegemm

@@ -1,0 +1,217 @@
+"""The expert MLP for training: fc1 -> activation x router probs -> fc2, forward and backward.
+
+For ``fp8_blockwise`` the activation is fused with the FP8 quantization of its result (fc2's input and
+its per-expert transposed copy for wgrad) in one kernel, and its backward with quantizing the
+gradient, so no bf16 copy of the activation is written or saved. Saved for backward: the FP8 copies
+(x's and the activation's column copies, the weights' transposed copies) and fc1's bf16 output h.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import backend
+from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
+                        splits_to_device)
+from .functional import add_bias, bias_grad, finish_weight_grad, weight_grad_target
+from .modules import GroupedLinear
+from .reference import ACTIVATIONS, GLU_ACTIVATIONS, act_backward, act_forward
+
+
+class _GroupedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, b1, b2, probs, plan, activation, recipe, fp8_weights):
+        ops = backend.select(x.device)
+        need = ctx.needs_input_grad
+        need_dw1, need_dw2 = need[1], need[2]
+        p32 = probs.float().contiguous() if probs is not None else None
+        if recipe == "fp8_blockwise":
+            (qw1, sw1, qw1T, sw1T), (qw2, sw2, qw2T, sw2T) = fp8_weights or (
+                ops.quantize_weight(w1.contiguous()), ops.quantize_weight(w2.contiguous()))
+            qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw1)
+            h = add_bias(ops.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, x.dtype), b1, plan)
+            qa, sa, qaT, saT = ops.act_quantize(h, p32, activation, plan, rows=True, cols=need_dw2)
+            y = ops.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, x.dtype)
+            ctx.save_for_backward(qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T, p32, plan)
+        else:
+            w1b, w2b = w1.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous()
+            h = add_bias(ops.gemm_bf16_fprop(x, w1b, plan), b1, plan)
+            a = act_forward(h, p32, activation).to(x.dtype)
+            y = ops.gemm_bf16_fprop(a, w2b, plan)
+            ctx.save_for_backward(x, w1b, h, a, w2b, p32, plan)
+        ctx.activation, ctx.recipe = activation, recipe
+        ctx.w1, ctx.w2 = w1, w2
+        ctx.b1_dtype = b1.dtype if b1 is not None else None
+        ctx.b2_dtype = b2.dtype if b2 is not None else None
+        ctx.probs_dtype = probs.dtype if probs is not None else None
+        return add_bias(y, b2, plan)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ops = backend.select(dy.device)
+        need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dp = ctx.needs_input_grad[:6]
+        need_dh = need_dx or need_dw1 or need_db1
+        dy = dy.contiguous()
+        act = ctx.activation
+        mg1, mg2 = weight_grad_target(ctx.w1, need_dw1), weight_grad_target(ctx.w2, need_dw2)
+        dx = dw1 = dw2 = db1 = dprobs = None
+        if ctx.recipe == "fp8_blockwise":
+            qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T, p32, plan = ctx.saved_tensors
+            qdy, sdy, qdyT, sdyT = ops.quantize_act(dy, plan, rows=need_dh or need_dp, cols=need_dw2)
+            if need_dw2:
+                dw2 = ops.gemm_fp8_ragged_k(qdyT, sdyT, qaT, saT, plan, out=mg2)
+            if need_dh or need_dp:
+                da = ops.gemm_fp8_ragged_m(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
+                qdh, sdh, qdhT, sdhT, dprobs = ops.act_backward_quantize(
+                    da, h, p32, act, plan, rows=need_dx, cols=need_dw1)
+                if need_dx:
+                    dx = ops.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
+                if need_dw1:
+                    dw1 = ops.gemm_fp8_ragged_k(qdhT, sdhT, qxT, sxT, plan, out=mg1)
+                # fc1's bias gradient needs dh itself, which the fused kernel only quantizes
+                db1 = bias_grad(act_backward(da, h, p32, act)[0], plan, ctx.b1_dtype) if need_db1 else None
+        else:
+            x, w1b, h, a, w2b, p32, plan = ctx.saved_tensors
+            if need_dw2:
+                dw2 = ops.gemm_bf16_wgrad(dy, a, plan, out=mg2)
+            if need_dh or need_dp:
+                da = ops.gemm_bf16_dgrad(dy, w2b, plan)
+                dh, dprobs = act_backward(da, h, p32, act)
+                dh = dh.to(dy.dtype)
+                if need_dx:
+                    dx = ops.gemm_bf16_dgrad(dh, w1b, plan)
+                if need_dw1:
+                    dw1 = ops.gemm_bf16_wgrad(dh, x, plan, out=mg1)
+                db1 = bias_grad(dh, plan, ctx.b1_dtype) if need_db1 else None
+        db2 = bias_grad(dy, plan, ctx.b2_dtype) if need_db2 else None
+        dprobs = dprobs.to(ctx.probs_dtype) if need_dp and dprobs is not None else None
+        return (dx, finish_weight_grad(dw1, ctx.w1, mg1), finish_weight_grad(dw2, ctx.w2, mg2), db1, db2, dprobs,
+                None, None, None, None)
+
+
+def _inference(x, w1, w2, b1, b2, probs, plan, activation, recipe, fp8_weights):
+    """Forward only: no transposed copies, nothing saved."""
+    ops = backend.select(x.device)
+    p32 = probs.float().contiguous() if probs is not None else None
+    if recipe == "fp8_blockwise":
+        (qw1, sw1, _, _), (qw2, sw2, _, _) = fp8_weights or (ops.quantize_weight(w1.contiguous()),
+                                                             ops.quantize_weight(w2.contiguous()))
+        qx, sx, _, _ = ops.quantize_act(x, plan, rows=True, cols=False)
+        h = add_bias(ops.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, x.dtype), b1, plan)
+        qa, sa, _, _ = ops.act_quantize(h, p32, activation, plan, rows=True, cols=False)
+        y = ops.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, x.dtype)
+    else:
+        h = add_bias(ops.gemm_bf16_fprop(x, w1.to(x.dtype).contiguous(), plan), b1, plan)
+        a = act_forward(h, p32, activation).to(x.dtype)
+        y = ops.gemm_bf16_fprop(a, w2.to(x.dtype).contiguous(), plan)
+    return add_bias(y, b2, plan)
+
+
+def check_activation(activation: str) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    return activation
+
+
+def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, m_splits: SplitsLike,
+                probs: Optional[torch.Tensor] = None, fc1_bias: Optional[torch.Tensor] = None,
+                fc2_bias: Optional[torch.Tensor] = None, activation: str = "swiglu", recipe: str = "fp8_blockwise",
+                fp8_weights=None, check_splits: Optional[bool] = None) -> torch.Tensor:
+    """``fc2(act(fc1(x)) * probs)`` per expert; fc1_weight ``[E, F1, H]`` (F1 = 2F for GLU activations,
+    gate rows first), fc2_weight ``[E, H, F]``; probs ``[T]`` (any float dtype) or None.
+    ``fp8_weights``: ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))`` to reuse."""
+    check_recipe(recipe)
+    check_activation(activation)
+    check_weight(fc1_weight, "fc1_weight")
+    check_weight(fc2_weight, "fc2_weight")
+    E, F1, H = fc1_weight.shape
+    F = F1 // 2 if activation in GLU_ACTIVATIONS else F1
+    if activation in GLU_ACTIVATIONS and F % 16:
+        raise ValueError(f"fc1_weight.shape[1] must be 2*ffn with ffn a multiple of 16 for {activation}, got {F1}")
+    if tuple(fc2_weight.shape) != (E, H, F):
+        raise ValueError(f"fc2_weight must have shape {(E, H, F)} to match fc1_weight {tuple(fc1_weight.shape)}, "
+                         f"got {tuple(fc2_weight.shape)}")
+    if fc2_weight.device != fc1_weight.device:
+        raise ValueError(f"fc2_weight is on {fc2_weight.device} but fc1_weight is on {fc1_weight.device}")
+    check_x(x, H, fc1_weight.device)
+    check_bias(fc1_bias, E, F1, fc1_weight.device)
+    check_bias(fc2_bias, E, H, fc1_weight.device)
+    check_main_grad(fc1_weight)
+    check_main_grad(fc2_weight)
+    T = x.shape[0]
+    if probs is not None:
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+            raise TypeError(f"probs must be a floating-point tensor, got {getattr(probs, 'dtype', type(probs))}")
+        if tuple(probs.shape) != (T,):
+            raise ValueError(f"probs must have shape [T] = {(T,)}, got {tuple(probs.shape)}")
+        if probs.device != x.device:
+            raise ValueError(f"probs is on {probs.device} but x is on {x.device}")
+    m = splits_to_device(m_splits, E, T, x.device, check_splits)
+    ops = backend.select(x.device)
+    if ops is not backend.reference and x.dtype != torch.bfloat16:
+        raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {x.dtype}")
+    plan = ops.make_plan(m, T)
+    args = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs, plan, activation, recipe, fp8_weights)
+    inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+        return _inference(*args)
+    return _GroupedMLP.apply(*args)
+
+
+class GroupedMLP(nn.Module):
+    """E expert MLPs ``fc2(act(fc1(x)) * probs)`` over tokens packed by expert.
+
+    ``fc1.weight`` is ``[E, 2·ffn, hidden]`` for GLU activations (gate rows first, as Megatron lays out
+    fc1's output) or ``[E, ffn, hidden]``; ``fc2.weight`` is ``[E, hidden, ffn]``. Parameters are ordinary
+    bf16/fp32 ``nn.Parameter``s; with ``fp8_blockwise``, ``forward(..., is_first_microbatch=True)``
+    quantizes the weights and keeps the FP8 copies, ``False`` reuses them (TransformerEngine's
+    convention: once per optimizer step), ``None`` quantizes on every call."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
+                 bias: bool = False, recipe: str = "fp8_blockwise", device=None, dtype=None):
+        super().__init__()
+        self.activation = check_activation(activation)
+        self.recipe = check_recipe(recipe)
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        fc1_out = 2 * ffn_hidden_size if activation in GLU_ACTIVATIONS else ffn_hidden_size
+        self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, bias, recipe, device, dtype)
+        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias, recipe, device, dtype)
+        self._fp8_weights = None
+        self._fp8_only = False
+
+    def fp8_weights(self, is_first_microbatch: Optional[bool]):
+        """The FP8 copies of both weights for this call (None: quantize inside the call)."""
+        if self.recipe != "fp8_blockwise" or (is_first_microbatch is None and not self._fp8_only):
+            return None
+        if self._fp8_weights is None or (is_first_microbatch and not self._fp8_only):
+            ops = backend.select(self.fc1.weight.device)
+            with torch.no_grad():
+                self._fp8_weights = (ops.quantize_weight(self.fc1.weight.detach().contiguous()),
+                                     ops.quantize_weight(self.fc2.weight.detach().contiguous()))
+        return self._fp8_weights
+
+    @torch.no_grad()
+    def to_fp8_inference(self) -> "GroupedMLP":
+        """Inference mode: keep only the FP8 weights (W copies and scales) and free the bf16 ones."""
+        if self.recipe != "fp8_blockwise":
+            raise ValueError(f"to_fp8_inference needs recipe='fp8_blockwise', got {self.recipe!r}")
+        (q1, s1, _, _), (q2, s2, _, _) = self.fp8_weights(True)
+        self._fp8_weights = ((q1, s1, None, None), (q2, s2, None, None))
+        for lin in (self.fc1, self.fc2):  # one element, expanded: shape, dtype and device stay for validation
+            w = lin.weight
+            lin.weight = nn.Parameter(torch.zeros(1, device=w.device, dtype=w.dtype).expand(w.shape), requires_grad=False)
+        self._fp8_only = True
+        return self.eval()
+
+    def forward(self, x: torch.Tensor, m_splits: SplitsLike, probs: Optional[torch.Tensor] = None,
+                is_first_microbatch: Optional[bool] = None, check_splits: Optional[bool] = None) -> torch.Tensor:
+        if self._fp8_only and torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("GroupedMLP holds only FP8 weights (to_fp8_inference): run it under torch.no_grad()")
+        return grouped_mlp(x, self.fc1.weight, self.fc2.weight, m_splits, probs, self.fc1.bias, self.fc2.bias,
+                           self.activation, self.recipe, self.fp8_weights(is_first_microbatch), check_splits)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, recipe={self.recipe!r}"

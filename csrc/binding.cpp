@@ -171,7 +171,7 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa, const Tensor& sa, const Tensor& qb
   return out;
 }
 
-// out [E, N, K] (+)= qaT_e · qbT_eᵀ over each expert's tokens.
+// out [E, N, K] (+)= qaT_e · qbT_eᵀ over each expert's tokens; out is fp32 (= or +=) or bf16 (=).
 void gemm_fp8_ragged_k_into(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
                             const Tensor& plan, const Tensor& out, bool accumulate) {
   check(qaT, "qaT", at::kFloat8_e4m3fn, 2, qaT);
@@ -179,7 +179,9 @@ void gemm_fp8_ragged_k_into(const Tensor& qaT, const Tensor& saT, const Tensor& 
   check(saT, "saT", at::kFloat, 2, qaT);
   check(sbT, "sbT", at::kFloat, 2, qaT);
   check(plan, "plan", at::kInt, 2, qaT);
-  check(out, "out", at::kFloat, 3, qaT);
+  const bool f32 = out.scalar_type() == at::kFloat;
+  check(out, "out", f32 ? at::kFloat : at::kBFloat16, 3, qaT);
+  TORCH_CHECK(f32 || !accumulate, "moegemm: wgrad accumulation needs a float32 out");
   const int E = num_experts(plan);
   const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
   TORCH_CHECK(qbT.size(1) == Wc && saT.size(0) == sbT.size(0) && saT.size(1) == N && sbT.size(1) == K,
@@ -187,13 +189,26 @@ void gemm_fp8_ragged_k_into(const Tensor& qaT, const Tensor& saT, const Tensor& 
   TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", E, ", ", N, ", ", K, "], got ", out.sizes());
   c10::DeviceGuard guard(qaT.device());
   if (N == 0 || K == 0) return;
-  Tensor ws = workspace(gemm_fp8_ragged_k_workspace_size(E), qaT);
-  gemm_fp8_ragged_k(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(), E,
-                    Wc, N, K, out.data_ptr<float>(), accumulate, ws.data_ptr(), current_stream(qaT));
+  const auto stream = current_stream(qaT);
+  if (f32) {
+    Tensor ws = workspace(gemm_fp8_ragged_k_f32_workspace_size(E), qaT);
+    gemm_fp8_ragged_k_f32(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(),
+                          E, Wc, N, K, out.data_ptr<float>(), accumulate, ws.data_ptr(), stream);
+  } else {
+    Tensor ws = workspace(gemm_fp8_ragged_k_bf16_workspace_size(E), qaT);
+    gemm_fp8_ragged_k_bf16(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(),
+                           E, Wc, N, K, out.data_ptr(), ws.data_ptr(), stream);
+  }
 }
 
-Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan) {
-  Tensor out = at::empty({plan.size(1) - 1, qaT.size(0), qbT.size(0)}, qaT.options().dtype(at::kFloat));
+Tensor new_wgrad(const Tensor& plan, int64_t N, int64_t K, at::ScalarType dtype, const Tensor& like) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moegemm: wgrad out_dtype must be float32 or bfloat16, got ", dtype);
+  return at::empty({plan.size(1) - 1, N, K}, like.options().dtype(dtype));
+}
+
+Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+                            at::ScalarType out_dtype) {
+  Tensor out = new_wgrad(plan, qaT.size(0), qbT.size(0), out_dtype, qaT);
   gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, false);
   return out;
 }
@@ -227,19 +242,28 @@ void gemm_bf16_wgrad_into(const Tensor& dy, const Tensor& x, const Tensor& plan,
   check(dy, "dy", at::kBFloat16, 2, dy);
   check(x, "x", at::kBFloat16, 2, dy);
   check(plan, "plan", at::kInt, 2, dy);
-  check(out, "out", at::kFloat, 3, dy);
+  const bool f32 = out.scalar_type() == at::kFloat;
+  check(out, "out", f32 ? at::kFloat : at::kBFloat16, 3, dy);
+  TORCH_CHECK(f32 || !accumulate, "moegemm: wgrad accumulation needs a float32 out");
   const int E = num_experts(plan);
   const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
   TORCH_CHECK(x.size(0) == T, "moegemm: dy and x have different token counts: ", dy.sizes(), x.sizes());
   TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", E, ", ", N, ", ", K, "], got ", out.sizes());
   c10::DeviceGuard guard(dy.device());
-  Tensor ws = workspace(gemm_bf16_wgrad_workspace_size(E), dy);
-  gemm_bf16_wgrad(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr<float>(), accumulate,
-                  ws.data_ptr(), current_stream(dy));
+  const auto stream = current_stream(dy);
+  if (f32) {
+    Tensor ws = workspace(gemm_bf16_wgrad_f32_workspace_size(E), dy);
+    gemm_bf16_wgrad_f32(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr<float>(),
+                        accumulate, ws.data_ptr(), stream);
+  } else {
+    Tensor ws = workspace(gemm_bf16_wgrad_bf16_workspace_size(E), dy);
+    gemm_bf16_wgrad_bf16(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr(), ws.data_ptr(),
+                         stream);
+  }
 }
 
-Tensor gemm_bf16_wgrad_op(const Tensor& dy, const Tensor& x, const Tensor& plan) {
-  Tensor out = at::empty({plan.size(1) - 1, dy.size(1), x.size(1)}, dy.options().dtype(at::kFloat));
+Tensor gemm_bf16_wgrad_op(const Tensor& dy, const Tensor& x, const Tensor& plan, at::ScalarType out_dtype) {
+  Tensor out = new_wgrad(plan, dy.size(1), x.size(1), out_dtype, dy);
   gemm_bf16_wgrad_into(dy, x, plan, out, false);
   return out;
 }
@@ -257,11 +281,11 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("act_quantize(Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("gemm_fp8_ragged_m(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan) -> Tensor");
-  m.def("gemm_fp8_ragged_k(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan) -> Tensor");
+  m.def("gemm_fp8_ragged_k(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, ScalarType out_dtype) -> Tensor");
   m.def("gemm_fp8_ragged_k_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, Tensor(a!) out) -> ()");
   m.def("gemm_bf16_fprop(Tensor x, Tensor w, Tensor plan) -> Tensor");
   m.def("gemm_bf16_dgrad(Tensor dy, Tensor w, Tensor plan) -> Tensor");
-  m.def("gemm_bf16_wgrad(Tensor dy, Tensor x, Tensor plan) -> Tensor");
+  m.def("gemm_bf16_wgrad(Tensor dy, Tensor x, Tensor plan, ScalarType out_dtype) -> Tensor");
   m.def("gemm_bf16_wgrad_accumulate(Tensor dy, Tensor x, Tensor plan, Tensor(a!) out) -> ()");
 }
 

@@ -52,9 +52,9 @@ void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float*
 void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K,
                      uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
 
-// Writes exact zeros into out[e] ([E, N, K] fp32) for every expert with no tokens (wgrad of an
-// empty expert gets no GEMM tiles, see SPEC §5).
-void zero_empty_experts(const int32_t* plan, int E, int64_t NK, float* out, cudaStream_t stream);
+// Writes exact zeros into out[e] (bytes_per_expert bytes each) for every expert with no tokens (wgrad
+// of an empty expert gets no GEMM tiles, see SPEC §5).
+void zero_empty_experts(const int32_t* plan, int E, int64_t bytes_per_expert, void* out, cudaStream_t stream);
 
 // ---- grouped GEMMs (CUTLASS sm90 ptr-array). `workspace` holds the device-built arguments and
 // CUTLASS's own workspace; its size comes from the matching *_workspace_size(E).
@@ -66,23 +66,31 @@ void gemm_fp8_ragged_m(const uint8_t* qa, const float* sa, const uint8_t* qb, co
                        const int32_t* plan, int E, int64_t T, int64_t N, int64_t K, void* out,
                        void* workspace, cudaStream_t stream);
 
-// out[e] (fp32, [E,N,K]) (+)= Σ over the expert's 128-token blocks: qaT [N, Wc], saT [NB, N],
-// qbT [K, Wc], sbT [NB, K] (column-quantized dy and x; Wc = col_cap). accumulate: out += instead of out =.
-size_t gemm_fp8_ragged_k_workspace_size(int E);
-void gemm_fp8_ragged_k(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
-                       const int32_t* plan, int E, int64_t col_cap, int64_t N, int64_t K, float* out,
-                       bool accumulate, void* workspace, cudaStream_t stream);
+// out[e] ([E,N,K]) (+)= Σ over the expert's 128-token blocks: qaT [N, Wc], saT [NB, N],
+// qbT [K, Wc], sbT [NB, K] (column-quantized dy and x; Wc = col_cap). fp32 output, written or
+// accumulated (out += instead of out =), or bf16 output.
+size_t gemm_fp8_ragged_k_f32_workspace_size(int E);
+void gemm_fp8_ragged_k_f32(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
+                           const int32_t* plan, int E, int64_t col_cap, int64_t N, int64_t K, float* out,
+                           bool accumulate, void* workspace, cudaStream_t stream);
+size_t gemm_fp8_ragged_k_bf16_workspace_size(int E);
+void gemm_fp8_ragged_k_bf16(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
+                            const int32_t* plan, int E, int64_t col_cap, int64_t N, int64_t K, void* out,
+                            void* workspace, cudaStream_t stream);
 
 // bf16 recipe. fprop: y[T,N] = x[T,K] w[e]ᵀ (w [E,N,K]); dgrad: dx[T,K] = dy[T,N] w[e] (w [E,N,K]);
-// wgrad: dw[E,N,K] (fp32) (+)= dy_eᵀ x_e.
+// wgrad: dw[E,N,K] (fp32: = or +=; bf16: =) dy_eᵀ x_e.
 size_t gemm_bf16_fprop_workspace_size(int E);
 size_t gemm_bf16_dgrad_workspace_size(int E);
-size_t gemm_bf16_wgrad_workspace_size(int E);
+size_t gemm_bf16_wgrad_f32_workspace_size(int E);
+size_t gemm_bf16_wgrad_bf16_workspace_size(int E);
 void gemm_bf16_fprop(const void* x, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,
                      int64_t K, void* y, void* workspace, cudaStream_t stream);
 void gemm_bf16_dgrad(const void* dy, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,
                      int64_t K, void* dx, void* workspace, cudaStream_t stream);
-void gemm_bf16_wgrad(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N,
-                     int64_t K, float* dw, bool accumulate, void* workspace, cudaStream_t stream);
+void gemm_bf16_wgrad_f32(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N,
+                         int64_t K, float* dw, bool accumulate, void* workspace, cudaStream_t stream);
+void gemm_bf16_wgrad_bf16(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N,
+                          int64_t K, void* dw, void* workspace, cudaStream_t stream);
 
 }  // namespace moegemm

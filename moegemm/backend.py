@@ -8,7 +8,6 @@ ops (built on first use); everything else, or ``MOEGEMM_BACKEND=reference``, goe
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -17,9 +16,13 @@ import torch
 from . import reference
 
 
-@functools.lru_cache(maxsize=None)
+_HOPPER: dict = {}  # device index -> is it compute capability 9.0 (a plain dict: torch.compile traces it)
+
+
 def _device_is_hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _HOPPER[index]
 
 
 def uses_cuda(device: torch.device) -> bool:
@@ -31,7 +34,6 @@ def uses_cuda(device: torch.device) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
 def _warn_not_hopper() -> None:
     warnings.warn("moegemm: the CUDA kernels need a Hopper GPU (sm_90a); using the slow reference path")
 

@@ -32,9 +32,9 @@ def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     return _ops.gemm_fp8_ragged_m(qa, sa, qb, sb, plan)
 
 
-def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None):
+def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None, out_dtype=torch.float32):
     if out is None:
-        return _ops.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan)
+        return _ops.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out_dtype)
     _ops.gemm_fp8_ragged_k_accumulate(qaT, saT, qbT, sbT, plan, out)
     return out
 
@@ -47,9 +47,9 @@ def gemm_bf16_dgrad(dy, w, plan):
     return _ops.gemm_bf16_dgrad(dy, w, plan)
 
 
-def gemm_bf16_wgrad(dy, x, plan, out=None):
+def gemm_bf16_wgrad(dy, x, plan, out=None, out_dtype=torch.float32):
     if out is None:
-        return _ops.gemm_bf16_wgrad(dy, x, plan)
+        return _ops.gemm_bf16_wgrad(dy, x, plan, out_dtype)
     _ops.gemm_bf16_wgrad_accumulate(dy, x, plan, out)
     return out
 
@@ -95,8 +95,8 @@ def _(qa, sa, qb, sb, plan):
 
 
 @_fake("gemm_fp8_ragged_k")
-def _(qaT, saT, qbT, sbT, plan):
-    return qaT.new_empty((plan.shape[1] - 1, qaT.shape[0], qbT.shape[0]), dtype=torch.float32)
+def _(qaT, saT, qbT, sbT, plan, out_dtype):
+    return qaT.new_empty((plan.shape[1] - 1, qaT.shape[0], qbT.shape[0]), dtype=out_dtype)
 
 
 @_fake("gemm_fp8_ragged_k_accumulate")
@@ -115,8 +115,8 @@ def _(dy, w, plan):
 
 
 @_fake("gemm_bf16_wgrad")
-def _(dy, x, plan):
-    return dy.new_empty((plan.shape[1] - 1, dy.shape[1], x.shape[1]), dtype=torch.float32)
+def _(dy, x, plan, out_dtype):
+    return dy.new_empty((plan.shape[1] - 1, dy.shape[1], x.shape[1]), dtype=out_dtype)
 
 
 @_fake("gemm_bf16_wgrad_accumulate")

@@ -48,6 +48,11 @@ def weight_grad_target(weight, need_dw: bool):
     return getattr(weight, "main_grad", None) if need_dw else None
 
 
+def wgrad_dtype(weight) -> torch.dtype:
+    """The wgrad GEMMs write bf16 directly for bf16 weights, fp32 otherwise (no fp32 round trip)."""
+    return torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+
+
 def finish_weight_grad(dw, weight, main_grad):
     """The gradient autograd returns for ``weight``: None when it went into main_grad."""
     return None if dw is None or main_grad is not None else dw.to(weight.dtype)
@@ -76,13 +81,13 @@ class _GroupedLinear(torch.autograd.Function):
             if need_dx:
                 dx = ops.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, dy.dtype)
             if need_dw:
-                dw = ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=main_grad)
+                dw = ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=main_grad, out_dtype=wgrad_dtype(ctx.weight))
         else:
             x, w, plan = ctx.saved_tensors
             if need_dx:
                 dx = ops.gemm_bf16_dgrad(dy, w, plan)
             if need_dw:
-                dw = ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad)
+                dw = ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad, out_dtype=wgrad_dtype(ctx.weight))
         dw = finish_weight_grad(dw, ctx.weight, main_grad)
         db = bias_grad(dy, plan, ctx.bias_dtype) if need_db else None
         return dx, dw, db, None, None

@@ -16,7 +16,7 @@ from torch import nn
 from . import backend
 from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
-from .functional import add_bias, bias_grad, finish_weight_grad, weight_grad_target
+from .functional import add_bias, bias_grad, finish_weight_grad, weight_grad_target, wgrad_dtype
 from .modules import GroupedLinear
 from .reference import ACTIVATIONS, GLU_ACTIVATIONS, act_backward, act_forward
 
@@ -62,7 +62,7 @@ class _GroupedMLP(torch.autograd.Function):
             qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T, p32, plan = ctx.saved_tensors
             qdy, sdy, qdyT, sdyT = ops.quantize_act(dy, plan, rows=need_dh or need_dp, cols=need_dw2)
             if need_dw2:
-                dw2 = ops.gemm_fp8_ragged_k(qdyT, sdyT, qaT, saT, plan, out=mg2)
+                dw2 = ops.gemm_fp8_ragged_k(qdyT, sdyT, qaT, saT, plan, out=mg2, out_dtype=wgrad_dtype(ctx.w2))
             if need_dh or need_dp:
                 da = ops.gemm_fp8_ragged_m(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
                 qdh, sdh, qdhT, sdhT, dprobs = ops.act_backward_quantize(
@@ -70,13 +70,13 @@ class _GroupedMLP(torch.autograd.Function):
                 if need_dx:
                     dx = ops.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
                 if need_dw1:
-                    dw1 = ops.gemm_fp8_ragged_k(qdhT, sdhT, qxT, sxT, plan, out=mg1)
+                    dw1 = ops.gemm_fp8_ragged_k(qdhT, sdhT, qxT, sxT, plan, out=mg1, out_dtype=wgrad_dtype(ctx.w1))
                 # fc1's bias gradient needs dh itself, which the fused kernel only quantizes
                 db1 = bias_grad(act_backward(da, h, p32, act)[0], plan, ctx.b1_dtype) if need_db1 else None
         else:
             x, w1b, h, a, w2b, p32, plan = ctx.saved_tensors
             if need_dw2:
-                dw2 = ops.gemm_bf16_wgrad(dy, a, plan, out=mg2)
+                dw2 = ops.gemm_bf16_wgrad(dy, a, plan, out=mg2, out_dtype=wgrad_dtype(ctx.w2))
             if need_dh or need_dp:
                 da = ops.gemm_bf16_dgrad(dy, w2b, plan)
                 dh, dprobs = act_backward(da, h, p32, act)
@@ -84,7 +84,7 @@ class _GroupedMLP(torch.autograd.Function):
                 if need_dx:
                     dx = ops.gemm_bf16_dgrad(dh, w1b, plan)
                 if need_dw1:
-                    dw1 = ops.gemm_bf16_wgrad(dh, x, plan, out=mg1)
+                    dw1 = ops.gemm_bf16_wgrad(dh, x, plan, out=mg1, out_dtype=wgrad_dtype(ctx.w1))
                 db1 = bias_grad(dh, plan, ctx.b1_dtype) if need_db1 else None
         db2 = bias_grad(dy, plan, ctx.b2_dtype) if need_db2 else None
         dprobs = dprobs.to(ctx.probs_dtype) if need_dp and dprobs is not None else None
@@ -203,13 +203,16 @@ class GroupedMLP(nn.Module):
         for lin in (self.fc1, self.fc2):  # one element, expanded: shape, dtype and device stay for validation
             w = lin.weight
             lin.weight = nn.Parameter(torch.zeros(1, device=w.device, dtype=w.dtype).expand(w.shape), requires_grad=False)
+            if lin.bias is not None:
+                lin.bias.requires_grad_(False)
         self._fp8_only = True
         return self.eval()
 
     def forward(self, x: torch.Tensor, m_splits: SplitsLike, probs: Optional[torch.Tensor] = None,
                 is_first_microbatch: Optional[bool] = None, check_splits: Optional[bool] = None) -> torch.Tensor:
-        if self._fp8_only and torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError("GroupedMLP holds only FP8 weights (to_fp8_inference): run it under torch.no_grad()")
+        if self._fp8_only and torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad)):
+            raise RuntimeError("GroupedMLP holds only FP8 weights (to_fp8_inference): it cannot compute gradients; "
+                               "run it under torch.no_grad() or with inputs that do not require grad")
         return grouped_mlp(x, self.fc1.weight, self.fc2.weight, m_splits, probs, self.fc1.bias, self.fc2.bias,
                            self.activation, self.recipe, self.fp8_weights(is_first_microbatch), check_splits)
 

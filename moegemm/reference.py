@@ -183,11 +183,11 @@ def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     return _ragged_m(dequantize_rows(qa, sa), dequantize_weight(qb, sb), plan, out_dtype)
 
 
-def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None):
-    """wgrad: ``dW[e] = a_eᵀ b_e`` from column-quantized a (dy) and b (x); fp32, or added to ``out``."""
+def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None, out_dtype=torch.float32):
+    """wgrad: ``dW[e] = a_eᵀ b_e`` from column-quantized a (dy) and b (x); out_dtype, or added to ``out``."""
     E = plan.shape[1] - 1
     res = _ragged_k(dequantize_cols(qaT, saT, plan), dequantize_cols(qbT, sbT, plan), plan, E)
-    return _accumulate(res, out)
+    return _accumulate(res, out, out_dtype)
 
 
 def gemm_bf16_fprop(x, w, plan):
@@ -198,14 +198,14 @@ def gemm_bf16_dgrad(dy, w, plan):
     return _ragged_m(dy.double(), w.double().transpose(1, 2), plan, dy.dtype)
 
 
-def gemm_bf16_wgrad(dy, x, plan, out=None):
+def gemm_bf16_wgrad(dy, x, plan, out=None, out_dtype=torch.float32):
     E = plan.shape[1] - 1
-    return _accumulate(_ragged_k(dy.double(), x.double(), plan, E), out)
+    return _accumulate(_ragged_k(dy.double(), x.double(), plan, E), out, out_dtype)
 
 
-def _accumulate(res: torch.Tensor, out):
+def _accumulate(res: torch.Tensor, out, out_dtype):
     if out is None:
-        return res.float()
+        return res.to(out_dtype)
     out.add_(res.to(out.dtype))
     return out
 

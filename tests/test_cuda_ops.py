@@ -139,6 +139,8 @@ def test_fp8_gemms_match_reference(E, K, N):
         assert rel(dw, dw_ref) <= 2e-3, name
         empty = [e for e, m in enumerate(splits) if m == 0]
         assert (dw[empty] == 0).all(), name
+        dw16 = cuda_ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out_dtype=torch.bfloat16)
+        assert dw16.dtype == torch.bfloat16 and rel(dw16, dw_ref) <= 5e-3 and (dw16[empty] == 0).all(), name
         acc = torch.randn_like(dw)
         acc0 = acc.clone()
         cuda_ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=acc)
@@ -164,6 +166,8 @@ def test_bf16_gemms_match_reference(E, K, N):
         assert rel(dw, dw_ref) <= 2e-3, name
         empty = [e for e, m in enumerate(splits) if m == 0]
         assert (dw[empty] == 0).all(), name
+        dw16 = cuda_ops.gemm_bf16_wgrad(dy, x, plan, out_dtype=torch.bfloat16)
+        assert dw16.dtype == torch.bfloat16 and rel(dw16, dw_ref) <= 5e-3 and (dw16[empty] == 0).all(), name
         acc = torch.randn_like(dw)
         acc0 = acc.clone()
         cuda_ops.gemm_bf16_wgrad(dy, x, plan, out=acc)

@@ -23,9 +23,25 @@ __device__ __forceinline__ float block_scale(float amax) {
   return ldexpf(1.0f, m == 0.5f ? e - 1 : e);
 }
 
-__device__ __forceinline__ uint8_t to_e4m3(float v, float scale) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3));
-}
+// Quantizer of one block: q = e4m3(v / scale), round-to-nearest-even. scale is a power of two (or
+// +inf), so v * (1/scale) equals v / scale exactly, also for subnormal results and for scale = +inf
+// (1/inf = 0: finite -> ±0, inf or NaN -> NaN). Only a subnormal scale (amax < 448·2^-126), whose
+// reciprocal overflows, takes the division.
+struct BlockQuant {
+  float scale, inv;
+  bool divide;
+  __device__ __forceinline__ explicit BlockQuant(float amax) : scale(block_scale(amax)) {
+    divide = scale < 1.17549435e-38f;  // FLT_MIN
+    inv = 1.0f / scale;
+  }
+  __device__ __forceinline__ float scaled(float v) const { return divide ? v / scale : v * inv; }
+  // Four values -> four e4m3 bytes, little-endian in one word.
+  __device__ __forceinline__ uint32_t pack4(const float (&v)[4]) const {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(scaled(v[0]), scaled(v[1])), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(scaled(v[2]), scaled(v[3])), __NV_SATFINITE, __NV_E4M3);
+    return uint32_t(lo) | uint32_t(hi) << 16;
+  }
+};
 
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }

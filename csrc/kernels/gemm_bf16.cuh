@@ -2,6 +2,8 @@
 // unit (gemm_bf16_{fprop,dgrad,wgrad}.cu) so that they compile in parallel.
 #pragma once
 
+#include <type_traits>
+
 #include "../moegemm.h"
 #include "gemm_configs.cuh"
 
@@ -30,7 +32,8 @@ __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, in
   } else {
     a.shape[e] = m > 0 ? grouped::GroupShape{Mg, Ng, m} : grouped::GroupShape{0, 0, 0};
     a.B[e] = B + start * ldb;
-    a.C[e] = D + int64_t(e) * Mg * Ng;
+    if constexpr (std::is_void_v<typename Arrays::ElementC>) a.C[e] = nullptr;
+    else a.C[e] = D + int64_t(e) * Mg * Ng;
     a.D[e] = D + int64_t(e) * Mg * Ng;
   }
   a.stride_A[e] = grouped::leading<typename Arrays::StrideA>(lda);
@@ -50,6 +53,19 @@ void run(const int32_t* plan, int E, int Mg, int Ng, int Kg, const void* A, int6
       static_cast<const typename Arrays::ElementB*>(B), ldb, static_cast<typename Arrays::ElementD*>(D), ldd);
   check_launch(name);
   Runner::run(a, E, 1.f, beta, workspace, stream, name);
+}
+
+// wgrad: dy_e read as a column-major A, x_e as a row-major B; fp32 output reads C so it can accumulate.
+template <class ElementD>
+using WgradConfig = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
+                                      std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
+
+template <class ElementD>
+void wgrad(const void* dy, const void* x, const int32_t* plan, int E, int64_t N, int64_t K, ElementD* dw,
+           bool accumulate, void* workspace, cudaStream_t stream, const char* name) {
+  if (!accumulate) zero_empty_experts(plan, E, N * K * int64_t(sizeof(ElementD)), dw, stream);
+  run<WgradConfig<ElementD>, Ragged::kReduction>(plan, E, int(N), int(K), 0, dy, N, x, K, dw, K,
+                                                 accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 
 }  // namespace moegemm::bf16

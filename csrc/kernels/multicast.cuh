@@ -20,6 +20,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerWarp = kBlock / kWarps;  // 16
 constexpr int kChunk = 32;                     // column phase: rows per thread item
+constexpr int kRowBatch = 8;                   // row phase: rows loaded before the first use
 
 template <typename T>
 __device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
@@ -37,6 +38,16 @@ template <>
 __device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
   float4 raw = *reinterpret_cast<const float4*>(p);
   v[0] = raw.x; v[1] = raw.y; v[2] = raw.z; v[3] = raw.w;
+}
+
+// One vector store of four staged values (conflict-free: a warp writes 32 consecutive vectors).
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) { *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]); }
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
+  union { T h[4]; uint2 u; } pack;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pack.h[i] = static_cast<T>(v[i]);
+  *reinterpret_cast<uint2*>(p) = pack.u;
 }
 
 // Values of x [T, K] as they are; staged in shared memory in their own type (exact).
@@ -66,12 +77,10 @@ __device__ __forceinline__ float warp_sum(float a) {
   return a;
 }
 
-__device__ __forceinline__ uint32_t pack4(const float (&v)[4], float scale) {
-  return uint32_t(to_e4m3(v[0], scale)) | uint32_t(to_e4m3(v[1], scale)) << 8 |
-         uint32_t(to_e4m3(v[2], scale)) << 16 | uint32_t(to_e4m3(v[3], scale)) << 24;
-}
+// Dynamic shared memory: the plan, then (for the column copy) the staged tile.
+__host__ __device__ __forceinline__ size_t plan_bytes(int E) { return (3 * (E + 1) * sizeof(int32_t) + 15) / 16 * 16; }
 
-// Expert owning scale block b: the last e with blk[e] <= b (blk is non-decreasing).
+// Expert owning scale block b: the last e with blk[e] <= b (blk is non-decreasing; in shared memory).
 __device__ __forceinline__ int find_expert(const int32_t* blk, int E, int64_t b) {
   int lo = 0, hi = E - 1;
   while (lo < hi) {
@@ -82,17 +91,21 @@ __device__ __forceinline__ int find_expert(const int32_t* blk, int E, int64_t b)
 }
 
 template <class Loader>
-__global__ void __launch_bounds__(kThreads) kernel(Loader src, int64_t K, int E, const int32_t* __restrict__ plan,
+__global__ void __launch_bounds__(kThreads, 3) kernel(Loader src, int64_t K, int E, const int32_t* __restrict__ plan,
     uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap,
     float* __restrict__ row_extra) {
   using Stage = typename Loader::Stage;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Stage* tile = reinterpret_cast<Stage*>(smem_raw);  // [128][128]
+  int32_t* plan_s = reinterpret_cast<int32_t*>(smem_raw);  // the plan, [3][E+1], then the tile
+  Stage* tile = reinterpret_cast<Stage*>(smem_raw + plan_bytes(E));  // [128][128]
   __shared__ float partial[kBlock / kChunk][kBlock];
 
-  const int32_t* tok = plan;
-  const int32_t* col = plan + (E + 1);
-  const int32_t* blk = plan + 2 * (E + 1);
+  // One coalesced read of the plan instead of a chain of dependent global loads per CTA.
+  for (int idx = threadIdx.x; idx < 3 * (E + 1); idx += kThreads) plan_s[idx] = plan[idx];
+  __syncthreads();
+  const int32_t* tok = plan_s;
+  const int32_t* col = plan_s + (E + 1);
+  const int32_t* blk = plan_s + 2 * (E + 1);
   const int64_t b = blockIdx.x;
   if (b >= blk[E]) return;
   const int e = find_expert(blk, E, b);
@@ -105,33 +118,34 @@ __global__ void __launch_bounds__(kThreads) kernel(Loader src, int64_t K, int E,
   const bool lane_active = 4 * lane < nk;
   const int64_t Kb = (K + kBlock - 1) / kBlock;
 
-  // Row phase: warp w owns rows w, w+8, ...; lane owns columns 4l..4l+3. Loads first, then reduce.
-  float v[kRowsPerWarp][4];
-  float extra[kRowsPerWarp];
+  // Row phase: warp w owns rows w, w+8, ...; lane owns columns 4l..4l+3. Two batches of 8 rows, each
+  // with all its loads issued before the first use.
 #pragma unroll
-  for (int j = 0; j < kRowsPerWarp; ++j) {
-    const int r = warp + j * kWarps;
-    extra[j] = 0.f;
-    if (r < nr && lane_active) extra[j] = src.load4(row0 + r, k0 + 4 * lane, v[j]);
-    else v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
-  }
+  for (int batch = 0; batch < kRowsPerWarp; batch += kRowBatch) {
+    float v[kRowBatch][4];
+    float extra[kRowBatch];
 #pragma unroll
-  for (int j = 0; j < kRowsPerWarp; ++j) {
-    const int r = warp + j * kWarps;
-    if (qT != nullptr) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) tile[r * kBlock + 4 * lane + c] = static_cast<Stage>(v[j][c]);
+    for (int j = 0; j < kRowBatch; ++j) {
+      const int r = warp + (batch + j) * kWarps;
+      extra[j] = 0.f;
+      if (r < nr && lane_active) extra[j] = src.load4(row0 + r, k0 + 4 * lane, v[j]);
+      else v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
     }
-    if (r >= nr) continue;
-    if constexpr (Loader::kExtra) {
-      const float sum = warp_sum(extra[j]);
-      if (row_extra != nullptr && lane == 0) row_extra[(row0 + r) * Kb + blockIdx.y] = sum;
+#pragma unroll
+    for (int j = 0; j < kRowBatch; ++j) {
+      const int r = warp + (batch + j) * kWarps;
+      if (qT != nullptr) store4(tile + r * kBlock + 4 * lane, v[j]);
+      if (r >= nr) continue;
+      if constexpr (Loader::kExtra) {
+        const float sum = warp_sum(extra[j]);
+        if (row_extra != nullptr && lane == 0) row_extra[(row0 + r) * Kb + blockIdx.y] = sum;
+      }
+      if (q == nullptr) continue;
+      float a = nan_max(nan_max(fabsf(v[j][0]), fabsf(v[j][1])), nan_max(fabsf(v[j][2]), fabsf(v[j][3])));
+      const BlockQuant quant(warp_amax(a));
+      if (lane_active) *reinterpret_cast<uint32_t*>(q + (row0 + r) * K + k0 + 4 * lane) = quant.pack4(v[j]);
+      if (lane == 0) s[(row0 + r) * Kb + blockIdx.y] = quant.scale;
     }
-    if (q == nullptr) continue;
-    float a = nan_max(nan_max(fabsf(v[j][0]), fabsf(v[j][1])), nan_max(fabsf(v[j][2]), fabsf(v[j][3])));
-    const float scale = block_scale(warp_amax(a));
-    if (lane_active) *reinterpret_cast<uint32_t*>(q + (row0 + r) * K + k0 + 4 * lane) = pack4(v[j], scale);
-    if (lane == 0) s[(row0 + r) * Kb + blockIdx.y] = scale;
   }
   if (qT == nullptr) return;
   __syncthreads();
@@ -149,8 +163,8 @@ __global__ void __launch_bounds__(kThreads) kernel(Loader src, int64_t K, int E,
   }
   __syncthreads();
   if (c >= nk) return;
-  const float scale = block_scale(nan_max(nan_max(partial[0][c], partial[1][c]), nan_max(partial[2][c], partial[3][c])));
-  if (ch0 == 0) sT[b * K + k0 + c] = scale;
+  const BlockQuant quant(nan_max(nan_max(partial[0][c], partial[1][c]), nan_max(partial[2][c], partial[3][c])));
+  if (ch0 == 0) sT[b * K + k0 + c] = quant.scale;
   const int padded_rows = (nr + kColAlign - 1) / kColAlign * kColAlign;
   uint8_t* dst = qT + (k0 + c) * col_cap + col[e] + i * kBlock;
 #pragma unroll
@@ -166,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) kernel(Loader src, int64_t K, int E,
         float f[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) f[u] = to_float(tile[(r0 + 4 * g + u) * kBlock + c]);
-        w[g] = pack4(f, scale);
+        w[g] = quant.pack4(f);
       }
       *reinterpret_cast<uint4*>(dst + r0) = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -178,11 +192,12 @@ template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
             float* sT, float* row_extra, cudaStream_t stream, const char* name) {
   if (T == 0) return;
-  const size_t smem = sizeof(typename Loader::Stage) * kBlock * kBlock;
+  const size_t tile = sizeof(typename Loader::Stage) * kBlock * kBlock;
+  const size_t smem = plan_bytes(E) + (qT != nullptr ? tile : 0);
   // Per device and cheap (no sync), so simply on every launch.
   check_cuda(cudaFuncSetAttribute(kernel<Loader>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), name);
   const dim3 grid(static_cast<unsigned>(block_capacity(T, E)), static_cast<unsigned>(ceil_div(K, kBlock)));
-  kernel<Loader><<<grid, kThreads, qT != nullptr ? smem : 0, stream>>>(src, K, E, plan, q, s, qT, sT, col_capacity(T, E),
+  kernel<Loader><<<grid, kThreads, smem, stream>>>(src, K, E, plan, q, s, qT, sT, col_capacity(T, E),
                                                                       row_extra);
   check_launch(name);
 }

@@ -40,12 +40,12 @@ __global__ void __launch_bounds__(kMaxExperts) make_plan_kernel(const Count* m_s
   }
 }
 
-__global__ void zero_empty_experts_kernel(const int32_t* plan, int64_t NK, float* out) {
+__global__ void zero_empty_experts_kernel(const int32_t* plan, int64_t bytes, void* out) {
   const int e = blockIdx.y;
   if (plan[e + 1] != plan[e]) return;
-  float4* dst = reinterpret_cast<float4*>(out + e * NK);
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < NK / 4; i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(out) + e * bytes);
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes / 16; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = make_uint4(0, 0, 0, 0);
 }
 
 }  // namespace
@@ -59,11 +59,10 @@ void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t*
   check_launch("make_plan");
 }
 
-void zero_empty_experts(const int32_t* plan, int E, int64_t NK, float* out, cudaStream_t stream) {
-  // NK = N*K is a multiple of 256 (N, K multiples of 16), so float4 stores cover it.
-  const int64_t vecs = NK / 4;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(vecs, 256), 64));
-  zero_empty_experts_kernel<<<dim3(blocks, E), 256, 0, stream>>>(plan, NK, out);
+void zero_empty_experts(const int32_t* plan, int E, int64_t bytes_per_expert, void* out, cudaStream_t stream) {
+  // bytes_per_expert = N*K*element size is a multiple of 512 (N, K multiples of 16): 16-byte stores cover it.
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(bytes_per_expert / 16, 256), 64));
+  zero_empty_experts_kernel<<<dim3(blocks, E), 256, 0, stream>>>(plan, bytes_per_expert, out);
   check_launch("zero_empty_experts");
 }
 

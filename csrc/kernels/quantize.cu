@@ -15,7 +15,6 @@ using multicast::kThreads;
 using multicast::kWarps;
 using multicast::kRowsPerWarp;
 using multicast::load4;
-using multicast::pack4;
 using multicast::warp_amax;
 using multicast::imin64;
 
@@ -48,7 +47,8 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const T* __re
   a = warp_max[0];
 #pragma unroll
   for (int i = 1; i < kWarps; ++i) a = nan_max(a, warp_max[i]);
-  const float scale = block_scale(a);
+  const BlockQuant quant(a);
+  const float scale = quant.scale;
   const int64_t Nb = (N + kBlock - 1) / kBlock, Kb = (K + kBlock - 1) / kBlock;
   if (threadIdx.x == 0) {
     s[(e * Nb + blockIdx.y) * Kb + blockIdx.x] = scale;
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const T* __re
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
     const int r = warp + j * kWarps;
-    const uint32_t packed = pack4(v[j], scale);
+    const uint32_t packed = quant.pack4(v[j]);
     *reinterpret_cast<uint32_t*>(&tileq[r][4 * lane]) = packed;
     if (r < nn && lane_active) *reinterpret_cast<uint32_t*>(q + e * N * K + (n0 + r) * K + k0 + 4 * lane) = packed;
   }

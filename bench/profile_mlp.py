@@ -35,7 +35,9 @@ def profile(shape, recipe, iters=5):
     probs = torch.rand(T, device="cuda", requires_grad=True)
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
 
-    def step():
+    def step():  # a training step's expert work: fresh gradients (as after optimizer.zero_grad())
+        x.grad = probs.grad = None
+        mlp.zero_grad(set_to_none=True)
         mlp(x, m, probs).backward(dy)
 
     for _ in range(3):

@@ -19,7 +19,7 @@ namespace moegemm::multicast {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerWarp = kBlock / kWarps;  // 16
-constexpr int kChunk = 32;                     // column phase: rows per thread item
+constexpr int kChunk = 32;                     // column phase: rows per thread
 constexpr int kRowBatch = 8;                   // row phase: rows loaded before the first use
 
 template <typename T>
@@ -48,6 +48,20 @@ __device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) pack.h[i] = static_cast<T>(v[i]);
   *reinterpret_cast<uint2*>(p) = pack.u;
+}
+
+// Two adjacent staged values in one shared-memory read.
+__device__ __forceinline__ void load2(const float* p, float& a, float& b) {
+  const float2 v = *reinterpret_cast<const float2*>(p);
+  a = v.x; b = v.y;
+}
+__device__ __forceinline__ void load2(const __nv_bfloat16* p, float& a, float& b) {
+  const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+  a = v.x; b = v.y;
+}
+__device__ __forceinline__ void load2(const __half* p, float& a, float& b) {
+  const float2 v = __half22float2(*reinterpret_cast<const __half2*>(p));
+  a = v.x; b = v.y;
 }
 
 // Values of x [T, K] as they are; staged in shared memory in their own type (exact).
@@ -98,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 3) kernel(Loader src, int64_t K, int
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int32_t* plan_s = reinterpret_cast<int32_t*>(smem_raw);  // the plan, [3][E+1], then the tile
   Stage* tile = reinterpret_cast<Stage*>(smem_raw + plan_bytes(E));  // [128][128]
-  __shared__ float partial[kBlock / kChunk][kBlock];
+  __shared__ __align__(16) float partial[kWarps][kBlock];  // per-warp column maxima
 
   // One coalesced read of the plan instead of a chain of dependent global loads per CTA.
   for (int idx = threadIdx.x; idx < 3 * (E + 1); idx += kThreads) plan_s[idx] = plan[idx];
@@ -119,7 +133,8 @@ __global__ void __launch_bounds__(kThreads, 3) kernel(Loader src, int64_t K, int
   const int64_t Kb = (K + kBlock - 1) / kBlock;
 
   // Row phase: warp w owns rows w, w+8, ...; lane owns columns 4l..4l+3. Two batches of 8 rows, each
-  // with all its loads issued before the first use.
+  // with all its loads issued before the first use. Column maxima are gathered on the way.
+  float colmax[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int batch = 0; batch < kRowsPerWarp; batch += kRowBatch) {
     float v[kRowBatch][4];
@@ -134,7 +149,11 @@ __global__ void __launch_bounds__(kThreads, 3) kernel(Loader src, int64_t K, int
 #pragma unroll
     for (int j = 0; j < kRowBatch; ++j) {
       const int r = warp + (batch + j) * kWarps;
-      if (qT != nullptr) store4(tile + r * kBlock + 4 * lane, v[j]);
+      if (qT != nullptr) {
+        store4(tile + r * kBlock + 4 * lane, v[j]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) colmax[c] = nan_max(colmax[c], fabsf(v[j][c]));
+      }
       if (r >= nr) continue;
       if constexpr (Loader::kExtra) {
         const float sum = warp_sum(extra[j]);
@@ -148,42 +167,39 @@ __global__ void __launch_bounds__(kThreads, 3) kernel(Loader src, int64_t K, int
     }
   }
   if (qT == nullptr) return;
+  *reinterpret_cast<float4*>(&partial[warp][4 * lane]) = make_float4(colmax[0], colmax[1], colmax[2], colmax[3]);
   __syncthreads();
 
-  // Column phase: thread item = (column c, chunk of 32 rows); two items per thread.
-  const int c = threadIdx.x % kBlock;
-  const int ch0 = threadIdx.x / kBlock;  // 0 or 1; items ch0 and ch0 + 2
-#pragma unroll
-  for (int it = 0; it < 2; ++it) {
-    const int ch = ch0 + 2 * it;
-    float a = 0.f;
-#pragma unroll 8
-    for (int rr = 0; rr < kChunk; ++rr) a = nan_max(a, fabsf(to_float(tile[(ch * kChunk + rr) * kBlock + c])));
-    partial[ch][c] = a;
-  }
-  __syncthreads();
+  // Column phase: thread = (column pair 2p, 2p+1; chunk of 32 rows). Each shared-memory read brings
+  // both columns of a row; each column's 32 bytes go out as two 16-byte stores.
+  const int p = threadIdx.x % (kBlock / 2), ch = threadIdx.x / (kBlock / 2);
+  const int c = 2 * p;
   if (c >= nk) return;
-  const BlockQuant quant(nan_max(nan_max(partial[0][c], partial[1][c]), nan_max(partial[2][c], partial[3][c])));
-  if (ch0 == 0) sT[b * K + k0 + c] = quant.scale;
+  float amax[2] = {partial[0][c], partial[0][c + 1]};
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    amax[0] = nan_max(amax[0], partial[w][c]);
+    amax[1] = nan_max(amax[1], partial[w][c + 1]);
+  }
+  const BlockQuant quant[2] = {BlockQuant(amax[0]), BlockQuant(amax[1])};
+  if (ch == 0) *reinterpret_cast<float2*>(sT + b * K + k0 + c) = make_float2(quant[0].scale, quant[1].scale);
   const int padded_rows = (nr + kColAlign - 1) / kColAlign * kColAlign;
   uint8_t* dst = qT + (k0 + c) * col_cap + col[e] + i * kBlock;
 #pragma unroll
-  for (int it = 0; it < 2; ++it) {
-    const int ch = ch0 + 2 * it;
+  for (int h = 0; h < kChunk / 16; ++h) {
+    const int r0 = ch * kChunk + h * 16;
+    if (r0 >= padded_rows) break;
+    uint32_t w0[4], w1[4];
 #pragma unroll
-    for (int h = 0; h < kChunk / 16; ++h) {
-      const int r0 = ch * kChunk + h * 16;
-      if (r0 >= padded_rows) break;
-      uint32_t w[4];
+    for (int g = 0; g < 4; ++g) {
+      float f0[4], f1[4];
 #pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        float f[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) f[u] = to_float(tile[(r0 + 4 * g + u) * kBlock + c]);
-        w[g] = quant.pack4(f);
-      }
-      *reinterpret_cast<uint4*>(dst + r0) = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int u = 0; u < 4; ++u) load2(tile + (r0 + 4 * g + u) * kBlock + c, f0[u], f1[u]);
+      w0[g] = quant[0].pack4(f0);
+      w1[g] = quant[1].pack4(f1);
     }
+    *reinterpret_cast<uint4*>(dst + r0) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+    *reinterpret_cast<uint4*>(dst + col_cap + r0) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
   }
 }
 

@@ -14,12 +14,21 @@ namespace {
 using multicast::kThreads;
 using multicast::kWarps;
 using multicast::kRowsPerWarp;
-using multicast::load4;
 using multicast::warp_amax;
 using multicast::imin64;
 
+// Four consecutive values in their storage type (one 8- or 16-byte load).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const T* __restrict__ w, int64_t N, int64_t K,
+struct alignas(4 * sizeof(T)) Raw4 {
+  T x[4];
+  __device__ __forceinline__ void get(float (&v)[4]) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = to_float(x[i]);
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 3) quantize_weight_kernel(const T* __restrict__ w, int64_t N, int64_t K,
     uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT) {
   __shared__ __align__(16) uint8_t tileq[kBlock][kBlock + 16];
   __shared__ float warp_max[kWarps];
@@ -31,15 +40,19 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const T* __re
   const bool lane_active = 4 * lane < nk;
   const T* src = w + e * N * K;
 
-  float v[kRowsPerWarp][4];
+  // The whole tile's amax comes before any quantization, so the values wait in registers in their own
+  // type (half the registers of floats for bf16: 3 CTAs per SM instead of 2).
+  Raw4<T> raw[kRowsPerWarp];
   float a = 0.f;
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
     const int r = warp + j * kWarps;
-    if (r < nn && lane_active) load4(src + (n0 + r) * K + k0 + 4 * lane, v[j]);
-    else v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
+    if (r < nn && lane_active) raw[j] = *reinterpret_cast<const Raw4<T>*>(src + (n0 + r) * K + k0 + 4 * lane);
+    else raw[j] = Raw4<T>{};
+    float v[4];
+    raw[j].get(v);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) a = nan_max(a, fabsf(v[j][c]));
+    for (int c = 0; c < 4; ++c) a = nan_max(a, fabsf(v[c]));
   }
   a = warp_amax(a);
   if (lane == 0) warp_max[warp] = a;
@@ -57,7 +70,9 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const T* __re
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
     const int r = warp + j * kWarps;
-    const uint32_t packed = quant.pack4(v[j]);
+    float v[4];
+    raw[j].get(v);
+    const uint32_t packed = quant.pack4(v);
     *reinterpret_cast<uint32_t*>(&tileq[r][4 * lane]) = packed;
     if (r < nn && lane_active) *reinterpret_cast<uint32_t*>(q + e * N * K + (n0 + r) * K + k0 + 4 * lane) = packed;
   }

@@ -62,7 +62,7 @@ SHAPES = {  # name: (E, hidden, ffn per expert, routed tokens)
     "Mixtral-8x7B": (8, 4096, 14336, 16384),
 }
 SWEEP_E = (8, 32, 128, 256)
-SWEEP_SHAPE = (1024, 512, 8192)  # hidden, ffn, T for the host-overhead sweep (balanced splits)
+SWEEP_SHAPE = (1024, 512, 8192)  # hidden, ffn, T for the host-overhead sweep (Zipf splits)
 JITTER_SHAPE = "DeepSeek-V2-Lite"
 PROBE_E, PROBE_H, PROBE_F = 8, 256, 128
 PROBE_SPLITS = {"aligned": [32] * 8, "unaligned": [0, 1, 3, 17, 0, 30, 64, 13]}
@@ -101,6 +101,8 @@ VARIANTS = [
     Variant("te_fp8", "TE GroupedLinear fp8", "fp8"),
     Variant("moegemm_fp8_gemm", "moegemm fp8 GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
     Variant("torch_fp8_gemm", "torch fp8 rowwise GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
+    Variant("moegemm_fp8_wcache", "moegemm fp8_blockwise, FP8 weights cached (is_first_microbatch=False)", "fp8",
+            ops=("mlp",), aux=True),
 ]
 VBY = {v.key: v for v in VARIANTS}
 BASELINE = "torch_bf16"
@@ -158,7 +160,7 @@ def load_peers(dev: str, only=None) -> None:
 
             MOD["moegemm"], MOD["moegemm_ops"] = moegemm, cuda_ops
         except Exception as exc:
-            for k in ("moegemm_fp8", "moegemm_bf16", "moegemm_fp8_gemm"):
+            for k in (v.key for v in VARIANTS if v.family == "moegemm"):
                 UNAVAILABLE[k] = f"moegemm not usable: {short(exc)}"
     if "torch" in fams and not hasattr(torch, "_scaled_grouped_mm"):
         for k in ("torch_fp8", "torch_fp8_gemm"):
@@ -406,7 +408,7 @@ def _te_ctx(fp8: bool):
 def static_unsupported(key, op, kind):
     """Combinations that are known to be impossible (reason), or None."""
     if op not in VBY[key].ops:
-        return "fc1 forward only"
+        return f"measured for {'/'.join(VBY[key].ops)} only"
     if key == "torchao_fp8" and op == "mlp" and kind == "unaligned":
         return ("wgrad needs non-empty 16-row groups: torch._scaled_grouped_mm 2d x 2d device-asserts otherwise "
                 "(GroupMMCommon.cuh) and torchao 0.18 does not pad (pad_token_groups=True unsupported)")
@@ -473,6 +475,14 @@ def build_mlp(key, c: Case) -> MLPImpl:
             mlp.fc1.weight.copy_(c.W1)
             mlp.fc2.weight.copy_(c.W2)
         return MLPImpl(lambda x, m, p: mlp(x, m, p), [mlp.fc1.weight, mlp.fc2.weight])
+    if key == "moegemm_fp8_wcache":  # weights quantized once per optimizer step, reused by later microbatches
+        moe = MOD["moegemm"]
+        mlp = moe.GroupedMLP(E, H, F, activation="swiglu", bias=False, recipe="fp8_blockwise", device=dev, dtype=BF16)
+        with torch.no_grad():
+            mlp.fc1.weight.copy_(c.W1)
+            mlp.fc2.weight.copy_(c.W2)
+            mlp(c.x, c.m, c.probs, is_first_microbatch=True)
+        return MLPImpl(lambda x, m, p: mlp(x, m, p, is_first_microbatch=False), [mlp.fc1.weight, mlp.fc2.weight])
     if key == "torch_bf16":
         W1, W2 = c.W1g, c.W2g
 
@@ -722,7 +732,7 @@ def measure_ceilings(cfg) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- probes
-def probe_main(key: str) -> int:
+def probe_main(key: str, kinds) -> int:
     """Child process: run `key` on tiny aligned and unaligned cases, one line per stage (flushed), so that
     the parent knows which stage killed the process if one does."""
     def emit(**kw):
@@ -736,7 +746,8 @@ def probe_main(key: str) -> int:
         return 0
     v = VBY[key]
     tol = 0.15 if v.precision == "fp8" else 0.03
-    for kind, splits in PROBE_SPLITS.items():
+    for kind in kinds:
+        splits = PROBE_SPLITS[kind]
         c = Case("probe", PROBE_E, PROBE_H, PROBE_F, splits, DEV, seed=1)
         ref = reference(c)
         for op in v.ops:
@@ -768,14 +779,15 @@ def probe_main(key: str) -> int:
     return 0
 
 
-def run_probes(keys, timeout_s) -> dict:
+def run_probes(keys, kinds, timeout_s) -> dict:
     """{key: {stage: {"status":..., "reason":...}}} from one child process per variant, run in parallel."""
     procs, logs = {}, {}
     tmp = Path(tempfile.mkdtemp(prefix="moegemm_probe_"))
     for k in keys:
         fo, fe = open(tmp / f"{k}.out", "w"), open(tmp / f"{k}.err", "w")  # files: no pipe can fill up
         logs[k] = (fo, fe)
-        procs[k] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--probe", k], cwd=str(REPO),
+        procs[k] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--probe", k,
+                                     "--probe-kinds", ",".join(kinds)], cwd=str(REPO),
                                     stdout=fo, stderr=fe, env=os.environ.copy())
     deadline = time.time() + timeout_s
     res = {}
@@ -801,7 +813,7 @@ def run_probes(keys, timeout_s) -> dict:
                 if d.get("stage") == "done":
                     done = True
                 elif d.get("stage") == "*":
-                    for kind in PROBE_SPLITS:
+                    for kind in kinds:
                         for op in VBY[k].ops:
                             stages[f"{kind}.{op}"] = {"status": d["status"], "reason": d.get("reason")}
                 else:
@@ -811,7 +823,7 @@ def run_probes(keys, timeout_s) -> dict:
             why = ("timed out after %.0f s" % timeout_s) if timed_out else f"exit code {p.returncode}"
             why += (": " + " | ".join(tail))[:400] if tail else ""
             crashed = any(d.get("status") == "crash" for d in stages.values())
-            for kind in PROBE_SPLITS:
+            for kind in kinds:
                 for op in VBY[k].ops:
                     st = f"{kind}.{op}"
                     if st in stages:
@@ -888,7 +900,6 @@ class Runner:
 
     # -------------------------------------------------------------------------------- model shapes
     def run_point(self, shape, E, H, F, T, kind_name, splits):
-        cfg = self.cfg
         c = Case(shape, E, H, F, splits, DEV, seed=0)
         t0 = time.time()
         ref = reference(c)
@@ -961,11 +972,11 @@ class Runner:
             if self.dead or self.over_budget(reserve=self.cfg["jitter_reserve_s"]):
                 self.res["skipped"].append(f"host sweep E={E}: " + (self.dead or "time budget"))
                 continue
-            splits = balanced_splits(E, T)
+            splits = zipf_splits(E, T)
             c = Case("sweep", E, H, F, splits, DEV, seed=2)
             for key in self.selected(aux=False):
                 for op in VBY[key].ops:
-                    rec = {"op": op, "E": E, "hidden": H, "ffn": F, "T": T, "splits": "balanced", "variant": key,
+                    rec = {"op": op, "E": E, "hidden": H, "ffn": F, "T": T, "splits": "zipf", "variant": key,
                            "label": VBY[key].label}
                     self.res["host_sweep"].append(rec)
                     why = gate(key, op, c.kind)
@@ -1037,7 +1048,9 @@ class Runner:
             t0 = time.time()
             keys = self.selected()
             log(f"[bench] probing {len(keys)} variants in child processes ...")
-            PROBES.update(run_probes(keys, cfg["probe_timeout_s"]))
+            kinds = ["unaligned"] + (["aligned"] if "balanced" in cfg["splits"] else [])  # sweep, jitter: Zipf
+            kinds = [k for k in PROBE_SPLITS if k in kinds]
+            PROBES.update(run_probes(keys, kinds, cfg["probe_timeout_s"]))
             self.res["probes"] = PROBES
             bad = [(k, s, d) for k, st in PROBES.items() for s, d in st.items() if d["status"] not in ("ok", "unsupported")]
             for k, s, d in bad:
@@ -1241,7 +1254,7 @@ def render_markdown(res: dict) -> str:
                                      + (f" ({r['syncs']} sync)" if r.get("syncs") else ""))
                 rows.append([{"fc1": "fc1 fwd", "mlp": "MLP fwd+bwd"}[op], VBY[key].label if key in VBY else key] + cells)
         h, f, t = (sweep[0].get(k) for k in ("hidden", "ffn", "T"))
-        parts.append(f"## Host overhead per call vs number of experts (us; hidden={h}, ffn={f}, T={t}, balanced; "
+        parts.append(f"## Host overhead per call vs number of experts (us; hidden={h}, ffn={f}, T={t}, Zipf splits; "
                      "GPU kept busy by torch.cuda._sleep; * = the call waited for the GPU)\n\n"
                      + _table(["op", "variant"] + [f"E={E}" for E in Es], rows))
     jit = res.get("jitter", [])
@@ -1309,7 +1322,7 @@ def make_cfg(args) -> dict:
         "budget_s": args.budget_s or (110.0 if q else 480.0),
         "sweep_reserve_s": 8.0 if q else 25.0,
         "jitter_reserve_s": 12.0 if q else 60.0,
-        "probe_timeout_s": 90.0 if q else 150.0,
+        "probe_timeout_s": 90.0 if q else 200.0,
         "splits": [s.strip() for s in args.splits.split(",")] if args.splits else (["zipf"] if q else ["zipf", "balanced"]),
         "shapes": SHAPES,
         "sweep": {"E": list(SWEEP_E), "hidden_ffn_T": list(SWEEP_SHAPE)},
@@ -1335,10 +1348,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="do not write PNGs")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--probe-kinds", default="aligned,unaligned", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     _ensure_carried_wheels()
     if args.probe:
-        return probe_main(args.probe)
+        return probe_main(args.probe, [k for k in args.probe_kinds.split(",") if k in PROBE_SPLITS])
     if not torch.cuda.is_available():
         log("bench.py needs a CUDA GPU (an H100/H200 for moegemm's kernels); nothing measured.")
         return 1

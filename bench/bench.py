@@ -1124,7 +1124,9 @@ def _run(cmd, cwd=None):
 
 
 def collect_meta(args) -> dict:
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=str(REPO)) or os.environ.get("MOEGEMM_COMMIT") or "unknown"
+    rev = _run(["git", "rev-parse", "HEAD"], cwd=str(REPO))
+    rev = rev if rev and len(rev) == 40 else None  # the GPU machine's copy of the tree has no git history
+    commit = os.environ.get("MOEGEMM_COMMIT") or rev or "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=str(REPO))
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -26,6 +26,13 @@ for recipe in ["fp8_blockwise", "bf16"]:
         w.main_grad = torch.zeros(E, N, K, device="cuda")
         moegemm.grouped_linear(x, w, m, recipe=recipe).backward(torch.randn_like(y))  # accumulate path
         del w.main_grad
+for activation in moegemm.reference.ACTIVATIONS:  # the fused activation kernels, forward and backward
+    mlp = moegemm.GroupedMLP(E, K, 144, activation=activation, bias=True, device="cuda")
+    xm = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(T, device="cuda", requires_grad=True)
+    ym = mlp(xm, m, probs)
+    ym.backward(torch.randn_like(ym))
+    assert torch.isfinite(xm.grad).all() and torch.isfinite(probs.grad).all()
 xf = torch.randn(T, K, device="cuda")  # fp32 activations through the multi-cast kernel
 q, s, qT, sT = cuda_ops.quantize_act(xf, plan, True, True)
 rq, rs, _, _ = ref.quantize_act(xf, ref.make_plan(m, T), True, False)

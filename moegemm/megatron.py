@@ -190,8 +190,10 @@ def _fusable_main_grad(param):
 
 
 def _weight_for_op(param: torch.Tensor) -> torch.Tensor:
-    if not (torch.is_grad_enabled() and param.requires_grad and hasattr(param, "main_grad")):
+    if not hasattr(param, "main_grad"):
         return param
+    if not (torch.is_grad_enabled() and param.requires_grad):
+        return param.detach()  # no gradient: hide main_grad (moegemm validates it)
     w = _MainGradBridge.apply(param)
     mg = _fusable_main_grad(param)
     if mg is not None:
@@ -225,7 +227,9 @@ class MoegemmExperts(MegatronModule):
     ``submodules`` (accepted and ignored), ``pg_collection`` (``ep``, ``expt_tp``, ``expt_dp``; default:
     megatron's ``parallel_state``), ``name``. Own keyword arguments: ``recipe`` (``'bf16'`` or
     ``'fp8_blockwise'``; default from ``$MOEGEMM_MEGATRON_RECIPE`` or ``config.fp8``),
-    ``fp8_weight_cache`` (reuse the FP8 weights across the micro-batches of a step; default True).
+    ``fp8_weight_cache`` (reuse the FP8 weights across the micro-batches of a step, requantizing on the
+    first micro-batch as Megatron's schedule flags it; default: when ``config.fp8`` is set, the only case
+    in which Megatron's schedule raises that flag).
 
     Parameters: ``linear_fc1.weight [E, F1, H]`` (F1 = 2·moe_ffn_hidden_size with gated_linear_unit,
     gate rows first like Megatron), ``linear_fc2.weight [E, H, F]`` and ``bias`` ``[E, F1]`` / ``[E, H]``
@@ -234,7 +238,8 @@ class MoegemmExperts(MegatronModule):
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, name: Optional[str] = None,
-                 *, recipe: Optional[str] = None, fp8_weight_cache: bool = True, model_comm_pgs=None, **kwargs):
+                 *, recipe: Optional[str] = None, fp8_weight_cache: Optional[bool] = None, model_comm_pgs=None,
+                 **kwargs):
         if kwargs:
             warnings.warn(f"MoegemmExperts: ignoring arguments {sorted(kwargs)}")
         super().__init__(config=config)
@@ -265,7 +270,9 @@ class MoegemmExperts(MegatronModule):
         for what, size in (("hidden_size", self.hidden_size), ("moe_ffn_hidden_size", ffn)):
             if size % 16:
                 raise ValueError(f"moegemm experts need {what} to be a multiple of 16, got {size}")
-        self.fp8_weight_cache = fp8_weight_cache
+        if fp8_weight_cache is None:
+            fp8_weight_cache = bool(getattr(config, "fp8", None))
+        self.fp8_weight_cache = bool(fp8_weight_cache)
         self.is_first_microbatch = True  # Megatron's schedule sets it at each step's first micro-batch
         self._fp8 = None
         self._fp8_key = None
@@ -331,8 +338,8 @@ class MoegemmExperts(MegatronModule):
         if not self.fp8_weight_cache or getattr(self.config, "disable_parameter_transpose_cache", False):
             return None
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        # the parameters' version counters move with every in-place update (optimizer step, load), so a
-        # stale cache is never used even outside Megatron's schedule
+        # also requantize when the parameters' version counters moved (a torch optimizer step, a load);
+        # updates through ``.data`` (Megatron's distributed optimizer) rely on the first-micro-batch flag
         key = (w1._version, w2._version, w1.data_ptr(), w2.data_ptr())
         if first or self._fp8 is None or key != self._fp8_key:
             with torch.no_grad():
@@ -379,12 +386,12 @@ class MoegemmExperts(MegatronModule):
             compute_dtype = torch.bfloat16  # moegemm's CUDA path takes bf16 activations
         xin = x2.to(compute_dtype).contiguous()
         w1, w2 = _weight_for_op(self.linear_fc1.weight), _weight_for_op(self.linear_fc2.weight)
-        y = grouped_mlp(xin, w1, w2, splits, probs, self.linear_fc1.bias, None, self.activation, self.recipe,
-                        self._fp8_weights())
+        y = grouped_mlp(xin, w1, w2, splits, probs=probs, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
+                        activation=self.activation, recipe=self.recipe, fp8_weights=self._fp8_weights())
         b2 = self.linear_fc2.bias
         if b2 is not None:  # Megatron adds fc2's bias scaled by the token's prob
             ids = _expert_ids(splits, self.num_local_experts, T, y.device)
-            b = b2[ids].float()
+            b = b2.index_select(0, ids).float()  # backward: index_add_, no host sync
             if probs is not None:
                 b = b * probs.float().unsqueeze(-1)
             y = (y.float() + b).to(y.dtype)
@@ -450,7 +457,7 @@ def _state_dict_to_sequential(module, state_dict, prefix, local_metadata=None):
     for e in range(module.num_local_experts):
         for lin in ("linear_fc1", "linear_fc2"):
             state_dict[f"{prefix}local_experts.{e}.{lin}._extra_state"] = None
-    return state_dict
+
 
 def _load_from_any(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """Translate SequentialMLP (``local_experts.{i}.linear_fc1.weight``) or TEGroupedMLP
@@ -583,7 +590,8 @@ def patch_layer_spec(spec, **experts_kwargs):
     count = [0]
     out = _patch(spec, experts_builder(**experts_kwargs), count)
     if not count[0]:
-        raise ValueError("patch_layer_spec: the spec contains no MoE layer (MoESubmodules); build it with num_experts set")
+        raise ValueError("patch_layer_spec: the spec contains no MoE layer (MoESubmodules); "
+                         "build it with num_experts set")
     return out
 
 

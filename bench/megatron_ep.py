@@ -176,6 +176,7 @@ def main():
         ref = build_mlp(spec.submodules.mlp, cfg1, pg_collection=ref_pgc)  # EP = 1, this rank alone
         seq = build_mlp(seq_spec.submodules.mlp, cfg1, pg_collection=ref_pgc)
         assert ref.experts.num_local_experts == E
+        layer, ref, seq = layer.to(device), ref.to(device), seq.to(device)  # the router may be built on the CPU
         with torch.no_grad():
             dist.broadcast(layer.router.weight.data, 0)  # the router is replicated
             ref.router.weight.copy_(layer.router.weight)

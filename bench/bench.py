@@ -55,12 +55,8 @@ REPO = BENCH.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SHAPES = {  # name: (E, hidden, ffn per expert, routed tokens)
-    "DeepSeek-V2-Lite": (64, 2048, 1408, 24576),
-    "Qwen3-30B-A3B": (128, 2048, 768, 32768),
-    "DeepSeek-V3-EP8": (32, 7168, 2048, 32768),
-    "Mixtral-8x7B": (8, 4096, 14336, 16384),
-}
+from moegemm.workloads import SHAPES, balanced_splits, zipf_splits  # noqa: E402
+
 SWEEP_E = (8, 32, 128, 256)
 SWEEP_SHAPE = (1024, 512, 8192)  # hidden, ffn, T for the host-overhead sweep (Zipf splits)
 JITTER_SHAPE = "DeepSeek-V2-Lite"
@@ -191,22 +187,6 @@ def load_peers(dev: str, only=None) -> None:
 
 
 # ------------------------------------------------------------------------------------------- splits
-def zipf_splits(E, T, alpha=1.2, empty_frac=0.125, seed=0):
-    """Zipf-skewed counts in a shuffled expert order, >= 1 empty expert (same as bench/fprop.py)."""
-    rng = random.Random(seed)
-    w = [1.0 / (r + 1) ** alpha for r in range(E)]
-    rng.shuffle(w)
-    for e in rng.sample(range(E), max(1, int(E * empty_frac)) if E > 1 else 0):
-        w[e] = 0.0
-    counts = [int(T * x / sum(w)) for x in w]
-    counts[max(range(E), key=lambda e: w[e])] += T - sum(counts)
-    return counts
-
-
-def balanced_splits(E, T):
-    return [T // E + (1 if e < T % E else 0) for e in range(E)]
-
-
 def split_kind(splits) -> str:
     """'aligned' when every group is non-empty and a multiple of 16 rows (what the FP8 2d x 2d grouped
     GEMM of torch needs), else 'unaligned'."""

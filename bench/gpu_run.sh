@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install carried wheels, build the extension, run the GPU tests and the
-# benchmark; logs under $OUT (or ./gpu_out), a short table last.
+# quick benchmark; logs under $OUT (or ./gpu_out), a short table last.
 #   bash bench/gpu_run.sh [pytest args...]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -15,7 +15,7 @@ python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
 [ -n "${TRAIN_LM:-}" ] && python3 bench/train_lm.py --out "$OUT" 2>&1 | tee "$OUT/train_lm.log" | tail -12
-${SKIP_BENCH:+true} python3 bench/fprop.py --json "$OUT/fprop.json" 2>&1 | tee "$OUT/bench.log"
+${SKIP_BENCH:+true} python3 bench/bench.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -20
 if [ -n "${SANITIZE:-}" ]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1

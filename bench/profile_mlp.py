@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
+from pathlib import Path
 
 import torch
 
-import moegemm
-
-from fprop import SHAPES, zipf_splits
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import moegemm  # noqa: E402
+from moegemm.workloads import SHAPES, zipf_splits  # noqa: E402
 
 
 def family(name: str) -> str:

@@ -10,24 +10,13 @@ path on a small shape and says so.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 
 import torch
 
 import moegemm
 from moegemm import backend
-
-
-def zipf_splits(E: int, T: int, seed: int = 0) -> list:
-    rng = random.Random(seed)
-    w = [1.0 / (r + 1) ** 1.2 for r in range(E)]
-    rng.shuffle(w)
-    for e in rng.sample(range(E), E // 8):
-        w[e] = 0.0
-    counts = [int(T * x / sum(w)) for x in w]
-    counts[max(range(E), key=lambda e: w[e])] += T - sum(counts)
-    return counts
+from moegemm.workloads import SHAPES, zipf_splits
 
 
 def rel(a, b) -> float:
@@ -99,7 +88,8 @@ def main() -> None:
     ap.add_argument("--shape", nargs=4, type=int, metavar=("E", "K", "N", "T"), help="experts, in, out, tokens")
     args = ap.parse_args()
     if torch.cuda.is_available():
-        run(*(args.shape or (64, 2048, 2816, 24576)), device="cuda")
+        E, hidden, ffn, T = SHAPES["DeepSeek-V2-Lite"]
+        run(*(args.shape or (E, hidden, 2 * ffn, T)), device="cuda")
     else:
         run(*(args.shape or (8, 256, 512, 1000)), device="cpu")
 

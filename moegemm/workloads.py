@@ -1,0 +1,29 @@
+"""The standard MoE workloads of the demo and the benchmarks (SPEC §7): model shapes and token counts
+per expert (Zipf-skewed with empty experts, or balanced). Deterministic for a given seed."""
+
+from __future__ import annotations
+
+import random
+
+SHAPES = {  # name: (E, hidden, ffn per expert, routed tokens)
+    "DeepSeek-V2-Lite": (64, 2048, 1408, 24576),
+    "Qwen3-30B-A3B": (128, 2048, 768, 32768),
+    "DeepSeek-V3-EP8": (32, 7168, 2048, 32768),
+    "Mixtral-8x7B": (8, 4096, 14336, 16384),
+}
+
+
+def zipf_splits(E: int, T: int, alpha: float = 1.2, empty_frac: float = 0.125, seed: int = 0) -> list:
+    """Zipf-skewed counts summing to T in a shuffled expert order, with at least one empty expert (E > 1)."""
+    rng = random.Random(seed)
+    w = [1.0 / (r + 1) ** alpha for r in range(E)]
+    rng.shuffle(w)
+    for e in rng.sample(range(E), max(1, int(E * empty_frac)) if E > 1 else 0):
+        w[e] = 0.0
+    counts = [int(T * x / sum(w)) for x in w]
+    counts[max(range(E), key=lambda e: w[e])] += T - sum(counts)
+    return counts
+
+
+def balanced_splits(E: int, T: int) -> list:
+    return [T // E + (1 if e < T % E else 0) for e in range(E)]

@@ -4,6 +4,7 @@
   Use it as ``@requires_cuda`` (imported from this module) or ``@pytest.mark.requires_cuda``;
   such tests are skipped everywhere else.
 * ``zipf_splits(E, T, empty=True)``: Zipf-skewed token counts, with some empty experts.
+* ``rel(out, expected)``: ‖out − expected‖ / ‖expected‖ in float64 (SPEC §4's measure).
 """
 
 from __future__ import annotations
@@ -64,3 +65,12 @@ def zipf_splits(E: int, T: int, empty: bool = True, alpha: float = 1.2) -> list:
 @pytest.fixture
 def zipf():
     return zipf_splits
+
+
+def rel(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖out − expected‖ / ‖expected‖ in float64; against an all-zero reference: 0 if out is zero too, else inf."""
+    out, expected = out.double(), expected.double()
+    diff, norm = (out - expected).norm().item(), expected.norm().item()
+    if norm == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return diff / norm

@@ -12,7 +12,7 @@ import torch
 import moegemm
 from moegemm import reference as ref
 
-from conftest import HAS_HOPPER, requires_cuda, zipf_splits
+from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 if HAS_HOPPER:
@@ -21,10 +21,6 @@ if HAS_HOPPER:
 DEV = "cuda"
 ACTS = list(ref.ACTIVATIONS)
 
-
-def rel(out, expected):
-    out, expected = out.double(), expected.double()
-    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
 def plans(splits, T):

@@ -11,7 +11,7 @@ import torch
 import moegemm
 from moegemm import reference as ref
 
-from conftest import HAS_HOPPER, requires_cuda, zipf_splits
+from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
@@ -20,10 +20,6 @@ if HAS_HOPPER:
 
 DEV = "cuda"
 
-
-def rel(out, expected):
-    out, expected = out.double(), expected.double()
-    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
 def device_plan(splits, T):

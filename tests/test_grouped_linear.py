@@ -11,7 +11,7 @@ import moegemm
 from moegemm import GroupedLinear, grouped_linear
 from moegemm import reference as R
 
-from conftest import zipf_splits
+from conftest import rel, zipf_splits
 
 TOL = {"bf16": 1e-2, "fp8_blockwise": 8e-2}
 RECIPES = list(TOL)
@@ -31,13 +31,6 @@ def get_splits(name):
     s = SPLITS[name]
     return zipf_splits(8, 500) if s is None else list(s)
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    nb = b.norm().item()
-    if nb == 0:
-        return a.norm().item()
-    return ((a - b).norm() / nb).item()
 
 
 def f64_reference(x, w, b, splits, dy):

@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from moegemm.megatron import (MoegemmExperts, experts_builder, get_gpt_layer_spec, get_moe_layer_spec,  # noqa: E402
                               patch_layer_spec, resolve_activation, resolve_recipe)
 
-from conftest import requires_cuda  # noqa: E402
+from conftest import rel, requires_cuda  # noqa: E402
 
 ACTS = {  # name -> (gated_linear_unit, activation_func)
     "swiglu": (True, F.silu),
@@ -167,11 +167,6 @@ def pair(config, **experts_kwargs):
     mine.load_state_dict(ref.state_dict(), strict=True)
     return ref, mine
 
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    nb = b.norm().item()
-    return a.norm().item() if nb == 0 else ((a - b).norm() / nb).item()
 
 
 def grad_or_zeros(p):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moegemm import GroupedMLP, grouped_mlp
 from moegemm import reference as R
 
-from conftest import zipf_splits
+from conftest import rel, zipf_splits
 
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "relu", "squared_relu")
 GLU = ("swiglu", "geglu")
@@ -40,13 +40,6 @@ def tol(recipe: str, activation: str, what: str) -> float:
         return 0.25  # relu masks flip under FP8 noise of h
     return 0.12
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    nb = b.norm().item()
-    if nb == 0:
-        return a.norm().item()
-    return ((a - b).norm() / nb).item()
 
 
 def fc1_out(activation: str, ffn: int) -> int:

@@ -22,7 +22,6 @@ DEV = "cuda"
 ACTS = list(ref.ACTIVATIONS)
 
 
-
 def plans(splits, T):
     m = torch.tensor(splits, device=DEV)
     return cuda_ops.make_plan(m, T), ref.make_plan(m, T)

@@ -21,7 +21,6 @@ if HAS_HOPPER:
 DEV = "cuda"
 
 
-
 def device_plan(splits, T):
     m = torch.tensor(splits, dtype=torch.int64, device=DEV)
     return cuda_ops.make_plan(m, T), ref.make_plan(m, T)

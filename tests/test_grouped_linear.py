@@ -32,7 +32,6 @@ def get_splits(name):
     return zipf_splits(8, 500) if s is None else list(s)
 
 
-
 def f64_reference(x, w, b, splits, dy):
     """Unquantized float64 math by a per-expert loop, differentiated by torch.autograd."""
     x64 = x.detach().double().requires_grad_()

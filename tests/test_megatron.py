@@ -168,7 +168,6 @@ def pair(config, **experts_kwargs):
     return ref, mine
 
 
-
 def grad_or_zeros(p):
     return p.grad if p.grad is not None else torch.zeros_like(p)
 

@@ -41,7 +41,6 @@ def tol(recipe: str, activation: str, what: str) -> float:
     return 0.12
 
 
-
 def fc1_out(activation: str, ffn: int) -> int:
     return 2 * ffn if activation in GLU else ffn
 

@@ -21,33 +21,40 @@ from .modules import GroupedLinear
 from .reference import ACTIVATIONS, GLU_ACTIVATIONS, act_backward, act_forward
 
 
+def _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1: bool, need_dw2: bool):
+    """y and the tensors backward needs. The column (transposed) copies of x and of the activation are
+    made only when the matching weight gradient is needed; inference asks for neither."""
+    ops = backend.select(x.device)
+    if recipe == "fp8_blockwise":
+        (qw1, sw1, qw1T, sw1T), (qw2, sw2, qw2T, sw2T) = fp8_weights or (
+            ops.quantize_weight(w1.contiguous()), ops.quantize_weight(w2.contiguous()))
+        qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw1)
+        h = add_bias(ops.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, x.dtype), b1, plan)
+        qa, sa, qaT, saT = ops.act_quantize(h, p32, activation, plan, rows=True, cols=need_dw2)
+        y = ops.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, x.dtype)
+        saved = (qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T)
+    else:
+        w1b, w2b = w1.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous()
+        h = add_bias(ops.gemm_bf16_fprop(x, w1b, plan), b1, plan)
+        a = act_forward(h, p32, activation).to(x.dtype)
+        y = ops.gemm_bf16_fprop(a, w2b, plan)
+        saved = (x, w1b, h, a, w2b)
+    return add_bias(y, b2, plan), saved
+
+
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, b1, b2, probs, plan, activation, recipe, fp8_weights):
-        ops = backend.select(x.device)
-        need = ctx.needs_input_grad
-        need_dw1, need_dw2 = need[1], need[2]
         p32 = probs.float().contiguous() if probs is not None else None
-        if recipe == "fp8_blockwise":
-            (qw1, sw1, qw1T, sw1T), (qw2, sw2, qw2T, sw2T) = fp8_weights or (
-                ops.quantize_weight(w1.contiguous()), ops.quantize_weight(w2.contiguous()))
-            qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw1)
-            h = add_bias(ops.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, x.dtype), b1, plan)
-            qa, sa, qaT, saT = ops.act_quantize(h, p32, activation, plan, rows=True, cols=need_dw2)
-            y = ops.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, x.dtype)
-            ctx.save_for_backward(qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T, p32, plan)
-        else:
-            w1b, w2b = w1.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous()
-            h = add_bias(ops.gemm_bf16_fprop(x, w1b, plan), b1, plan)
-            a = act_forward(h, p32, activation).to(x.dtype)
-            y = ops.gemm_bf16_fprop(a, w2b, plan)
-            ctx.save_for_backward(x, w1b, h, a, w2b, p32, plan)
+        need_dw1, need_dw2 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        y, saved = _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1, need_dw2)
+        ctx.save_for_backward(*saved, p32, plan)
         ctx.activation, ctx.recipe = activation, recipe
         ctx.w1, ctx.w2 = w1, w2
         ctx.b1_dtype = b1.dtype if b1 is not None else None
         ctx.b2_dtype = b2.dtype if b2 is not None else None
         ctx.probs_dtype = probs.dtype if probs is not None else None
-        return add_bias(y, b2, plan)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -93,21 +100,9 @@ class _GroupedMLP(torch.autograd.Function):
 
 
 def _inference(x, w1, w2, b1, b2, probs, plan, activation, recipe, fp8_weights):
-    """Forward only: no transposed copies, nothing saved."""
-    ops = backend.select(x.device)
+    """Forward only: no transposed copies, nothing kept for backward."""
     p32 = probs.float().contiguous() if probs is not None else None
-    if recipe == "fp8_blockwise":
-        (qw1, sw1, _, _), (qw2, sw2, _, _) = fp8_weights or (ops.quantize_weight(w1.contiguous()),
-                                                             ops.quantize_weight(w2.contiguous()))
-        qx, sx, _, _ = ops.quantize_act(x, plan, rows=True, cols=False)
-        h = add_bias(ops.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, x.dtype), b1, plan)
-        qa, sa, _, _ = ops.act_quantize(h, p32, activation, plan, rows=True, cols=False)
-        y = ops.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, x.dtype)
-    else:
-        h = add_bias(ops.gemm_bf16_fprop(x, w1.to(x.dtype).contiguous(), plan), b1, plan)
-        a = act_forward(h, p32, activation).to(x.dtype)
-        y = ops.gemm_bf16_fprop(a, w2.to(x.dtype).contiguous(), plan)
-    return add_bias(y, b2, plan)
+    return _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, False, False)[0]
 
 
 def check_activation(activation: str) -> str:

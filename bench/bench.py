@@ -56,6 +56,12 @@ if str(REPO) not in sys.path:
 
 from moegemm.workloads import SHAPES, balanced_splits, zipf_splits  # noqa: E402
 
+# Issue 6's grouped-GEMM targets (DeepGEMM-style): name -> (groups, K, N, tokens), balanced groups; fc1 only.
+GEMM_SHAPES = {
+    "GEMM 4x8192 N=4096 K=7168": (4, 7168, 4096, 4 * 8192),
+    "GEMM 64x2304 N=2816 K=2048": (64, 2048, 2816, 64 * 2304),
+}
+GEMM_TARGETS = {"GEMM 4x8192 N=4096 K=7168": 1300.0, "GEMM 64x2304 N=2816 K=2048": 1100.0}  # TFLOP/s
 SWEEP_E = (8, 32, 128, 256)
 SWEEP_SHAPE = (1024, 512, 8192)  # hidden, ffn, T for the host-overhead sweep (Zipf splits)
 JITTER_SHAPE = "DeepSeek-V2-Lite"
@@ -230,8 +236,9 @@ class Case:
 
 
 @torch.no_grad()
-def reference(c: Case) -> dict:
-    """float64 per-expert computation (inputs are the exact bf16 values), stored as fp32."""
+def reference(c: Case, fc1_only: bool = False) -> dict:
+    """float64 per-expert computation (inputs are the exact bf16 values), stored as fp32; with
+    ``fc1_only`` just fc1's output h."""
     dev, T, H, F, E = c.x.device, c.T, c.H, c.F, c.E
     f32 = dict(dtype=torch.float32, device=dev)
     out = {"h": torch.empty(T, 2 * F, **f32), "y": torch.empty(T, H, **f32), "dx": torch.empty(T, H, **f32),
@@ -247,6 +254,8 @@ def reference(c: Case) -> dict:
         xe, pe, dye = c.x[rows].double(), c.probs[rows].double()[:, None], c.dy[rows].double()
         h = xe @ w1.t()
         out["h"][rows] = h
+        if fc1_only:
+            continue
         g, u = h[:, :F], h[:, F:]
         sig = torch.sigmoid(g)
         s = g * sig
@@ -578,17 +587,20 @@ def cycles_per_ms() -> float:
     return _CYCLES_PER_MS
 
 
-def host_overhead(fn, reps) -> dict:
-    """Host wall time of one call while the GPU is busy with a torch.cuda._sleep enqueued before it, so
-    the call only enqueues. 'gpu_went_idle' counts the calls during which the sleep ran out: the call
-    synchronised with the device (or filled the launch queue), so its time includes GPU waiting."""
+def host_overhead(fn, reps, target_s=2e-3, max_calls=20) -> dict:
+    """Host wall time per call while the GPU is busy with a torch.cuda._sleep enqueued before a batch of
+    back-to-back calls (about ``target_s`` of host work, at most ``max_calls``), so the calls only
+    enqueue; the median over ``reps`` batches. 'gpu_went_idle' counts the batches during which the sleep
+    ran out: a call synchronised with the device (or filled the launch queue), so the time includes GPU
+    waiting."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()
     est = time.perf_counter() - t0
     del out
     torch.cuda.synchronize()
-    sleep_ms = min(max(2.0, 3e3 * est + 1.0), 1000.0)
+    n = max(1, min(max_calls, int(target_s / max(est, 1e-6))))
+    sleep_ms = min(max(2.0, 3e3 * n * est + 1.0), 2000.0)
     cyc = int(sleep_ms * cycles_per_ms())
     times, idle = [], 0
     for _ in range(reps):
@@ -596,13 +608,15 @@ def host_overhead(fn, reps) -> dict:
         ev = torch.cuda.Event()
         ev.record()
         t0 = time.perf_counter()
-        out = fn()
+        for _ in range(n):
+            out = fn()
+            del out
         t1 = time.perf_counter()
         idle += int(ev.query())
-        times.append(t1 - t0)
-        del out
+        times.append((t1 - t0) / n)
         torch.cuda.synchronize()
-    return {"host_us": statistics.median(times) * 1e6, "host_gpu_went_idle": idle, "host_reps": reps}
+    return {"host_us": statistics.median(times) * 1e6, "host_gpu_went_idle": idle, "host_reps": reps,
+            "host_calls_per_rep": n}
 
 
 def count_syncs(fn) -> int:
@@ -878,19 +892,20 @@ class Runner:
                 log("[bench] " + self.dead)
 
     # -------------------------------------------------------------------------------- model shapes
-    def run_point(self, shape, E, H, F, T, kind_name, splits):
+    def run_point(self, shape, E, H, F, T, kind_name, splits, ops=("fc1", "mlp")):
         c = Case(shape, E, H, F, splits, DEV, seed=0)
         t0 = time.time()
-        ref = reference(c)
+        ref = reference(c, fc1_only="mlp" not in ops)
         log(f"[bench] {shape} {kind_name}: E={E} H={H} F={F} T={T} empty={splits.count(0)} "
             f"({c.kind}); float64 reference {time.time() - t0:.1f} s")
         recs = []
         for key in self.selected():
             v = VBY[key]
-            for op in v.ops:
+            for op in (o for o in v.ops if o in ops):
                 rec = {"section": op, "shape": shape, "E": E, "hidden": H, "ffn": F, "T": T, "splits": kind_name,
                        "split_kind": c.kind, "n_empty": splits.count(0), "variant": key, "label": v.label,
-                       "precision": v.precision, "aux": v.aux, "flops": c.flops(op), "min_bytes": c.min_bytes(op)}
+                       "precision": v.precision, "aux": v.aux, "flops": c.flops(op), "min_bytes": c.min_bytes(op),
+                       "gemm_target": shape in GEMM_SHAPES}
                 if key == "torch_fp8" and op == "mlp" and c.kind != "aligned":
                     rec["note"] = "wgrad in bf16 (torch._grouped_mm): FP8 2d x 2d needs non-empty 16-row groups"
                 recs.append(rec)
@@ -1053,6 +1068,17 @@ class Runner:
                     self.res["skipped"].append(f"{shape}/{kind_name}: {pt.get('status')}: {pt.get('reason')}")
                 free()
                 self.save()
+        for shape, (E, K, N, T) in cfg["gemm_shapes"].items():
+            if args.shapes and not any(s.lower() in shape.lower() for s in args.shapes.split(",")):
+                continue
+            if self.dead or self.over_budget(reserve=cfg["sweep_reserve_s"] + cfg["jitter_reserve_s"]):
+                self.res["skipped"].append(f"{shape}: " + (self.dead or "time budget"))
+                continue
+            pt = {}
+            self.guarded(pt, shape, lambda: self.run_point(shape, E, K, N // 2, T, "balanced", balanced_splits(E, T),
+                                                           ops=("fc1",)))
+            free()
+            self.save()
         if not args.no_sweep:
             self.run_sweep()
             self.save()
@@ -1255,10 +1281,27 @@ def render_markdown(res: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def render_gemm_targets(recs) -> str:
+    rows = []
+    for shape, target in GEMM_TARGETS.items():
+        got = {r["variant"]: r for r in recs if r["shape"] == shape and r["section"] == "fc1" and r.get("status") == "ok"}
+        if not got:
+            continue
+        cell = lambda k: _f(got[k]["tflops"], ".0f") if k in got else "n/a"  # noqa: E731
+        rows.append([shape, f"{target:.0f}", cell("moegemm_fp8"), cell("moegemm_fp8_gemm"), cell("torch_fp8_gemm"),
+                     cell("torch_fp8"), cell(BASELINE)])
+    if not rows:
+        return ""
+    return ("## Grouped FP8 GEMM targets (fc1 forward, balanced groups; TFLOP/s)\n\n"
+            + _table(["problem", "target", "moegemm fp8 (quantization included)", "moegemm GEMM only",
+                      "torch fp8 rowwise GEMM only", "torch fp8 rowwise (quantization included)",
+                      "torch._grouped_mm bf16"], rows) + "\n\n")
+
+
 def render_summary(res: dict) -> str:
     recs = res.get("records", [])
     rows = []
-    points = list(dict.fromkeys((r["shape"], r["splits"]) for r in recs))
+    points = list(dict.fromkeys((r["shape"], r["splits"]) for r in recs if r["shape"] in SHAPES))
     for shape, splits in points:
         def get(key, sec):
             return next((r for r in recs if r["shape"] == shape and r["splits"] == splits and r["variant"] == key
@@ -1276,7 +1319,7 @@ def render_summary(res: dict) -> str:
                      _f(mo1.get("speedup_vs_torch_bf16"), ".2f") + "x" if mo1 and mo1.get("speedup_vs_torch_bf16") else "n/a",
                      (_f(mo.get("host_us"), ".0f") if mo else "n/a") + " / " + (_f(base.get("host_us"), ".0f") if base else "n/a"),
                      _f((mo.get("err") or {}).get("y"), ".2e") if mo else "n/a"])
-    return ("## Summary: moegemm fp8_blockwise\n\nMLP fwd+bwd ms, speed-ups over torch._grouped_mm bf16 and over "
+    return (render_gemm_targets(recs) + "## Summary: moegemm fp8_blockwise\n\nMLP fwd+bwd ms, speed-ups over torch._grouped_mm bf16 and over "
             "the fastest peer measured here, fc1 forward speed-up, host us per MLP call (moegemm / torch bf16), "
             "output error vs float64.\n\n"
             + _table(["shape", "splits", "moegemm ms", "torch bf16 ms", "vs torch bf16", "best peer ms",
@@ -1298,14 +1341,15 @@ def make_cfg(args) -> dict:
         "ceiling_n": 8192,
         "copy_elems": 1 << 29,  # bf16: 1 GiB
         "jitter_iters": args.jitter_iters or (1000 if q else 10000),
-        "jitter_seconds": args.jitter_seconds or (4.0 if q else 25.0),
-        "jitter_variants": ["moegemm_fp8", "torch_bf16", "loop_bf16"] if q else "all",
-        "budget_s": args.budget_s or (110.0 if q else 480.0),
+        "jitter_seconds": args.jitter_seconds or (4.0 if q else 60.0),
+        "jitter_variants": ["moegemm_fp8", "torch_bf16", "loop_bf16"] if q else ["moegemm_fp8", "moegemm_bf16", "torch_bf16"],
+        "budget_s": args.budget_s or (110.0 if q else 500.0),
         "sweep_reserve_s": 8.0 if q else 25.0,
-        "jitter_reserve_s": 12.0 if q else 60.0,
+        "jitter_reserve_s": 12.0 if q else 140.0,
         "probe_timeout_s": 90.0 if q else 200.0,
         "splits": [s.strip() for s in args.splits.split(",")] if args.splits else (["zipf"] if q else ["zipf", "balanced"]),
         "shapes": SHAPES,
+        "gemm_shapes": {} if q else GEMM_SHAPES,
         "sweep": {"E": list(SWEEP_E), "hidden_ffn_T": list(SWEEP_SHAPE)},
         "jitter_shape": JITTER_SHAPE,
     }

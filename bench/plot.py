@@ -24,7 +24,7 @@ def _num(v):
 
 
 def _speedup_plot(res, plt, path):
-    recs = [r for r in res.get("records", []) if not r.get("aux")]
+    recs = [r for r in res.get("records", []) if not r.get("aux") and not r.get("gemm_target")]
     splits = list(dict.fromkeys(r["splits"] for r in recs))
     secs = [s for s in SECTIONS if any(r["section"] == s for r in recs)]
     if not recs or not splits or not secs:

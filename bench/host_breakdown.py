@@ -1,0 +1,97 @@
+"""Where the host time of one call goes: enqueue microseconds per call (GPU kept busy, as bench.py's
+host-overhead column) of each step of moegemm's fc1 forward and MLP forward+backward, next to a bare
+torch op and torch._grouped_mm, for E = 8 and 256.
+
+    python bench/host_breakdown.py [--profile]   # --profile: torch.profiler CPU table of one MLP step
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+import moegemm  # noqa: E402
+from bench import host_overhead  # noqa: E402
+from moegemm import _validate, backend  # noqa: E402
+from moegemm.workloads import zipf_splits  # noqa: E402
+
+
+def us(fn) -> float:
+    fn()
+    return host_overhead(fn, reps=7)["host_us"]
+
+
+def profile_cpu(fn, iters=10):
+    """CPU time per op of ``iters`` calls enqueued behind a long GPU sleep (so nothing waits)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
+def main():
+    H, F, T = 1024, 512, 8192
+    rows = []
+    for E in (8, 256):
+        dev = "cuda"
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        w1 = torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16) * H ** -0.5
+        m = torch.tensor(zipf_splits(E, T), device=dev)
+        ops = backend.select(x.device)
+        plan = ops.make_plan(m, T)
+        qx, sx = ops.quantize_act(x, plan, True, False)[:2]
+        qw, sw = ops.quantize_weight(w1)[:2]
+        offs = torch.cumsum(m, 0, dtype=torch.int32)
+        mlp = moegemm.GroupedMLP(E, H, F, device=dev, dtype=torch.bfloat16)
+        mlp_bf16 = moegemm.GroupedMLP(E, H, F, recipe="bf16", device=dev, dtype=torch.bfloat16)
+        xg = x.detach().requires_grad_()
+        p = torch.rand(T, device=dev, requires_grad=True)
+        dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+
+        def step(model):
+            def f():
+                y = model(xg, m, p)
+                return torch.autograd.grad(y, [xg, p, model.fc1.weight, model.fc2.weight], dy)
+            return f
+
+        with torch.no_grad():
+            cases = {
+                "torch: x.add_(0) (one bare op)": lambda: x.add_(0),
+                "torch._grouped_mm fc1 (+ cumsum)": lambda: torch._grouped_mm(x, w1.transpose(1, 2),
+                                                                               offs=torch.cumsum(m, 0, dtype=torch.int32)),
+                "python checks (weight, x, m_splits)": lambda: (_validate.check_weight(w1), _validate.check_x(x, H, x.device),
+                                                                _validate.splits_to_device(m, E, T, x.device)),
+                "backend.select": lambda: backend.select(x.device),
+                "op make_plan": lambda: ops.make_plan(m, T),
+                "op quantize_act (rows)": lambda: ops.quantize_act(x, plan, True, False),
+                "op quantize_weight": lambda: ops.quantize_weight(w1),
+                "op gemm_fp8_ragged_m": lambda: ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan),
+                "op gemm_bf16_fprop": lambda: ops.gemm_bf16_fprop(x, w1, plan),
+                "grouped_linear fp8 (no grad)": lambda: moegemm.grouped_linear(x, w1, m),
+                "grouped_linear bf16 (no grad)": lambda: moegemm.grouped_linear(x, w1, m, recipe="bf16"),
+            }
+            res = {k: us(f) for k, f in cases.items()}
+        res["GroupedMLP fp8 fwd+bwd"] = us(step(mlp))
+        res["GroupedMLP bf16 fwd+bwd"] = us(step(mlp_bf16))
+        if "--profile" in sys.argv and E == 8:
+            profile_cpu(step(mlp))
+        rows.append((E, res))
+        del mlp, mlp_bf16
+        torch.cuda.empty_cache()
+    print(f"\nhost us per call, GPU busy (hidden={H}, ffn={F}, T={T})")
+    print(f"{'step':45s}" + "".join(f"{'E=' + str(E):>10s}" for E, _ in rows))
+    for k in rows[0][1]:
+        print(f"{k:45s}" + "".join(f"{r[k]:10.1f}" for _, r in rows))
+
+
+if __name__ == "__main__":
+    main()

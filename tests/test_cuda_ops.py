@@ -110,13 +110,9 @@ def test_quantize_nonfinite_propagates():
 SIZES = [(128, 1408), (2048, 128), (7168, 2048), (144, 400)]
 
 
-@pytest.mark.parametrize("schedule", ["auto", "cooperative", "pingpong"])
 @pytest.mark.parametrize("E", [1, 8, 64, 256])
 @pytest.mark.parametrize("K,N", SIZES)
-def test_fp8_gemms_match_reference(E, K, N, schedule, monkeypatch):
-    """Every FP8 GEMM under every schedule (csrc/kernels/gemm_fp8_schedule.cu) and the heuristic's pick."""
-    if schedule != "auto":
-        monkeypatch.setenv("MOEGEMM_FP8_GEMM_SCHEDULE", schedule)
+def test_fp8_gemms_match_reference(E, K, N):
     if E * N * K > 2 ** 28:
         pytest.skip("float64 reference weights would not fit")
     for name, make in split_cases():

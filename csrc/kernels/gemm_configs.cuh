@@ -1,7 +1,6 @@
 // The kernel configurations of moegemm's grouped GEMMs, declared once (CUTLASS-example style).
 //   Fp8BlockwiseGemm: e4m3 A (K-major) x e4m3 B (K-major), fp32 accumulation with per-128-K-block
-//                     scale promotion (SPEC §3); schedule Fp8Cooperative (128x128x128 tiles) or
-//                     Fp8Pingpong (64x128x128 tiles per warp group), cluster 1x2.
+//                     scale promotion (SPEC §3), cooperative 128x128x128 tiles, cluster 1x2.
 //   Bf16Gemm:         bf16 A x bf16 B in any major-ness, fp32 accumulation, cooperative 128x256x64
 //                     tiles, cluster 2x1.
 // ElementC = void means out = acc; float C allows out = acc + beta * out (wgrad accumulation).
@@ -19,38 +18,22 @@ using RowMajorEpilogue = typename cutlass::epilogue::collective::CollectiveBuild
     ElementD, cutlass::layout::RowMajor*, 16 / sizeof(ElementD), EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
 
-// The two FP8 schedules (moegemm.h: GemmSchedule; kernels/gemm_fp8_schedule.cu picks one per call).
-// Cooperative: both consumer warp groups share one 128x128 tile (large groups).
-struct Fp8Cooperative {
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-  using TileShape = Shape<_128, _128, _128>;
-  using ClusterShape = Shape<_1, _2, _1>;
-};
-// Pingpong: each consumer warp group owns a 64x128 tile and its epilogue overlaps the other's
-// mainloop (small groups, short reductions: half the row padding of a 128-row tile).
-struct Fp8Pingpong {
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-  using TileShape = Shape<_64, _128, _128>;
-  using ClusterShape = Shape<_1, _2, _1>;
-};
-
-template <class ScaleConfig, class ElementC, class ElementD, class Schedule>
+template <class ScaleConfig, class ElementC, class ElementD>
 struct Fp8BlockwiseGemm {
   using Element = cutlass::float_e4m3_t;
-  using TileShape = typename Schedule::TileShape;
-  using ClusterShape = typename Schedule::ClusterShape;
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using Epilogue = RowMajorEpilogue<ElementC, ElementD, typename Schedule::EpilogueSchedule, TileShape, ClusterShape>;
+  using Epilogue = RowMajorEpilogue<ElementC, ElementD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                    TileShape, ClusterShape>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, 16,
       Element, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, 16,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Schedule::KernelSchedule>::CollectiveOp;
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Runner = GroupedGemm<Gemm, /*kBlockwise=*/true>;

@@ -1,5 +1,5 @@
-// FP8 blockwise grouped GEMM with a ragged reduction: the weight gradient, instantiated per output type
-// (fp32, optionally accumulated: main_grad; bf16) and schedule in gemm_fp8_ragged_k_{f32,bf16}_*.cu.
+// FP8 blockwise grouped GEMM with a ragged reduction: the weight gradient, instantiated for fp32 output
+// (optionally accumulated: main_grad) in gemm_fp8_ragged_k_f32.cu and bf16 output in _bf16.cu.
 //   out[e] ([N, K]) (+)= Σ_{128-token blocks i of e} saT[i] sbT[i] · qaT_e [N, m_e] · qbT_eᵀ [m_e, K]
 // Operands are the per-expert transposed (token-contiguous) copies written by quantize_act; expert e's
 // tokens start at column col[e] (a multiple of 16, as TMA requires) and its scale blocks at row blk[e].
@@ -11,7 +11,6 @@
 
 #include "../moegemm.h"
 #include "gemm_configs.cuh"
-#include "gemm_fp8_variants.h"
 
 namespace moegemm::ragged_k {
 
@@ -19,9 +18,8 @@ using namespace cute;
 // 128x1 blocks along tokens for both operands; scale tensors [NB, N] and [NB, K] are MN-major.
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, GMMA::Major::MN, GMMA::Major::MN>;
 // fp32 output reads C (= D) so that it can accumulate; bf16 output has no C.
-template <class ElementD, class Schedule>
-using Config = grouped::Fp8BlockwiseGemm<ScaleConfig, std::conditional_t<std::is_same_v<ElementD, float>, float, void>,
-                                         ElementD, Schedule>;
+template <class ElementD>
+using Config = grouped::Fp8BlockwiseGemm<ScaleConfig, std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
 
 template <class Arrays>
 __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t col_cap, int64_t N, int64_t K,
@@ -47,21 +45,22 @@ __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, in
   a.stride_D[e] = grouped::leading<typename Arrays::StrideD>(K);
 }
 
-template <class ElementD, class Schedule>
-size_t workspace_size(int E) { return Config<ElementD, Schedule>::Runner::workspace_size(E); }
+template <class ElementD>
+size_t workspace_size(int E) { return Config<ElementD>::Runner::workspace_size(E); }
 
-template <class ElementD, class Schedule>
-void run(const fp8::RaggedK& p, const char* name) {
-  using Runner = typename Config<ElementD, Schedule>::Runner;
+template <class ElementD>
+void run(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT, const int32_t* plan, int E,
+         int64_t col_cap, int64_t N, int64_t K, ElementD* out, bool accumulate, void* workspace, cudaStream_t stream,
+         const char* name) {
+  using Runner = typename Config<ElementD>::Runner;
   using Arrays = typename Runner::Arrays;
-  ElementD* out = static_cast<ElementD*>(p.out);
-  if (!p.accumulate) zero_empty_experts(p.plan, p.E, p.N * p.K * int64_t(sizeof(ElementD)), out, p.stream);
-  Arrays a = Runner::arrays(p.workspace, p.E);
-  build_args<Arrays><<<grouped::prep_grid(p.E), grouped::kPrepThreads, 0, p.stream>>>(
-      a, p.plan, p.E, p.col_cap, p.N, p.K, reinterpret_cast<const typename Arrays::ElementA*>(p.qaT), p.saT,
-      reinterpret_cast<const typename Arrays::ElementB*>(p.qbT), p.sbT, out);
+  if (!accumulate) zero_empty_experts(plan, E, N * K * int64_t(sizeof(ElementD)), out, stream);
+  Arrays a = Runner::arrays(workspace, E);
+  build_args<Arrays><<<grouped::prep_grid(E), grouped::kPrepThreads, 0, stream>>>(
+      a, plan, E, col_cap, N, K, reinterpret_cast<const typename Arrays::ElementA*>(qaT), saT,
+      reinterpret_cast<const typename Arrays::ElementB*>(qbT), sbT, out);
   check_launch(name);
-  Runner::run(a, p.E, 1.f, p.accumulate ? 1.f : 0.f, p.workspace, p.stream, name);
+  Runner::run(a, E, 1.f, accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 
 }  // namespace moegemm::ragged_k

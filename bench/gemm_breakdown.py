@@ -1,14 +1,13 @@
-"""Each FP8 grouped GEMM of the expert MLP (fc1/fc2 fprop, dgrad, wgrad) timed alone under every
-schedule (MOEGEMM_FP8_GEMM_SCHEDULE), on the SPEC §7 shapes (Zipf splits) and issue 6's two GEMM
-shapes: the measurements behind the heuristic in csrc/kernels/gemm_fp8_schedule.cu.
+"""Each FP8 grouped GEMM of the expert MLP (fc1/fc2 fprop, dgrad, wgrad) timed alone, on the SPEC §7
+shapes (Zipf splits) and issue 6's two GEMM shapes: where the GEMM time of the MLP goes.
+(At commit 085894a this script also compared a pingpong schedule: bench/logs/gemm_schedules_h100.log.)
 
-    python bench/gemm_schedules.py [--iters 30]
+    python bench/gemm_breakdown.py [--iters 30]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -19,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moegemm import cuda_ops as ops  # noqa: E402
 from moegemm.workloads import SHAPES, balanced_splits, zipf_splits  # noqa: E402
 
-SCHEDULES = ("cooperative", "pingpong")
 GEMM_SHAPES = {"GEMM 4x8192 N=4096 K=7168": (4, 7168, 2048, 4 * 8192), "GEMM 64x2304 N=2816 K=2048": (64, 2048, 1408, 64 * 2304)}
 
 
@@ -70,23 +68,12 @@ def main():
     args = ap.parse_args()
     points = [(n, E, H, F, zipf_splits(E, T), False) for n, (E, H, F, T) in SHAPES.items()]
     points += [(n, E, H, F, balanced_splits(E, T), True) for n, (E, H, F, T) in GEMM_SHAPES.items()]
-    print(f"{'shape':28s} {'gemm':15s}" + "".join(f"{s + ' ms':>16s}{'TFLOP/s':>9s}" for s in SCHEDULES)
-          + f"{'best':>13s} {'max rel diff':>12s}")
+    print(f"{'shape':28s} {'gemm':15s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, E, H, F, splits, fc1_only in points:
         for g, (fn, flops) in gemms(E, H, F, splits, fc1_only).items():
-            res, outs = {}, {}
-            for s in SCHEDULES:
-                os.environ["MOEGEMM_FP8_GEMM_SCHEDULE"] = s
-                res[s] = timed(fn, args.iters)
-                outs[s] = fn().float()
-            ref = outs[SCHEDULES[0]]
-            diff = max(((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() for o in outs.values())
-            best = min(res, key=res.get)
-            print(f"{name:28s} {g:15s}" + "".join(f"{res[s]:16.3f}{flops / res[s] / 1e9:9.0f}" for s in SCHEDULES)
-                  + f"{best:>13s} {diff:12.2e}", flush=True)
-            del outs
+            ms = timed(fn, args.iters)
+            print(f"{name:28s} {g:15s} {ms:8.3f} {flops / ms / 1e9:8.0f}", flush=True)
         torch.cuda.empty_cache()
-    os.environ.pop("MOEGEMM_FP8_GEMM_SCHEDULE", None)
 
 
 if __name__ == "__main__":

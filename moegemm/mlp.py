@@ -3,7 +3,8 @@
 For ``fp8_blockwise`` the activation is fused with the FP8 quantization of its result (fc2's input and
 its per-expert transposed copy for wgrad) in one kernel, and its backward with quantizing the
 gradient, so no bf16 copy of the activation is written or saved. Saved for backward: the FP8 copies
-(x's and the activation's column copies, the weights' transposed copies) and fc1's bf16 output h.
+(x's and the activation's column copies, the weights' transposed copies) and fc1's bf16 output h;
+backward frees each after its last use.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from .reference import ACTIVATIONS, GLU_ACTIVATIONS, act_backward, act_forward
 
 def _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1: bool, need_dw2: bool):
     """y and the tensors backward needs. The column (transposed) copies of x and of the activation are
-    made only when the matching weight gradient is needed; inference asks for neither."""
+    made only when the matching weight gradient is needed; inference asks for neither. Each weight is
+    quantized just before its GEMM and its row copy dropped right after, so the four FP8 weight copies
+    never coexist."""
     ops = backend.select(x.device)
     if recipe == "fp8_blockwise":
-        (qw1, sw1, qw1T, sw1T), (qw2, sw2, qw2T, sw2T) = fp8_weights or (
-            ops.quantize_weight(w1.contiguous()), ops.quantize_weight(w2.contiguous()))
+        qw1, sw1, qw1T, sw1T = fp8_weights[0] if fp8_weights else ops.quantize_weight(w1.contiguous())
         qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw1)
         h = add_bias(ops.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, x.dtype), b1, plan)
+        del qx, sx, qw1, sw1
+        qw2, sw2, qw2T, sw2T = fp8_weights[1] if fp8_weights else ops.quantize_weight(w2.contiguous())
         qa, sa, qaT, saT = ops.act_quantize(h, p32, activation, plan, rows=True, cols=need_dw2)
         y = ops.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, x.dtype)
         saved = (qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T)
@@ -42,13 +46,38 @@ def _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need
     return add_bias(y, b2, plan), saved
 
 
+_RELEASED = "released"
+
+
+def _stash(ctx, tensors) -> None:
+    """Keep the tensors backward needs. Eager mode keeps them in a list on ctx that backward empties, so
+    that each one is freed as soon as its last use is done (the FP8 weight copies and h do not wait
+    for the whole backward: peak memory); a torch.compile trace uses save_for_backward."""
+    if torch.compiler.is_compiling():
+        ctx.save_for_backward(*tensors)
+        ctx.stash = None
+    else:
+        ctx.stash = list(tensors)
+
+
+def _unstash(ctx) -> list:
+    """The tensors of _stash, handed over to the caller (ctx keeps no reference in eager mode)."""
+    if ctx.stash is None:
+        return list(ctx.saved_tensors)
+    if ctx.stash is _RELEASED:
+        raise RuntimeError("moegemm: GroupedMLP's backward ran a second time over the same graph; it frees its "
+                           "saved tensors during the first one (retain_graph=True is not supported)")
+    tensors, ctx.stash = ctx.stash, _RELEASED
+    return tensors
+
+
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, b1, b2, probs, plan, activation, recipe, fp8_weights):
         p32 = probs.float().contiguous() if probs is not None else None
         need_dw1, need_dw2 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         y, saved = _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1, need_dw2)
-        ctx.save_for_backward(*saved, p32, plan)
+        _stash(ctx, (*saved, p32, plan))
         ctx.activation, ctx.recipe = activation, recipe
         ctx.w1, ctx.w2 = w1, w2
         ctx.b1_dtype = b1.dtype if b1 is not None else None
@@ -58,6 +87,7 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # Each tensor is deleted after its last use (see _stash): freed before the next GEMM allocates.
         ops = backend.select(dy.device)
         need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dp = ctx.needs_input_grad[:6]
         need_dh = need_dx or need_dw1 or need_db1
@@ -66,27 +96,33 @@ class _GroupedMLP(torch.autograd.Function):
         mg1, mg2 = weight_grad_target(ctx.w1, need_dw1), weight_grad_target(ctx.w2, need_dw2)
         dx = dw1 = dw2 = db1 = dprobs = None
         if ctx.recipe == "fp8_blockwise":
-            qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T, p32, plan = ctx.saved_tensors
+            qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T, p32, plan = _unstash(ctx)
             qdy, sdy, qdyT, sdyT = ops.quantize_act(dy, plan, rows=need_dh or need_dp, cols=need_dw2)
             if need_dw2:
                 dw2 = ops.gemm_fp8_ragged_k(qdyT, sdyT, qaT, saT, plan, out=mg2, out_dtype=wgrad_dtype(ctx.w2))
+            del qdyT, sdyT, qaT, saT
             if need_dh or need_dp:
                 da = ops.gemm_fp8_ragged_m(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
+                del qdy, sdy, qw2T, sw2T
                 qdh, sdh, qdhT, sdhT, dprobs = ops.act_backward_quantize(
                     da, h, p32, act, plan, rows=need_dx, cols=need_dw1)
-                if need_dx:
-                    dx = ops.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
-                if need_dw1:
-                    dw1 = ops.gemm_fp8_ragged_k(qdhT, sdhT, qxT, sxT, plan, out=mg1, out_dtype=wgrad_dtype(ctx.w1))
                 # fc1's bias gradient needs dh itself, which the fused kernel only quantizes
                 db1 = bias_grad(act_backward(da, h, p32, act)[0], plan, ctx.b1_dtype) if need_db1 else None
+                del da, h
+                if need_dx:
+                    dx = ops.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
+                del qdh, sdh, qw1T, sw1T
+                if need_dw1:
+                    dw1 = ops.gemm_fp8_ragged_k(qdhT, sdhT, qxT, sxT, plan, out=mg1, out_dtype=wgrad_dtype(ctx.w1))
         else:
-            x, w1b, h, a, w2b, p32, plan = ctx.saved_tensors
+            x, w1b, h, a, w2b, p32, plan = _unstash(ctx)
             if need_dw2:
                 dw2 = ops.gemm_bf16_wgrad(dy, a, plan, out=mg2, out_dtype=wgrad_dtype(ctx.w2))
+            del a
             if need_dh or need_dp:
                 da = ops.gemm_bf16_dgrad(dy, w2b, plan)
                 dh, dprobs = act_backward(da, h, p32, act)
+                del da, h
                 dh = dh.to(dy.dtype)
                 if need_dx:
                     dx = ops.gemm_bf16_dgrad(dh, w1b, plan)

@@ -630,3 +630,14 @@ def test_nonfinite_input_not_silently_finite(recipe, activation, bad):
     mask = torch.ones(y.shape[0], dtype=torch.bool)
     mask[25] = False
     assert torch.isfinite(y[mask]).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_second_backward_over_the_graph_is_a_clear_error(recipe):
+    """Backward frees the saved tensors as it goes (peak memory), so a second backward cannot run."""
+    x, w1, w2, s = _good()
+    x.requires_grad_()
+    y = grouped_mlp(x, w1, w2, s, recipe=recipe)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()

@@ -129,17 +129,31 @@ struct GroupedGemm {
     return a;
   }
 
+  // Per call: CUTLASS's initialize without its cudaFuncSetAttribute (done once per device here), then
+  // the launch. Host work only; nothing waits for the device.
   static void run(const Arrays& a, int E, float alpha, float beta, void* workspace, cudaStream_t stream, const char* name) {
     auto args = arguments(a, E, alpha, beta);
     void* cutlass_ws = static_cast<char*>(workspace) + Arrays::carve(nullptr, E, nullptr);
-    Gemm gemm;
-    cutlass::Status status = gemm.can_implement(args);
-    if (status != cutlass::Status::kSuccess) throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS cannot implement these arguments");
-    status = gemm.initialize(args, cutlass_ws, stream);
-    if (status != cutlass::Status::kSuccess) throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS initialize failed");
-    status = gemm.run(stream);
-    if (status != cutlass::Status::kSuccess) throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS launch failed");
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess)
+      throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS cannot implement these arguments");
+    allow_shared_memory(name);
+    if (Kernel::initialize_workspace(args, cutlass_ws, stream) != cutlass::Status::kSuccess)
+      throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS workspace initialization failed");
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, cutlass_ws);
+    if (Gemm::run(params, stream) != cutlass::Status::kSuccess)
+      throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS launch failed");
     check_launch(name);
+  }
+
+  // The kernel's dynamic shared memory limit, raised once per device.
+  static void allow_shared_memory(const char* name) {
+    static std::array<std::once_flag, 64> once;
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    std::call_once(once[device], [&] {
+      check_cuda(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(Kernel::SharedStorageSize)), name);
+    });
   }
 };
 

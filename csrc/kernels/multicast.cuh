@@ -10,6 +10,9 @@
 // written to row_extra [T, Kb] (the probs gradient of the activation backward).
 #pragma once
 
+#include <array>
+#include <mutex>
+
 #include "../moegemm.h"
 #include "cuda_check.h"
 #include "fp8_block.cuh"
@@ -203,6 +206,19 @@ __global__ void __launch_bounds__(kThreads, 3) kernel(Loader src, int64_t K, int
   }
 }
 
+// The dynamic shared memory limit of kernel<Loader>, raised once per device to the most any launch
+// uses (the plan of kMaxExperts experts and a staged tile); a launch still takes only what it needs.
+template <class Loader>
+void allow_shared_memory(const char* name) {
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] {
+    const size_t most = plan_bytes(kMaxExperts) + sizeof(typename Loader::Stage) * kBlock * kBlock;
+    check_cuda(cudaFuncSetAttribute(kernel<Loader>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)), name);
+  });
+}
+
 // Launches the multi-cast kernel over every expert block of x [T, K] (K = output columns).
 template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
@@ -210,8 +226,7 @@ void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan,
   if (T == 0) return;
   const size_t tile = sizeof(typename Loader::Stage) * kBlock * kBlock;
   const size_t smem = plan_bytes(E) + (qT != nullptr ? tile : 0);
-  // Per device and cheap (no sync), so simply on every launch.
-  check_cuda(cudaFuncSetAttribute(kernel<Loader>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), name);
+  allow_shared_memory<Loader>(name);
   const dim3 grid(static_cast<unsigned>(block_capacity(T, E)), static_cast<unsigned>(ceil_div(K, kBlock)));
   kernel<Loader><<<grid, kThreads, smem, stream>>>(src, K, E, plan, q, s, qT, sT, col_capacity(T, E),
                                                                       row_extra);

@@ -10,26 +10,32 @@ namespace {
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
-// Fast intrinsics (exp2-based __expf, correctly rounded reciprocal): the result is within a few fp32
-// ulps of torch's, far below FP8's resolution.
+// Fast intrinsics (exp2-based __expf, approximate reciprocal): the result is within a few fp32 ulps of
+// torch's, far below FP8's resolution. fdf gives the value and the derivative from one evaluation.
 struct Silu {
-  __device__ static float f(float x) { return x * __frcp_rn(1.f + __expf(-x)); }
-  __device__ static float df(float x) {
-    const float sig = __frcp_rn(1.f + __expf(-x));
-    return sig * (1.f + x * (1.f - sig));
+  __device__ static float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+  __device__ static float f(float x) { return x * sigmoid(x); }
+  __device__ static void fdf(float x, float& f, float& df) {
+    const float sig = sigmoid(x);
+    f = x * sig;
+    df = sig * (1.f + x * (1.f - sig));
   }
 };
 struct Gelu {  // exact (erf) GELU, as torch.nn.functional.gelu
   __device__ static float f(float x) { return 0.5f * x * (1.f + erff(x * kInvSqrt2)); }
-  __device__ static float df(float x) { return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * __expf(-0.5f * x * x); }
+  __device__ static void fdf(float x, float& f, float& df) {
+    const float cdf = 0.5f * (1.f + erff(x * kInvSqrt2));
+    f = x * cdf;
+    df = cdf + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
+  }
 };
 struct Relu {
   __device__ static float f(float x) { return x > 0.f ? x : 0.f; }
-  __device__ static float df(float x) { return x > 0.f ? 1.f : 0.f; }
+  __device__ static void fdf(float x, float& f, float& df) { f = x > 0.f ? x : 0.f; df = x > 0.f ? 1.f : 0.f; }
 };
 struct SquaredRelu {
   __device__ static float f(float x) { return x > 0.f ? x * x : 0.f; }
-  __device__ static float df(float x) { return x > 0.f ? 2.f * x : 0.f; }
+  __device__ static void fdf(float x, float& f, float& df) { f = x > 0.f ? x * x : 0.f; df = x > 0.f ? 2.f * x : 0.f; }
 };
 
 __device__ __forceinline__ float prob(const float* probs, int64_t row) { return probs != nullptr ? probs[row] : 1.f; }
@@ -39,6 +45,7 @@ template <class Act, bool kGlu>
 struct ActForward {
   using Stage = float;
   static constexpr bool kExtra = false;
+  static constexpr int kMinBlocks = 3;
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
@@ -60,6 +67,7 @@ template <class Act, bool kGlu>
 struct ActBackward {
   using Stage = float;
   static constexpr bool kExtra = true;
+  static constexpr int kMinBlocks = 3;
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;
@@ -74,14 +82,17 @@ struct ActBackward {
     if (kGlu) multicast::load4(h + row * ld + F + kf, u);
     const float p = prob(probs, row);
     float extra = 0.f;
+    if (up_half) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = d[i] * p * Act::f(g[i]);
+      return 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (up_half) {
-        v[i] = d[i] * p * Act::f(g[i]);
-      } else {
-        v[i] = d[i] * p * u[i] * Act::df(g[i]);
-        extra += d[i] * Act::f(g[i]) * u[i];
-      }
+      float f, df;
+      Act::fdf(g[i], f, df);
+      v[i] = d[i] * p * u[i] * df;
+      extra += d[i] * f * u[i];
     }
     return extra;
   }

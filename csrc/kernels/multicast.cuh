@@ -4,6 +4,8 @@
 // writes the 1x128 row-block copy q [T, K] + s [T, Kb] and the per-expert transposed 128x1
 // column-block copy qT [K, col_cap] + sT [NB, K] (either pair may be skipped). Loaders:
 //   PlainLoader<T>        x itself (quantize_act)
+// A loader also names the type its values are staged in for the column pass (Stage) and the CTAs per
+// SM the kernel is compiled for (kMinBlocks, bounded by that stage's shared memory).
 //   activation loaders    act(h) (* up) * probs and its gradient (activation.cu), so the activation
 //                         between the two GEMMs of an expert MLP never goes through memory in bf16.
 // A loader may also return a per-element "extra" whose per-row sums over each 128-column block are
@@ -72,6 +74,7 @@ template <typename T>
 struct PlainLoader {
   using Stage = T;
   static constexpr bool kExtra = false;
+  static constexpr int kMinBlocks = sizeof(T) == 4 ? 3 : 4;  // CTAs per SM: 64 KB fp32 / 32 KB 16-bit stage
   const T* x;
   int64_t K;
   __device__ __forceinline__ float load4(int64_t row, int64_t k, float (&v)[4]) const {
@@ -108,7 +111,7 @@ __device__ __forceinline__ int find_expert(const int32_t* blk, int E, int64_t b)
 }
 
 template <class Loader>
-__global__ void __launch_bounds__(kThreads, 3) kernel(Loader src, int64_t K, int E, const int32_t* __restrict__ plan,
+__global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader src, int64_t K, int E, const int32_t* __restrict__ plan,
     uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap,
     float* __restrict__ row_extra) {
   using Stage = typename Loader::Stage;

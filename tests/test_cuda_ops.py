@@ -91,6 +91,25 @@ def test_quantize_weight_bitwise(N, K, dtype):
         assert torch.equal(a.view(torch.uint8) if a.dtype == ref.FP8 else a, b.view(torch.uint8) if b.dtype == ref.FP8 else b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_tiny_blocks_bitwise(dtype):
+    """Blocks whose scale is a subnormal power of two (down to 2^-149) quantize exactly like the
+    reference's division: every 128-row/128-column block gets its own magnitude from 2^-150 to 2^10."""
+    T, K, E = 1024, 1024, 2
+    mags = torch.pow(2.0, torch.linspace(-150, 10, 8 * 8, device=DEV)).reshape(8, 8)
+    x = torch.randn(T, K, device=DEV) * mags.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    x = x.to(dtype)
+    plan, plan_ref = device_plan([300, T - 300], T)
+    q, s, qT, sT = cuda_ops.quantize_act(x, plan, True, True)
+    rq, rs, rqT, rsT = ref.quantize_act(x, plan_ref, True, True)
+    assert (rs < 2.0 ** -126).any()  # subnormal scales are exercised
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert_cols_equal((qT, sT), (rqT, rsT), plan_ref, T)
+    w = x.reshape(2, T // 2, K)
+    for a, b in zip(cuda_ops.quantize_weight(w), ref.quantize_weight(w)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == ref.FP8 else a, b.view(torch.uint8) if b.dtype == ref.FP8 else b)
+
+
 def test_quantize_nonfinite_propagates():
     T, K, E = 300, 256, 2
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)

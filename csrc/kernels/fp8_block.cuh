@@ -27,18 +27,19 @@ __device__ __forceinline__ float block_scale(float amax) {
   return ldexpf(1.0f, m == 0.5f ? e - 1 : e);
 }
 
-// Quantizer of one block: q = e4m3(v / scale), round-to-nearest-even. scale is a power of two (or
-// +inf), so v * (1/scale) equals v / scale exactly, also for subnormal results and for scale = +inf
-// (1/inf = 0: finite -> ±0, inf or NaN -> NaN). Only a subnormal scale (amax < 448·2^-126), whose
-// reciprocal overflows, takes the division.
+// Quantizer of one block: q = e4m3(v / scale), round-to-nearest-even, as two multiplications by exact
+// powers of two (no division, no per-element branch). scale = 2^e (or +inf): for e >= -127, 1/scale is
+// exact and v * (1/scale) is the correctly rounded v / scale (also for subnormal results; 1/inf = 0 gives
+// ±0 or NaN like the division). For a subnormal scale with e < -127, 1/scale overflows, so v is scaled by
+// 2^64 first (exact: |v| <= 448 * 2^-127) and then by 2^(-e-64), rounding once.
 struct BlockQuant {
-  float scale, inv;
-  bool divide;
+  float scale, mul_hi, mul_lo;
   __device__ __forceinline__ explicit BlockQuant(float amax) : scale(block_scale(amax)) {
-    divide = scale < 1.17549435e-38f;  // FLT_MIN
-    inv = 1.0f / scale;
+    const bool tiny = scale < 5.87747175e-39f;  // 2^-127
+    mul_hi = tiny ? 18446744073709551616.0f : 1.0f / scale;  // 2^64
+    mul_lo = tiny ? 1.0f / (scale * 18446744073709551616.0f) : 1.0f;
   }
-  __device__ __forceinline__ float scaled(float v) const { return divide ? v / scale : v * inv; }
+  __device__ __forceinline__ float scaled(float v) const { return v * mul_hi * mul_lo; }
   // Four values -> four e4m3 bytes, little-endian in one word.
   __device__ __forceinline__ uint32_t pack4(const float (&v)[4]) const {
     const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(scaled(v[0]), scaled(v[1])), __NV_SATFINITE, __NV_E4M3);

@@ -82,7 +82,11 @@ def _nan_amax(v: torch.Tensor, dim) -> torch.Tensor:
 
 
 def _cast(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (v / scale).to(FP8)
+    """e4m3(v / scale), saturating at ±448 (NaN stays NaN). SPEC §3 says |v / scale| <= 448 by
+    construction, but when fl32(amax / 448) is subnormal (amax < 448 * 2^-126) it can round below
+    amax / 448 and the quotient can pass 448; torch's cast would then give NaN, the kernels (cvt with
+    satfinite) give ±448."""
+    return (v / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_rows(x: torch.Tensor):

@@ -94,7 +94,8 @@ def test_quantize_weight_bitwise(N, K, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_tiny_blocks_bitwise(dtype):
     """Blocks whose scale is a subnormal power of two (down to 2^-149) quantize exactly like the
-    reference's division: every 128-row/128-column block gets its own magnitude from 2^-150 to 2^10."""
+    reference's division: every 128-row/128-column block gets its own magnitude from 2^-150 to 2^10
+    (including blocks where fl32(amax / 448) rounds down and the quotient saturates at 448)."""
     T, K, E = 1024, 1024, 2
     mags = torch.pow(2.0, torch.linspace(-150, 10, 8 * 8, device=DEV)).reshape(8, 8)
     x = torch.randn(T, K, device=DEV) * mags.repeat_interleave(128, 0).repeat_interleave(128, 1)

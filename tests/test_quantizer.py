@@ -141,6 +141,17 @@ def test_quantize_rows_exact(K, dtype):
     check_bound(R.dequantize_rows(q, s), xf, s_full)
 
 
+def test_quantize_rows_subnormal_scale_saturates():
+    """amax < 448 * 2^-126: fl32(amax / 448) is subnormal and may round below amax / 448; the quotient
+    then passes 448 and must saturate to ±448, never become NaN."""
+    amax = 2.8222151071501816e-42  # fl32(amax / 448) = 2^-147 < amax / 448: amax / scale ~ 503
+    x = torch.zeros(2, 128)
+    x[0, :3] = torch.tensor([amax, -amax, amax / 4])
+    q, s = R.quantize_rows(x)
+    assert s[0, 0].item() == 2.0 ** -147 and torch.isfinite(q.float()).all()
+    assert q[0, :3].float().tolist() == [448.0, -448.0, 128.0]
+
+
 def test_quantize_rows_partial_block_isolated():
     x = torch.randn(4, 144)
     x[0, 130] = 1.0e6  # in the partial second block of row 0

@@ -49,14 +49,14 @@ struct ActForward {
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
-  __device__ __forceinline__ float load4(int64_t row, int64_t k, float (&v)[4]) const {
+  __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[multicast::kVec]) const {
     const int64_t ld = kGlu ? 2 * F : F;
-    float g[4], u[4] = {1.f, 1.f, 1.f, 1.f};
-    multicast::load4(h + row * ld + k, g);
-    if (kGlu) multicast::load4(h + row * ld + F + k, u);
+    float g[multicast::kVec], u[multicast::kVec];
+    multicast::load8(h + row * ld + k, g);
+    if (kGlu) multicast::load8(h + row * ld + F + k, u);
     const float p = prob(probs, row);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = Act::f(g[i]) * u[i] * p;
+    for (int i = 0; i < multicast::kVec; ++i) v[i] = Act::f(g[i]) * (kGlu ? u[i] : 1.f) * p;
     return 0.f;
   }
 };
@@ -72,27 +72,29 @@ struct ActBackward {
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
-  __device__ __forceinline__ float load4(int64_t row, int64_t k, float (&v)[4]) const {
+  __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[multicast::kVec]) const {
+    constexpr int n = multicast::kVec;
     const int64_t ld = kGlu ? 2 * F : F;
     const bool up_half = kGlu && k >= F;
     const int64_t kf = up_half ? k - F : k;
-    float d[4], g[4], u[4] = {1.f, 1.f, 1.f, 1.f};
-    multicast::load4(da + row * F + kf, d);
-    multicast::load4(h + row * ld + kf, g);
-    if (kGlu) multicast::load4(h + row * ld + F + kf, u);
+    float d[n], g[n], u[n];
+    multicast::load8(da + row * F + kf, d);
+    multicast::load8(h + row * ld + kf, g);
+    if (kGlu && !up_half) multicast::load8(h + row * ld + F + kf, u);
     const float p = prob(probs, row);
     float extra = 0.f;
     if (up_half) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = d[i] * p * Act::f(g[i]);
+      for (int i = 0; i < n; ++i) v[i] = d[i] * p * Act::f(g[i]);
       return 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < n; ++i) {
       float f, df;
       Act::fdf(g[i], f, df);
-      v[i] = d[i] * p * u[i] * df;
-      extra += d[i] * f * u[i];
+      const float up = kGlu ? u[i] : 1.f;
+      v[i] = d[i] * p * up * df;
+      extra += d[i] * f * up;
     }
     return extra;
   }

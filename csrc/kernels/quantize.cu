@@ -13,9 +13,9 @@ namespace {
 
 using multicast::kThreads;
 using multicast::kWarps;
-using multicast::kRowsPerWarp;
 using multicast::warp_amax;
 using multicast::imin64;
+constexpr int kRowsPerWarp = kBlock / kWarps;  // weight kernel: warp w owns rows w, w + 8, ...
 
 // Four consecutive values in their storage type (one 8- or 16-byte load).
 template <typename T>

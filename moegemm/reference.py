@@ -69,7 +69,9 @@ def block_scale(amax: torch.Tensor) -> torch.Tensor:
     amax == 0 gives 1; a non-finite amax gives +inf, so that every value of the block dequantizes to
     NaN (0·inf or NaN) and nothing downstream is silently finite."""
     amax = amax.float()
-    r = amax / FP8_MAX
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded reciprocal,
+    # which is not fl32(amax / 448) (it differs at powers of two and in the subnormal range).
+    r = amax / torch.full_like(amax, FP8_MAX)
     mant, exp = torch.frexp(r)
     exp = torch.where(mant == 0.5, exp - 1, exp)  # r is already a power of two
     scale = torch.ldexp(torch.ones_like(r), exp)

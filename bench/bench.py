@@ -1132,11 +1132,13 @@ def collect_meta(args) -> dict:
     rev = _run(["git", "rev-parse", "HEAD"], cwd=str(REPO))
     rev = rev if rev and len(rev) == 40 else None  # the GPU machine's copy of the tree has no git history
     commit = os.environ.get("MOEGEMM_COMMIT") or rev or "unknown"
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=str(REPO))
+    # Only where this tree is a git checkout: a copy without history says nothing about its state.
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=str(REPO)) if rev else None
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit,
-        "git_dirty": bool(dirty) if commit != "unknown" and dirty is not None else None,
+        "git_dirty": bool(dirty) if dirty is not None else None,
+        "git_dirty_files": dirty.splitlines() if dirty else [],
         "argv": sys.argv[1:],
         "quick": bool(args.quick),
         "python": platform.python_version(),

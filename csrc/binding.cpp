@@ -135,6 +135,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(
   return {q, s, qT, sT, partial};
 }
 
+// bf16 recipe: a = act(h) * probs in bf16; h is [T, 2F] for GLU activations, else [T, F].
+Tensor act_bf16_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t activation) {
+  check(h, "h", at::kBFloat16, 2, h);
+  const Activation act = to_activation(activation);
+  const int64_t T = h.size(0), F = is_glu(act) ? h.size(1) / 2 : h.size(1);
+  TORCH_CHECK(F % kColAlign == 0 && (!is_glu(act) || h.size(1) == 2 * F), "moegemm: h has shape ", h.sizes());
+  c10::DeviceGuard guard(h.device());
+  Tensor a = at::empty({T, F}, h.options());
+  act_bf16(h.data_ptr(), probs_ptr(probs, T, h), act, T, F, a.data_ptr(), current_stream(h));
+  return a;
+}
+
+// bf16 recipe: dh (bf16, like h) from da [T, F] and h; plus per-row partial sums for dprobs.
+std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da, const Tensor& h, const std::optional<Tensor>& probs,
+                                                int64_t activation) {
+  check(da, "da", at::kBFloat16, 2, da);
+  check(h, "h", at::kBFloat16, 2, da);
+  const Activation act = to_activation(activation);
+  const int64_t T = da.size(0), F = da.size(1), F1 = is_glu(act) ? 2 * F : F;
+  TORCH_CHECK(h.size(0) == T && h.size(1) == F1 && F % kColAlign == 0, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  c10::DeviceGuard guard(da.device());
+  Tensor dh = at::empty({T, F1}, h.options());
+  const float* p = probs_ptr(probs, T, da);
+  Tensor partial = at::empty({p != nullptr ? T : 0, ceil_div(F, kActBf16Cols)}, da.options().dtype(at::kFloat));
+  act_backward_bf16(da.data_ptr(), h.data_ptr(), p, act, T, F, dh.data_ptr(), p != nullptr ? partial.data_ptr<float>() : nullptr,
+                    current_stream(da));
+  return {dh, partial};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_weight_op(const Tensor& w) {
   TORCH_CHECK(w.is_cuda() && w.dim() == 3 && w.is_contiguous(), "moegemm: weight must be a contiguous 3-D CUDA tensor");
   const DType dtype = to_dtype(w, "weight");
@@ -280,6 +309,8 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("act_quantize(Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("act_bf16(Tensor h, Tensor? probs, int activation) -> Tensor");
+  m.def("act_backward_bf16(Tensor da, Tensor h, Tensor? probs, int activation) -> (Tensor, Tensor)");
   m.def("gemm_fp8_ragged_m(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan) -> Tensor");
   m.def("gemm_fp8_ragged_k(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, ScalarType out_dtype) -> Tensor");
   m.def("gemm_fp8_ragged_k_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, Tensor(a!) out) -> ()");
@@ -295,6 +326,8 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("quantize_weight", &quantize_weight_op);
   m.impl("act_quantize", &act_quantize_op);
   m.impl("act_backward_quantize", &act_backward_quantize_op);
+  m.impl("act_bf16", &act_bf16_op);
+  m.impl("act_backward_bf16", &act_backward_bf16_op);
   m.impl("gemm_fp8_ragged_m", &gemm_fp8_ragged_m_op);
   m.impl("gemm_fp8_ragged_k", &gemm_fp8_ragged_k_op);
   m.impl("gemm_fp8_ragged_k_accumulate", &gemm_fp8_ragged_k_accumulate_op);

@@ -48,6 +48,16 @@ void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float*
                            int64_t F, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT, float* sT,
                            float* dprobs_partial, cudaStream_t stream);
 
+// bf16 recipe, the same activations without quantization (bf16 out, fp32 math):
+//   act_bf16: a [T, F] = act(gate) (* up) * probs[t];
+//   act_backward_bf16: dh [T, F1] from da [T, F] and h, reading each input once for both GLU halves; if
+//   probs is given, dprobs_partial [T, ceil(F/256)] receives per-row partial sums of da * act(gate) (* up).
+void act_bf16(const void* h_bf16, const float* probs, Activation act, int64_t T, int64_t F, void* a_bf16,
+              cudaStream_t stream);
+void act_backward_bf16(const void* da_bf16, const void* h_bf16, const float* probs, Activation act, int64_t T,
+                       int64_t F, void* dh_bf16, float* dprobs_partial, cudaStream_t stream);
+constexpr int kActBf16Cols = 256;  // columns per dprobs partial sum (one warp, 8 per lane)
+
 // 128x128-block weight quantization of w [E, N, K]: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb].
 void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K,
                      uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);

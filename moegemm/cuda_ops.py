@@ -146,3 +146,25 @@ def _(da, h, probs, activation, plan, rows, cols):
     T, F1 = h.shape
     partial = da.new_empty((T if probs is not None else 0, ceil_div(F1, BLOCK)), dtype=torch.float32)
     return (*_multicast_like(da, F1, plan, rows, cols), partial)
+
+
+def act_bf16(h, probs, activation: str):
+    return _ops.act_bf16(h, probs, ACTIVATIONS[activation])
+
+
+def act_backward_bf16(da, h, probs, activation: str):
+    dh, partial = _ops.act_backward_bf16(da, h, probs, ACTIVATIONS[activation])
+    return dh, (partial.sum(1) if probs is not None else None)
+
+
+@_fake("act_bf16")
+def _(h, probs, activation):
+    F = h.shape[1] // 2 if activation in (0, 1) else h.shape[1]
+    return h.new_empty((h.shape[0], F))
+
+
+@_fake("act_backward_bf16")
+def _(da, h, probs, activation):
+    T, F = da.shape
+    return h.new_empty(h.shape), da.new_empty((T if probs is not None else 0, ceil_div(F, 256)), dtype=torch.float32)
+

@@ -19,7 +19,7 @@ from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, c
                         splits_to_device)
 from .functional import add_bias, bias_grad, finish_weight_grad, weight_grad_target, wgrad_dtype
 from .modules import GroupedLinear
-from .reference import ACTIVATIONS, GLU_ACTIVATIONS, act_backward, act_forward
+from .reference import ACTIVATIONS, GLU_ACTIVATIONS, act_backward
 
 
 def _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1: bool, need_dw2: bool):
@@ -40,7 +40,7 @@ def _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need
     else:
         w1b, w2b = w1.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous()
         h = add_bias(ops.gemm_bf16_fprop(x, w1b, plan), b1, plan)
-        a = act_forward(h, p32, activation).to(x.dtype)
+        a = ops.act_bf16(h, p32, activation)
         y = ops.gemm_bf16_fprop(a, w2b, plan)
         saved = (x, w1b, h, a, w2b)
     return add_bias(y, b2, plan), saved
@@ -121,9 +121,8 @@ class _GroupedMLP(torch.autograd.Function):
             del a
             if need_dh or need_dp:
                 da = ops.gemm_bf16_dgrad(dy, w2b, plan)
-                dh, dprobs = act_backward(da, h, p32, act)
+                dh, dprobs = ops.act_backward_bf16(da, h, p32, act)
                 del da, h
-                dh = dh.to(dy.dtype)
                 if need_dx:
                     dx = ops.gemm_bf16_dgrad(dh, w1b, plan)
                 if need_dw1:

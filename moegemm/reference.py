@@ -277,6 +277,17 @@ def act_backward(da, h, probs, activation: str):
     return dh, dprobs
 
 
+def act_bf16(h, probs, activation: str) -> torch.Tensor:
+    """The bf16 recipe's activation: ``act_forward`` rounded to h's dtype."""
+    return act_forward(h, probs, activation).to(h.dtype)
+
+
+def act_backward_bf16(da, h, probs, activation: str):
+    """``(dh in da's dtype, dprobs fp32 or None)``: ``act_backward`` with dh rounded."""
+    dh, dprobs = act_backward(da, h, probs, activation)
+    return dh.to(da.dtype), dprobs
+
+
 def act_quantize(h, probs, activation: str, plan, rows: bool = True, cols: bool = True):
     """The fused kernel's contract: the multi-cast quantization of ``act_forward(h, probs)``."""
     return quantize_act(act_forward(h, probs, activation), plan, rows, cols)

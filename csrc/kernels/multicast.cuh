@@ -109,6 +109,12 @@ __device__ __forceinline__ float warp_amax(float a) {
   return a;
 }
 
+__device__ __forceinline__ float warp_sum(float a) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+  return a;
+}
+
 // Reductions within each half-warp (one row block each); every lane of the warp must call them.
 __device__ __forceinline__ float half_amax(float a) {
 #pragma unroll

@@ -1132,8 +1132,10 @@ def collect_meta(args) -> dict:
     rev = _run(["git", "rev-parse", "HEAD"], cwd=str(REPO))
     rev = rev if rev and len(rev) == 40 else None  # the GPU machine's copy of the tree has no git history
     commit = os.environ.get("MOEGEMM_COMMIT") or rev or "unknown"
-    # Only where this tree is a git checkout: a copy without history says nothing about its state.
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=str(REPO)) if rev else None
+    # Only where this tree is the checkout of the commit named: a copy (the device machine's, with no
+    # or stale git metadata) says nothing about its state.
+    same = rev is not None and os.environ.get("MOEGEMM_COMMIT", rev) == rev
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=str(REPO)) if same else None
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit,

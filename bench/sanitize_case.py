@@ -26,8 +26,10 @@ for recipe in ["fp8_blockwise", "bf16"]:
         w.main_grad = torch.zeros(E, N, K, device="cuda")
         moegemm.grouped_linear(x, w, m, recipe=recipe).backward(torch.randn_like(y))  # accumulate path
         del w.main_grad
-for activation in moegemm.reference.ACTIVATIONS:  # the fused activation kernels, forward and backward
-    mlp = moegemm.GroupedMLP(E, K, 144, activation=activation, bias=True, device="cuda")
+for activation, recipe in [(a, r) for a in moegemm.reference.ACTIVATIONS for r in ("fp8_blockwise", "bf16")]:
+    # the fused activation kernels (FP8 multi-cast and bf16), forward and backward
+    mlp = moegemm.GroupedMLP(E, K, 144, activation=activation, bias=True, recipe=recipe, device="cuda",
+                             dtype=torch.bfloat16)
     xm = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(T, device="cuda", requires_grad=True)
     ym = mlp(xm, m, probs)

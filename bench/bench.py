@@ -54,14 +54,10 @@ REPO = BENCH.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from moegemm.workloads import SHAPES, balanced_splits, zipf_splits  # noqa: E402
+from moegemm.workloads import GEMM_SHAPES, SHAPES, balanced_splits, zipf_splits  # noqa: E402
 
-# Issue 6's grouped-GEMM targets (DeepGEMM-style): name -> (groups, K, N, tokens), balanced groups; fc1 only.
-GEMM_SHAPES = {
-    "GEMM 4x8192 N=4096 K=7168": (4, 7168, 4096, 4 * 8192),
-    "GEMM 64x2304 N=2816 K=2048": (64, 2048, 2816, 64 * 2304),
-}
-GEMM_TARGETS = {"GEMM 4x8192 N=4096 K=7168": 1300.0, "GEMM 64x2304 N=2816 K=2048": 1100.0}  # TFLOP/s
+# Issue 6: TFLOP/s targets of the grouped-GEMM problems (moegemm.workloads.GEMM_SHAPES), fc1 forward.
+GEMM_TARGETS = {"GEMM 4x8192 N=4096 K=7168": 1300.0, "GEMM 64x2304 N=2816 K=2048": 1100.0}
 SWEEP_E = (8, 32, 128, 256)
 SWEEP_SHAPE = (1024, 512, 8192)  # hidden, ffn, T for the host-overhead sweep (Zipf splits)
 JITTER_SHAPE = "DeepSeek-V2-Lite"

@@ -16,9 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moegemm import cuda_ops as ops  # noqa: E402
-from moegemm.workloads import SHAPES, balanced_splits, zipf_splits  # noqa: E402
+from moegemm.workloads import GEMM_SHAPES, SHAPES, balanced_splits, zipf_splits  # noqa: E402
 
-GEMM_SHAPES = {"GEMM 4x8192 N=4096 K=7168": (4, 7168, 2048, 4 * 8192), "GEMM 64x2304 N=2816 K=2048": (64, 2048, 1408, 64 * 2304)}
 
 
 def timed(fn, iters):
@@ -67,7 +66,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     points = [(n, E, H, F, zipf_splits(E, T), False) for n, (E, H, F, T) in SHAPES.items()]
-    points += [(n, E, H, F, balanced_splits(E, T), True) for n, (E, H, F, T) in GEMM_SHAPES.items()]
+    points += [(n, E, K, N // 2, balanced_splits(E, T), True) for n, (E, K, N, T) in GEMM_SHAPES.items()]
     print(f"{'shape':28s} {'gemm':15s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, E, H, F, splits, fc1_only in points:
         for g, (fn, flops) in gemms(E, H, F, splits, fc1_only).items():

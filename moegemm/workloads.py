@@ -1,5 +1,5 @@
 """The standard MoE workloads of the demo and the benchmarks (SPEC §7): model shapes and token counts
-per expert (Zipf-skewed with empty experts, or balanced). Deterministic for a given seed."""
+per expert (Zipf-skewed with empty experts, or balanced), and issue 6's two grouped-GEMM problems. Deterministic for a given seed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ SHAPES = {  # name: (E, hidden, ffn per expert, routed tokens)
     "Qwen3-30B-A3B": (128, 2048, 768, 32768),
     "DeepSeek-V3-EP8": (32, 7168, 2048, 32768),
     "Mixtral-8x7B": (8, 4096, 14336, 16384),
+}
+
+
+# Issue 6's grouped-GEMM problems (DeepGEMM-style), fc1 forward only, balanced groups:
+# name -> (groups, K, N, tokens).
+GEMM_SHAPES = {
+    "GEMM 4x8192 N=4096 K=7168": (4, 7168, 4096, 4 * 8192),
+    "GEMM 64x2304 N=2816 K=2048": (64, 2048, 2816, 64 * 2304),
 }
 
 

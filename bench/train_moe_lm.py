@@ -1,0 +1,482 @@
+"""FP8 against bf16 experts at real width: a DeepSeek-V2-Lite-shaped MoE LM, thousands of steps (issue 17).
+
+A decoder-only byte-level LM (vocab 256) on the Python standard library's own source (every ``*.py``
+under ``sysconfig.get_paths()['stdlib']``, site-packages excluded; every 20th file, in sorted order, is the
+fixed held-out split): embedding + learned positions -> L x [RMSNorm, causal attention
+(``F.scaled_dot_product_attention``), RMSNorm, MoE] -> RMSNorm -> head. The MoE is DeepSeek-V2-Lite's
+routed-expert shape: 64 experts of ffn 1408 on hidden 2048, top-6 softmax router in fp32 (top-k probs
+renormalised), tokens sorted by expert on the device (``argsort``), ``m_splits = bincount(...)`` as a
+device tensor that is never read on the host, ``moegemm.GroupedMLP`` experts (SwiGLU, router probs
+applied inside), un-permute and sum of the k outputs. No capacity limit: no token is dropped. A
+Switch/DeepSeek load-balancing loss ``E * sum_e f_e P_e`` per layer is added with a small coefficient.
+
+The same model is trained twice, experts with ``fp8_blockwise`` and with ``bf16``, from the same seed,
+initial weights (checked by a fingerprint) and batches; everything else runs in bf16 autocast with fp32
+master weights. AdamW, linear warm-up and cosine decay, gradient clipping at 1.0, gradient
+accumulation over ``--micro`` micro-batches; with FP8 the first micro-batch of each optimizer step passes
+``is_first_microbatch=True`` (quantize the expert weights once and keep the FP8 copies) and the others
+``False``; with bf16 ``None``.
+
+Recorded per run: train loss every step, held-out loss every ``--eval-every`` steps and at the end (a
+fixed set of held-out batches), tokens/s over the timed steps (synchronised wall-clock, the first
+``--warmup-timing`` steps and the evaluations excluded), peak memory, gradient norm, and the router's load
+balance per logging interval (max/mean tokens per expert, coefficient of variation, experts left empty)
+together with the RMS of the MoE's output relative to the residual stream it is added to (the experts
+carry signal). The
+comparison (final held-out relative gap, max relative gap of the smoothed train-loss curves after the
+first 10 % of steps) is computed here and stored in the JSON.
+
+    python bench/train_moe_lm.py                       # the full run (one H200, both recipes)
+    python bench/train_moe_lm.py --plot-only bench/results/train_moe_lm.json   # PNG from the JSON
+    python bench/train_moe_lm.py --tiny                # CPU smoke configuration (reference backend)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import moegemm  # noqa: E402
+
+RECIPES = ("bf16", "fp8_blockwise")
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+def load_corpus(max_bytes: int = 0):
+    """(train bytes, held-out bytes, info): every *.py of the stdlib in sorted order; file i with
+    i % 20 == 19 goes to the held-out split."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if "site-packages" not in p and "dist-packages" not in p)
+    train, held = bytearray(), bytearray()
+    for i, path in enumerate(paths):
+        with open(path, "rb") as f:
+            (held if i % 20 == 19 else train).extend(f.read())
+        if max_bytes and len(train) + len(held) >= max_bytes:
+            break
+    digest = hashlib.sha256(bytes(train) + b"\0" + bytes(held)).hexdigest()[:16]
+    info = {"root": root, "python": sys.version.split()[0], "files": len(paths), "train_bytes": len(train),
+            "heldout_bytes": len(held), "sha256_16": digest}
+    as_t = lambda b: torch.frombuffer(bytes(b), dtype=torch.uint8).clone()  # noqa: E731
+    return as_t(train), as_t(held), info
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+class MoE(nn.Module):
+    def __init__(self, d, ffn, experts, top_k, recipe):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = moegemm.GroupedMLP(experts, d, ffn, activation="swiglu", bias=False, recipe=recipe,
+                                          dtype=torch.float32)
+        self.E, self.top_k = experts, top_k
+
+    def forward(self, x, is_first_microbatch):  # x [T, d]
+        T, k, E = x.shape[0], self.top_k, self.E
+        with torch.autocast(x.device.type, enabled=False):  # the router in fp32
+            probs_all = F.linear(x.float(), self.router.weight.float()).softmax(-1)  # [T, E]
+        probs, eid = probs_all.topk(k, dim=-1)  # [T, k]
+        probs = probs / probs.sum(-1, keepdim=True)
+        flat_e = eid.reshape(-1)  # slot i = token i // k
+        order = torch.argsort(flat_e, stable=True)  # slots sorted by expert, on the device
+        token = order // k
+        m_splits = torch.bincount(flat_e, minlength=E)  # device tensor, never read on the host
+        y = self.experts(x[token].to(torch.bfloat16), m_splits, probs.reshape(-1)[order],
+                         is_first_microbatch=is_first_microbatch)  # [T*k, d], probs applied inside
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=x.device)
+        out = y[inv].view(T, k, -1).sum(1).to(x.dtype)  # back to token order, sum of the k experts
+        # Switch / DeepSeek load-balancing loss: E * sum_e f_e P_e (1 when balanced)
+        f = m_splits.float() / flat_e.numel()
+        aux = E * (f * probs_all.mean(0)).sum()
+        return out, aux, m_splits
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, ffn, experts, top_k, recipe, stats):
+        super().__init__()
+        self.n1, self.n2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.moe = MoE(d, ffn, experts, top_k, recipe)
+        self.heads, self.stats = heads, stats
+
+    def forward(self, x, is_first_microbatch):  # [B, S, d]
+        B, S, d = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(B, S, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, d)
+        x = x + self.proj(att)
+        y, aux, m_splits = self.moe(self.n2(x).reshape(B * S, d), is_first_microbatch)
+        if self.stats is not None:  # on the device, read once per logging interval
+            with torch.no_grad():
+                c = m_splits.float()
+                mean = c.mean()
+                self.stats.append(torch.stack([c.max() / mean, c.std(unbiased=False) / mean, (c == 0).float().sum(),
+                                               y.float().pow(2).mean().sqrt() / x.float().pow(2).mean().sqrt()]))
+        return x + y.view(B, S, d), aux
+
+
+class MoELM(nn.Module):
+    def __init__(self, a, recipe, stats=None):
+        super().__init__()
+        d = a.hidden
+        self.emb = nn.Embedding(256, d)
+        self.pos = nn.Parameter(torch.empty(a.seq, d))
+        self.blocks = nn.ModuleList(Block(d, a.heads or max(1, d // 128), a.ffn, a.experts, a.top_k, recipe, stats)
+                                    for _ in range(a.layers))
+        self.norm, self.head = nn.RMSNorm(d, eps=1e-5), nn.Linear(d, 256, bias=False)
+        with torch.no_grad():  # normal(0, 0.02) everywhere, the experts included; norms at 1
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, a.init_std)
+
+    def forward(self, idx, is_first_microbatch=None):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        aux = 0.0
+        for blk in self.blocks:
+            x, a = blk(x, is_first_microbatch)
+            aux = aux + a
+        return self.head(self.norm(x)), aux
+
+
+def fingerprint(model) -> float:
+    with torch.no_grad():
+        return float(sum((p.double() * (i + 1)).sum() for i, p in enumerate(model.parameters())))
+
+
+# ------------------------------------------------------------------------------------------- training
+
+def lr_at(step, a):
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    t = (step - a.warmup) / max(1, a.steps - a.warmup)
+    return a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(recipe, train_data, held_data, a, device):
+    torch.manual_seed(a.seed)
+    stats: list = []
+    model = MoELM(a, recipe, stats).to(device)
+    fp = fingerprint(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    cuda = device.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+
+    # The same batches for both runs: every offset of the run drawn up front from a seeded generator
+    # and moved to the device once (no host->device copy, hence no sync, in the loop).
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    offs = torch.randint(0, len(train_data) - a.seq - 1, (a.steps, a.micro, a.batch), generator=gen).to(device)
+    data = train_data.to(device)
+    ar = torch.arange(a.seq + 1, device=device)
+    # fixed held-out set: n_eval batches of windows spread evenly over the held-out split
+    n_win = a.eval_batches * a.batch
+    starts = torch.linspace(0, len(held_data) - a.seq - 2, n_win).long()
+    held = torch.stack([held_data[s: s + a.seq + 1] for s in starts.tolist()]).long().view(
+        a.eval_batches, a.batch, a.seq + 1).to(device)
+
+    def evaluate():
+        model.eval()
+        n0 = len(stats)
+        with torch.no_grad(), amp:
+            tot = torch.zeros((), device=device)
+            for b in range(a.eval_batches):
+                logits, _ = model(held[b, :, :-1], None)
+                tot += F.cross_entropy(logits.float().reshape(-1, 256), held[b, :, 1:].reshape(-1))
+        del stats[n0:]
+        model.train()
+        return (tot / a.eval_batches).item()
+
+    n_tok_step = a.micro * a.batch * a.seq
+    loss_buf = torch.zeros(a.steps, device=device)
+    aux_buf = torch.zeros(a.steps, device=device)
+    gnorm_buf = torch.zeros(a.steps, device=device)
+    evals, intervals = [], []
+    timed_s, t_start = 0.0, time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    seg = time.perf_counter()
+    for step in range(a.steps):
+        lr = lr_at(step, a)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        for mb in range(a.micro):
+            chunk = data[(offs[step, mb][:, None] + ar)].long()  # [B, S+1] gathered on the device
+            first = (mb == 0) if recipe == "fp8_blockwise" else None
+            with amp:
+                logits, aux = model(chunk[:, :-1], first)
+                loss = F.cross_entropy(logits.float().reshape(-1, 256), chunk[:, 1:].reshape(-1))
+            ((loss + a.aux_coef * aux) / a.micro).backward()
+            loss_buf[step] += loss.detach() / a.micro
+            aux_buf[step] += aux.detach() / (a.micro * a.layers)
+        gnorm_buf[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        last = step == a.steps - 1
+        log = (step + 1) % a.log_every == 0 or last
+        if step == a.warmup_timing - 1 or log:
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if step >= a.warmup_timing:
+                timed_s += now - seg
+            if log:
+                st = torch.stack(stats).view(-1, a.layers, 4).mean(0).cpu()  # per layer, averaged over the interval
+                stats.clear()
+                lo = step + 1 - ((step + 1) % a.log_every or a.log_every)
+                rec = {"step": step + 1, "train_loss": loss_buf[lo: step + 1].mean().item(), "lr": lr,
+                       "aux": aux_buf[lo: step + 1].mean().item(),
+                       "max_over_mean": st[:, 0].tolist(), "cv": st[:, 1].tolist(), "empty_experts": st[:, 2].tolist(),
+                       "moe_rms_ratio": st[:, 3].tolist()}
+                intervals.append(rec)
+                msg = (f"{recipe:14s} step {step + 1:5d} loss {rec['train_loss']:.4f} aux {rec['aux']:.3f} "
+                       f"max/mean {sum(rec['max_over_mean']) / a.layers:.2f} cv {sum(rec['cv']) / a.layers:.3f} "
+                       f"gnorm {gnorm_buf[step].item():.3f} lr {lr:.2e} ({time.perf_counter() - t_start:.0f} s)")
+                if (step + 1) % a.eval_every == 0 or last:
+                    ev = evaluate()
+                    evals.append({"step": step + 1, "loss": ev})
+                    msg += f" held-out {ev:.4f}"
+                print(msg, flush=True)
+            if cuda:
+                torch.cuda.synchronize()
+            seg = time.perf_counter()
+    timed_steps = a.steps - a.warmup_timing
+    res = {
+        "recipe": recipe,
+        "init_fingerprint": fp,
+        "train_loss": loss_buf.tolist(),
+        "aux_loss": aux_buf.tolist(),
+        "grad_norm": gnorm_buf.tolist(),
+        "heldout": evals,
+        "final_heldout_loss": evals[-1]["loss"],
+        "intervals": intervals,
+        "timed_steps": timed_steps,
+        "timed_seconds": timed_s,
+        "tokens_per_s": timed_steps * n_tok_step / timed_s if timed_s > 0 else None,
+        "ms_per_step": 1e3 * timed_s / timed_steps if timed_steps > 0 else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "wall_seconds": time.perf_counter() - t_start,
+        "params": sum(p.numel() for p in model.parameters()),
+        "expert_params": sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
+    }
+    del model, opt, data
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------------------------------ comparison
+
+def smooth(xs, w):
+    out, s = [], 0.0
+    for i, x in enumerate(xs):
+        s += x - (xs[i - w] if i >= w else 0.0)
+        out.append(s / min(i + 1, w))
+    return out
+
+
+def compare(results):
+    runs = results["runs"]
+    if not all(r in runs for r in RECIPES):
+        return None
+    b, f = runs["bf16"], runs["fp8_blockwise"]
+    w = results["args"]["smooth"]
+    sb, sf = smooth(b["train_loss"], w), smooth(f["train_loss"], w)
+    n = len(sb)
+    start = n // 10
+    rel = [(sf[i] - sb[i]) / sb[i] for i in range(start, n)]
+    i_max = max(range(len(rel)), key=lambda i: abs(rel[i]))
+    held_rel = [(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(f["heldout"], b["heldout"])]
+    c = {
+        "smooth_window": w,
+        "final_heldout_bf16": b["final_heldout_loss"],
+        "final_heldout_fp8": f["final_heldout_loss"],
+        "final_heldout_rel_gap": (f["final_heldout_loss"] - b["final_heldout_loss"]) / b["final_heldout_loss"],
+        "heldout_rel_gap_by_eval": [{"step": x["step"], "rel_gap": g} for x, g in zip(f["heldout"], held_rel)],
+        "train_curve_max_abs_rel_gap_after_10pct": abs(rel[i_max]),
+        "train_curve_max_gap_step": start + i_max + 1,
+        "train_curve_mean_rel_gap_after_10pct": sum(rel) / len(rel),
+        "same_initial_weights": b["init_fingerprint"] == f["init_fingerprint"],
+        "tokens_per_s_bf16": b["tokens_per_s"],
+        "tokens_per_s_fp8": f["tokens_per_s"],
+        "speedup_fp8_over_bf16": (f["tokens_per_s"] / b["tokens_per_s"]) if b["tokens_per_s"] else None,
+        "peak_memory_gib_bf16": b["peak_memory_gib"],
+        "peak_memory_gib_fp8": f["peak_memory_gib"],
+    }
+    c["accept_heldout_within_0.5pct"] = abs(c["final_heldout_rel_gap"]) <= 0.005
+    c["accept_curves_within_1pct"] = c["train_curve_max_abs_rel_gap_after_10pct"] <= 0.01
+    return c
+
+
+def print_summary(results):
+    c = results.get("comparison")
+    if not c:
+        return
+    print("\n=== comparison fp8_blockwise vs bf16 ===")
+    for k, v in c.items():
+        if k != "heldout_rel_gap_by_eval":
+            print(f"  {k}: {v}")
+    for r, run in results["runs"].items():
+        last = run["intervals"][-1]
+        lb = [sum(x["max_over_mean"]) / len(x["max_over_mean"]) for x in run["intervals"]]
+        cv = [sum(x["cv"]) / len(x["cv"]) for x in run["intervals"]]
+        print(f"  {r}: load balance max/mean first {lb[0]:.2f} last {lb[-1]:.2f} (per layer {last['max_over_mean']}), "
+              f"cv first {cv[0]:.3f} last {cv[-1]:.3f}, moe rms ratio {last['moe_rms_ratio']}")
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, a = results["runs"], results["args"]
+    w = a["smooth"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax = axes[0]
+    colors = {"bf16": "tab:blue", "fp8_blockwise": "tab:red"}
+    for r, run in runs.items():
+        ax.plot(range(1, len(run["train_loss"]) + 1), smooth(run["train_loss"], w), color=colors.get(r), lw=1.2,
+                label=f"{r} train ({w}-step mean)")
+        ax.plot([e["step"] for e in run["heldout"]], [e["loss"] for e in run["heldout"]], "o--", color=colors.get(r),
+                ms=4, lw=0.8, label=f"{r} held-out (final {run['final_heldout_loss']:.4f})")
+    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss, nats/byte")
+    ax.set_title("loss")
+    ax.legend(fontsize=8)
+    c = results.get("comparison")
+    ax = axes[1]
+    if c:
+        sb, sf = smooth(runs["bf16"]["train_loss"], w), smooth(runs["fp8_blockwise"]["train_loss"], w)
+        ax.plot(range(1, len(sb) + 1), [100 * (y - x) / x for x, y in zip(sb, sf)], color="tab:purple", lw=1,
+                label=f"train ({w}-step mean)")
+        ax.plot([e["step"] for e in c["heldout_rel_gap_by_eval"]], [100 * e["rel_gap"] for e in c["heldout_rel_gap_by_eval"]],
+                "o-", color="k", ms=4, label="held-out")
+        ax.axvline(len(sb) // 10, color="gray", ls=":", lw=0.8)
+        for y in (-1, 1):
+            ax.axhline(y, color="gray", ls="--", lw=0.8)
+        ax.set_ylim(-2, 2)
+        ax.legend(fontsize=8)
+        ax.set_title(f"(fp8 - bf16) / bf16: final held-out {100 * c['final_heldout_rel_gap']:+.2f} %, "
+                     f"max train after 10 % {100 * c['train_curve_max_abs_rel_gap_after_10pct']:.2f} %", fontsize=9)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("relative gap, %")
+    ax = axes[2]
+    for r, run in runs.items():
+        st = [x["step"] for x in run["intervals"]]
+        ax.plot(st, [sum(x["max_over_mean"]) / len(x["max_over_mean"]) for x in run["intervals"]], color=colors.get(r),
+                label=f"{r} max/mean tokens per expert")
+        ax.plot(st, [1 + sum(x["cv"]) / len(x["cv"]) for x in run["intervals"]], color=colors.get(r), ls="--",
+                label=f"{r} 1 + coeff. of variation")
+    ax.set_xlabel("optimizer step")
+    ax.set_title("router load balance (mean over layers)")
+    ax.legend(fontsize=8)
+    tps = ", ".join(f"{r} {run['tokens_per_s'] / 1e3:.0f}k tok/s" for r, run in runs.items() if run.get("tokens_per_s"))
+    fig.suptitle(f"MoE byte LM, {a['layers']} layers, hidden {a['hidden']}, {a['experts']} experts x ffn {a['ffn']} "
+                 f"top-{a['top_k']}, seq {a['seq']}, {a['steps']} steps x {a['micro']}x{a['batch']} seqs; "
+                 f"{results['device']}; {tps}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=0, help="0: hidden // 128")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--ffn", type=int, default=1408)
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches per optimizer step")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--wd", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--init-std", type=float, default=0.02)
+    ap.add_argument("--aux-coef", type=float, default=1e-2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--warmup-timing", type=int, default=20, help="steps left out of tokens/s")
+    ap.add_argument("--smooth", type=int, default=50, help="moving-average window of the train-loss comparison")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--max-corpus-bytes", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/train_moe_lm.json")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke configuration")
+    ap.add_argument("--plot-only", nargs="+", metavar="JSON",
+                    help="plot existing results (several JSON files of single runs are merged into --out)")
+    a = ap.parse_args()
+    if a.plot_only:
+        results = None
+        for p in a.plot_only:
+            with open(p) as f:
+                r = json.load(f)
+            if results is None:
+                results = r
+            else:
+                results["runs"].update(r["runs"])
+        results["comparison"] = compare(results)
+        if len(a.plot_only) > 1:
+            with open(a.out, "w") as f:
+                json.dump(results, f)
+            print(f"wrote {a.out}")
+        print_summary(results)
+        plot(results, os.path.splitext(a.out if len(a.plot_only) > 1 else a.plot_only[0])[0] + ".png")
+        return
+    if a.tiny:
+        a.hidden, a.experts, a.ffn, a.top_k, a.seq, a.batch, a.micro, a.steps = 128, 8, 64, 2, 64, 2, 2, 20
+        a.warmup, a.log_every, a.eval_every, a.eval_batches, a.warmup_timing, a.smooth = 4, 5, 10, 2, 2, 5
+        a.lr, a.max_corpus_bytes = 3e-3, a.max_corpus_bytes or (2 << 20)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train_data, held_data, corpus = load_corpus(a.max_corpus_bytes)
+    print(f"corpus: {corpus}", flush=True)
+    tok_step = a.micro * a.batch * a.seq
+    print(f"{a.layers} layers, hidden {a.hidden}, {a.experts} experts x ffn {a.ffn}, top-{a.top_k}; "
+          f"{tok_step} tokens/step, {a.steps} steps = {a.steps * tok_step / 1e6:.1f} M tokens "
+          f"({a.steps * tok_step / len(train_data):.2f} epochs)", flush=True)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+               "args": vars(a), "corpus": corpus, "runs": {}}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    for recipe in a.recipes.split(","):
+        results["runs"][recipe] = train(recipe, train_data, held_data, a, device)
+        r = results["runs"][recipe]
+        print(f"{recipe}: final held-out {r['final_heldout_loss']:.4f}, {r['tokens_per_s'] or 0:.0f} tokens/s, "
+              f"peak memory {r['peak_memory_gib'] or 0:.2f} GiB, {r['wall_seconds']:.0f} s", flush=True)
+        results["comparison"] = compare(results)
+        with open(a.out, "w") as f:  # after each run, so a cut-off second run leaves the first
+            json.dump(results, f)
+    print_summary(results)
+    print(f"wrote {a.out}")
+    try:
+        plot(results, os.path.splitext(a.out)[0] + ".png")
+    except ImportError:
+        print(f"matplotlib missing: python bench/train_moe_lm.py --plot-only {a.out}")
+
+
+if __name__ == "__main__":
+    main()

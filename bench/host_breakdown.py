@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 import moegemm  # noqa: E402
-from bench import host_overhead  # noqa: E402
+from measure import host_overhead  # noqa: E402
 from moegemm import _validate, backend  # noqa: E402
 from moegemm.workloads import zipf_splits  # noqa: E402
 

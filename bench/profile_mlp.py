@@ -60,7 +60,7 @@ def profile(shape, recipe, iters=5):
     print(f"\n{shape} {recipe}: E={E} H={H} F={F} T={T}: GPU kernel time {total / 1e3:.3f} ms per fwd+bwd")
     for fam, t in times.most_common():
         print(f"  {fam:40s} {t / 1e3:8.3f} ms  {100 * t / total:5.1f}%  launches {counts[fam]:.0f}")
-    del mlp
+    mlp = None  # (not del: step() reads it)
     torch.cuda.empty_cache()
 
 

@@ -8,7 +8,6 @@ shapes (Zipf splits) and issue 6's two GEMM shapes: where the GEMM time of the M
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,18 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moegemm import cuda_ops as ops  # noqa: E402
 from moegemm.workloads import GEMM_SHAPES, SHAPES, balanced_splits, zipf_splits  # noqa: E402
 
-
-
-def timed(fn, iters):
-    for _ in range(3):
-        fn()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in evs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in evs)
+from measure import time_op  # noqa: E402  (bench/ is on sys.path: the script's folder)
 
 
 def rand(*shape):
@@ -70,7 +58,7 @@ def main():
     print(f"{'shape':28s} {'gemm':15s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, E, H, F, splits, fc1_only in points:
         for g, (fn, flops) in gemms(E, H, F, splits, fc1_only).items():
-            ms = timed(fn, args.iters)
+            ms = time_op(fn, 0.0, args.iters, args.iters, 3)["ms"]  # 3 warm-up calls, median of args.iters
             print(f"{name:28s} {g:15s} {ms:8.3f} {flops / ms / 1e9:8.0f}", flush=True)
         torch.cuda.empty_cache()
 

@@ -1,5 +1,10 @@
-"""Prebuild the CUDA extension: ``python -m moegemm.build``.
-``python -m moegemm.build --check`` only compiles every csrc/ translation unit (no GPU needed; CI)."""
+"""Prebuild the CUDA extension into the just-in-time cache: ``python -m moegemm.build`` (on a GPU
+machine; ``pip install --no-build-isolation .`` builds it into the package instead).
+
+``python -m moegemm.build --check`` only compiles every csrc/ translation unit (no GPU needed; CI):
+the kernels with nvcc for sm_90a, the binding against torch's headers in the C++ standard they
+demand. ``--torch-include DIR`` checks the binding against another torch's headers (``torch/include``
+unpacked from a wheel) and ``--binding-only`` skips the kernels, which include no torch header."""
 
 import argparse
 import sys
@@ -7,10 +12,12 @@ import sys
 from ._build import compile_check, load_extension
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compile-only check of every csrc/ translation unit")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compiler processes for --check (~4 GB each)")
+    ap.add_argument("--torch-include", metavar="DIR", help="--check: a torch/include folder (default: installed torch's)")
+    ap.add_argument("--binding-only", action="store_true", help="--check: only the binding (the TU with torch headers)")
     args = ap.parse_args()
     if args.check:
-        sys.exit(1 if compile_check(args.jobs) else 0)
-    load_extension()
+        sys.exit(1 if compile_check(args.jobs, args.torch_include, args.binding_only) else 0)
+    print(f"moegemm: extension ready: {load_extension()}")

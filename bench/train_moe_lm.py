@@ -70,7 +70,7 @@ def load_corpus(max_bytes: int = 0):
     digest = hashlib.sha256(bytes(train) + b"\0" + bytes(held)).hexdigest()[:16]
     info = {"root": root, "python": sys.version.split()[0], "files": len(paths), "train_bytes": len(train),
             "heldout_bytes": len(held), "sha256_16": digest}
-    as_t = lambda b: torch.frombuffer(bytes(b), dtype=torch.uint8).clone()  # noqa: E731
+    as_t = lambda b: torch.frombuffer(b, dtype=torch.uint8).clone()  # noqa: E731  (a bytearray: writable)
     return as_t(train), as_t(held), info
 
 
@@ -419,7 +419,7 @@ def main():
     ap.add_argument("--aux-coef", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--warmup-timing", type=int, default=20, help="steps left out of tokens/s")
     ap.add_argument("--smooth", type=int, default=50, help="moving-average window of the train-loss comparison")

@@ -2,7 +2,11 @@
 // autograd Functions, torch.compile and CUDA graphs see ordinary ops. Each op checks its tensors,
 // allocates its outputs with the caching allocator (sizes from T, E, N, K only) and calls the
 // torch-free interface of csrc/moegemm.h on the current stream. Input validation for users happens in
-// Python (moegemm/_validate.py) before these are reached; the checks here guard the C++ contract.
+// Python (moegemm/_validate.py) before these are reached; the checks here guard the C++ contract: every
+// op checks its own arguments and raises (RuntimeError) before any launch. Inputs whose data pointer is
+// not 16-byte aligned (views at an element offset) are copied to an aligned buffer first, and an
+// accumulation target goes through an aligned temporary: TMA and the 16-byte vector accesses need it.
+// A plan is trusted to come from make_plan for the same T (its contents live on the device).
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -22,12 +26,27 @@ cudaStream_t current_stream(const Tensor& t) {
   return static_cast<cudaStream_t>(stream.native_handle());
 }
 
-void check(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const Tensor& like) {
-  TORCH_CHECK(t.is_cuda(), "moegemm: ", name, " must be a CUDA tensor");
+bool is_aligned(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % kPtrAlign == 0; }
+
+// t itself, or an aligned contiguous copy when its data pointer is not 16-byte aligned.
+Tensor aligned(const Tensor& t) { return is_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous); }
+
+void check_placement(const Tensor& t, const char* name, int64_t dim, const Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), "moegemm: ", name, " must be a CUDA tensor, got one on ", t.device());
   TORCH_CHECK(t.device() == like.device(), "moegemm: ", name, " is on ", t.device(), ", expected ", like.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "moegemm: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "moegemm: ", name, " must have ", dim, " dims, got ", t.dim());
+  TORCH_CHECK(t.dim() == dim, "moegemm: ", name, " must have ", dim, " dims, got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), "moegemm: ", name, " must be contiguous");
+}
+
+void check(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const Tensor& like) {
+  check_placement(t, name, dim, like);
+  TORCH_CHECK(t.scalar_type() == dtype, "moegemm: ", name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+// A checked input, 16-byte aligned.
+Tensor input(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const Tensor& like) {
+  check(t, name, dtype, dim, like);
+  return aligned(t);
 }
 
 DType to_dtype(const Tensor& t, const char* name) {
@@ -40,8 +59,13 @@ DType to_dtype(const Tensor& t, const char* name) {
 }
 
 int num_experts(const Tensor& plan) {
-  TORCH_CHECK(plan.dim() == 2 && plan.size(0) == 3, "moegemm: plan must be [3, E+1], got ", plan.sizes());
+  TORCH_CHECK(plan.dim() == 2 && plan.size(0) == 3 && plan.size(1) >= 2 && plan.size(1) <= kMaxExperts + 1,
+              "moegemm: plan must be [3, E+1] with 1 <= E <= ", kMaxExperts, ", got shape ", plan.sizes());
   return static_cast<int>(plan.size(1) - 1);
+}
+
+void check_multiple_of_16(int64_t v, const char* what) {
+  TORCH_CHECK(v > 0 && v % kColAlign == 0, "moegemm: ", what, " must be a positive multiple of 16, got ", v);
 }
 
 uint8_t* bytes(const Tensor& t) { return t.numel() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr; }
@@ -59,23 +83,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> multicast_outputs(const Tensor& like,
 
 // ------------------------------------------------------------------------------------------------ ops
 Tensor make_plan_op(const Tensor& m_splits, int64_t T) {
-  TORCH_CHECK(m_splits.is_cuda() && m_splits.dim() == 1 && m_splits.is_contiguous(), "moegemm: m_splits must be a contiguous 1-D CUDA tensor");
-  TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong, "moegemm: m_splits must be int32 or int64");
+  check_placement(m_splits, "m_splits", 1, m_splits);
+  TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
+              "moegemm: m_splits must be int32 or int64, got ", m_splits.scalar_type());
+  TORCH_CHECK(m_splits.numel() >= 1 && m_splits.numel() <= kMaxExperts, "moegemm: len(m_splits) (the number of experts) must be in [1, ",
+              kMaxExperts, "], got ", m_splits.numel());
   const int E = static_cast<int>(m_splits.numel());
-  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: number of experts must be in [1, ", kMaxExperts, "], got ", E);
+  TORCH_CHECK(T >= 0 && col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", kMaxPlanValue - 15 * E,
+              "] for ", E, " experts (int32 plan), got ", T);
   c10::DeviceGuard guard(m_splits.device());
   Tensor plan = at::empty({3, E + 1}, m_splits.options().dtype(at::kInt));
   make_plan(m_splits.data_ptr(), m_splits.scalar_type() == at::kLong, E, T, plan.data_ptr<int32_t>(), current_stream(m_splits));
   return plan;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_act_op(const Tensor& x, const Tensor& plan, bool rows, bool cols) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "moegemm: x must be a contiguous 2-D CUDA tensor");
-  const DType dtype = to_dtype(x, "x");
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_act_op(const Tensor& x_in, const Tensor& plan, bool rows, bool cols) {
+  check_placement(x_in, "x", 2, x_in);
+  const DType dtype = to_dtype(x_in, "x");
+  const Tensor x = aligned(x_in);
   check(plan, "plan", at::kInt, 2, x);
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kColAlign == 0, "moegemm: x.shape[1] must be a multiple of 16, got ", K);
+  check_multiple_of_16(K, "x.shape[1]");
   c10::DeviceGuard guard(x.device());
   auto [q, s, qT, sT] = multicast_outputs(x, T, K, E, rows, cols);
   quantize_act(x.data_ptr(), dtype, T, K, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
@@ -89,25 +118,35 @@ Activation to_activation(int64_t activation) {
   return static_cast<Activation>(activation);
 }
 
-const float* probs_ptr(const std::optional<Tensor>& probs, int64_t T, const Tensor& like) {
-  if (!probs.has_value()) return nullptr;
-  check(*probs, "probs", at::kFloat, 1, like);
-  TORCH_CHECK(probs->size(0) == T, "moegemm: probs must have ", T, " entries, got ", probs->size(0));
-  return probs->data_ptr<float>();
+// probs [T] fp32, aligned; an undefined tensor when absent.
+Tensor probs_input(const std::optional<Tensor>& probs, int64_t T, const Tensor& like) {
+  if (!probs.has_value()) return Tensor();
+  TORCH_CHECK(probs->dim() == 1 && probs->size(0) == T, "moegemm: probs must have shape [", T, "], got ", probs->sizes());
+  return input(*probs, "probs", at::kFloat, 1, like);
+}
+
+const float* probs_ptr(const Tensor& probs) { return probs.defined() ? probs.data_ptr<float>() : nullptr; }
+
+// F of an activation over h [T, F1]: F1 = 2F for GLU activations.
+int64_t act_width(const Tensor& h, Activation act) {
+  const int64_t F1 = h.size(1), F = is_glu(act) ? F1 / 2 : F1;
+  TORCH_CHECK(!is_glu(act) || F1 % 2 == 0, "moegemm: h.shape[1] must be even (gate and up halves), got ", F1);
+  check_multiple_of_16(F, "the activation's width (h.shape[1], halved for GLU)");
+  return F;
 }
 
 // a = act(h) * probs, quantized like quantize_act; h is [T, 2F] for GLU activations, else [T, F].
-std::tuple<Tensor, Tensor, Tensor, Tensor> act_quantize_op(const Tensor& h, const std::optional<Tensor>& probs,
+std::tuple<Tensor, Tensor, Tensor, Tensor> act_quantize_op(const Tensor& h_in, const std::optional<Tensor>& probs_in,
                                                            int64_t activation, const Tensor& plan, bool rows, bool cols) {
-  check(h, "h", at::kBFloat16, 2, h);
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, h_in);
   check(plan, "plan", at::kInt, 2, h);
   const Activation act = to_activation(activation);
   const int E = num_experts(plan);
-  const int64_t T = h.size(0), F = is_glu(act) ? h.size(1) / 2 : h.size(1);
-  TORCH_CHECK(F % kColAlign == 0 && (!is_glu(act) || h.size(1) == 2 * F), "moegemm: h has shape ", h.sizes());
+  const int64_t T = h.size(0), F = act_width(h, act);
+  const Tensor probs = probs_input(probs_in, T, h);
   c10::DeviceGuard guard(h.device());
   auto [q, s, qT, sT] = multicast_outputs(h, T, F, E, rows, cols);
-  act_quantize(h.data_ptr(), probs_ptr(probs, T, h), act, T, F, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
+  act_quantize(h.data_ptr(), probs_ptr(probs), act, T, F, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
                rows ? s.data_ptr<float>() : nullptr, cols ? bytes(qT) : nullptr, cols ? sT.data_ptr<float>() : nullptr,
                current_stream(h));
   return {q, s, qT, sT};
@@ -115,19 +154,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> act_quantize_op(const Tensor& h, cons
 
 // dh from da [T, F] and h, quantized like quantize_act; plus per-row partial sums for dprobs.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(
-    const Tensor& da, const Tensor& h, const std::optional<Tensor>& probs, int64_t activation, const Tensor& plan,
+    const Tensor& da_in, const Tensor& h_in, const std::optional<Tensor>& probs_in, int64_t activation, const Tensor& plan,
     bool rows, bool cols) {
-  check(da, "da", at::kBFloat16, 2, da);
-  check(h, "h", at::kBFloat16, 2, da);
+  const Tensor da = input(da_in, "da", at::kBFloat16, 2, da_in);
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, da);
   check(plan, "plan", at::kInt, 2, da);
   const Activation act = to_activation(activation);
   const int E = num_experts(plan);
-  const int64_t T = da.size(0), F = da.size(1), F1 = is_glu(act) ? 2 * F : F;
-  TORCH_CHECK(h.size(0) == T && h.size(1) == F1 && F % kColAlign == 0, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  const int64_t T = da.size(0), F = act_width(h, act), F1 = h.size(1);
+  TORCH_CHECK(h.size(0) == T && da.size(1) == F, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  const Tensor probs = probs_input(probs_in, T, da);
+  const float* p = probs_ptr(probs);
   c10::DeviceGuard guard(da.device());
   auto [q, s, qT, sT] = multicast_outputs(da, T, F1, E, rows, cols);
-  const float* p = probs_ptr(probs, T, da);
-  Tensor partial = at::empty({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, da.options().dtype(at::kFloat));
+  // zeros: the kernel writes the covered tokens' rows only, and dprobs of the others is 0
+  Tensor partial = at::zeros({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, da.options().dtype(at::kFloat));
   act_backward_quantize(da.data_ptr(), h.data_ptr(), p, act, T, F, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
                         rows ? s.data_ptr<float>() : nullptr, cols ? bytes(qT) : nullptr,
                         cols ? sT.data_ptr<float>() : nullptr, p != nullptr ? partial.data_ptr<float>() : nullptr,
@@ -136,39 +177,43 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(
 }
 
 // bf16 recipe: a = act(h) * probs in bf16; h is [T, 2F] for GLU activations, else [T, F].
-Tensor act_bf16_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t activation) {
-  check(h, "h", at::kBFloat16, 2, h);
+Tensor act_bf16_op(const Tensor& h_in, const std::optional<Tensor>& probs_in, int64_t activation) {
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, h_in);
   const Activation act = to_activation(activation);
-  const int64_t T = h.size(0), F = is_glu(act) ? h.size(1) / 2 : h.size(1);
-  TORCH_CHECK(F % kColAlign == 0 && (!is_glu(act) || h.size(1) == 2 * F), "moegemm: h has shape ", h.sizes());
+  const int64_t T = h.size(0), F = act_width(h, act);
+  const Tensor probs = probs_input(probs_in, T, h);
   c10::DeviceGuard guard(h.device());
   Tensor a = at::empty({T, F}, h.options());
-  act_bf16(h.data_ptr(), probs_ptr(probs, T, h), act, T, F, a.data_ptr(), current_stream(h));
+  act_bf16(h.data_ptr(), probs_ptr(probs), act, T, F, a.data_ptr(), current_stream(h));
   return a;
 }
 
 // bf16 recipe: dh (bf16, like h) from da [T, F] and h; plus per-row partial sums for dprobs.
-std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da, const Tensor& h, const std::optional<Tensor>& probs,
+std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da_in, const Tensor& h_in, const std::optional<Tensor>& probs_in,
                                                 int64_t activation) {
-  check(da, "da", at::kBFloat16, 2, da);
-  check(h, "h", at::kBFloat16, 2, da);
+  const Tensor da = input(da_in, "da", at::kBFloat16, 2, da_in);
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, da);
   const Activation act = to_activation(activation);
-  const int64_t T = da.size(0), F = da.size(1), F1 = is_glu(act) ? 2 * F : F;
-  TORCH_CHECK(h.size(0) == T && h.size(1) == F1 && F % kColAlign == 0, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  const int64_t T = da.size(0), F = act_width(h, act), F1 = h.size(1);
+  TORCH_CHECK(h.size(0) == T && da.size(1) == F, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  const Tensor probs = probs_input(probs_in, T, da);
+  const float* p = probs_ptr(probs);
   c10::DeviceGuard guard(da.device());
   Tensor dh = at::empty({T, F1}, h.options());
-  const float* p = probs_ptr(probs, T, da);
   Tensor partial = at::empty({p != nullptr ? T : 0, ceil_div(F, kActBf16Cols)}, da.options().dtype(at::kFloat));
   act_backward_bf16(da.data_ptr(), h.data_ptr(), p, act, T, F, dh.data_ptr(), p != nullptr ? partial.data_ptr<float>() : nullptr,
                     current_stream(da));
   return {dh, partial};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_weight_op(const Tensor& w) {
-  TORCH_CHECK(w.is_cuda() && w.dim() == 3 && w.is_contiguous(), "moegemm: weight must be a contiguous 3-D CUDA tensor");
-  const DType dtype = to_dtype(w, "weight");
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_weight_op(const Tensor& w_in) {
+  check_placement(w_in, "weight", 3, w_in);
+  const DType dtype = to_dtype(w_in, "weight");
+  const Tensor w = aligned(w_in);
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-  TORCH_CHECK(N % kColAlign == 0 && K % kColAlign == 0, "moegemm: weight's N and K must be multiples of 16, got ", w.sizes());
+  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: weight.shape[0] (experts) must be in [1, ", kMaxExperts, "], got ", E);
+  check_multiple_of_16(N, "weight.shape[1] (N)");
+  check_multiple_of_16(K, "weight.shape[2] (K)");
   c10::DeviceGuard guard(w.device());
   auto f8 = w.options().dtype(at::kFloat8_e4m3fn);
   auto f32 = w.options().dtype(at::kFloat);
@@ -180,20 +225,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_weight_op(const Tensor& w) {
 }
 
 // out [T, N] = qa [T, K] · qb [E, N, K]ᵀ, blockwise scaled.
-Tensor gemm_fp8_ragged_m_op(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan) {
-  check(qa, "qa", at::kFloat8_e4m3fn, 2, qa);
-  check(qb, "qb", at::kFloat8_e4m3fn, 3, qa);
-  check(sa, "sa", at::kFloat, 2, qa);
-  check(sb, "sb", at::kFloat, 3, qa);
+Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
+                            const Tensor& plan) {
+  const Tensor qa = input(qa_in, "qa", at::kFloat8_e4m3fn, 2, qa_in);
+  const Tensor qb = input(qb_in, "qb", at::kFloat8_e4m3fn, 3, qa);
+  const Tensor sa = input(sa_in, "sa", at::kFloat, 2, qa);
+  const Tensor sb = input(sb_in, "sb", at::kFloat, 3, qa);
   check(plan, "plan", at::kInt, 2, qa);
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   TORCH_CHECK(qb.size(0) == E && qb.size(2) == K, "moegemm: qb must be [", E, ", N, ", K, "], got ", qb.sizes());
+  check_multiple_of_16(K, "qa.shape[1] (K)");
+  check_multiple_of_16(N, "qb.shape[1] (N)");
   TORCH_CHECK(sa.size(0) == T && sa.size(1) == ceil_div(K, kBlock), "moegemm: sa has shape ", sa.sizes());
   TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ", sb.sizes());
   c10::DeviceGuard guard(qa.device());
   Tensor out = at::empty({T, N}, qa.options().dtype(at::kBFloat16));
-  if (T == 0 || N == 0) return out;
+  if (T == 0) return out;
   Tensor ws = workspace(gemm_fp8_ragged_m_workspace_size(E), qa);
   gemm_fp8_ragged_m(cbytes(qa), sa.data_ptr<float>(), cbytes(qb), sb.data_ptr<float>(), plan.data_ptr<int32_t>(), E, T,
                     N, K, out.data_ptr(), ws.data_ptr(), current_stream(qa));
@@ -201,33 +249,51 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa, const Tensor& sa, const Tensor& qb
 }
 
 // out [E, N, K] (+)= qaT_e · qbT_eᵀ over each expert's tokens; out is fp32 (= or +=) or bf16 (=).
-void gemm_fp8_ragged_k_into(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
-                            const Tensor& plan, const Tensor& out, bool accumulate) {
-  check(qaT, "qaT", at::kFloat8_e4m3fn, 2, qaT);
-  check(qbT, "qbT", at::kFloat8_e4m3fn, 2, qaT);
-  check(saT, "saT", at::kFloat, 2, qaT);
-  check(sbT, "sbT", at::kFloat, 2, qaT);
-  check(plan, "plan", at::kInt, 2, qaT);
+// Runs `fn` on out itself when it is 16-byte aligned, else on an aligned copy that is copied back after.
+template <class Fn>
+void into_aligned(const Tensor& out, Fn&& fn) {
+  if (is_aligned(out)) return fn(out);
+  Tensor tmp = out.clone(at::MemoryFormat::Contiguous);
+  fn(tmp);
+  out.copy_(tmp);
+}
+
+void check_wgrad_out(const Tensor& out, const Tensor& like, bool accumulate) {
   const bool f32 = out.scalar_type() == at::kFloat;
-  check(out, "out", f32 ? at::kFloat : at::kBFloat16, 3, qaT);
-  TORCH_CHECK(f32 || !accumulate, "moegemm: wgrad accumulation needs a float32 out");
+  check(out, "out", f32 ? at::kFloat : at::kBFloat16, 3, like);
+  TORCH_CHECK(f32 || !accumulate, "moegemm: wgrad accumulation needs a float32 out, got ", out.scalar_type());
+}
+
+void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Tensor& qbT_in, const Tensor& sbT_in,
+                            const Tensor& plan, const Tensor& out, bool accumulate) {
+  const Tensor qaT = input(qaT_in, "qaT", at::kFloat8_e4m3fn, 2, qaT_in);
+  const Tensor qbT = input(qbT_in, "qbT", at::kFloat8_e4m3fn, 2, qaT);
+  const Tensor saT = input(saT_in, "saT", at::kFloat, 2, qaT);
+  const Tensor sbT = input(sbT_in, "sbT", at::kFloat, 2, qaT);
+  check(plan, "plan", at::kInt, 2, qaT);
+  check_wgrad_out(out, qaT, accumulate);
+  const bool f32 = out.scalar_type() == at::kFloat;
   const int E = num_experts(plan);
   const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
   TORCH_CHECK(qbT.size(1) == Wc && saT.size(0) == sbT.size(0) && saT.size(1) == N && sbT.size(1) == K,
               "moegemm: column-quantized operands disagree: ", qaT.sizes(), saT.sizes(), qbT.sizes(), sbT.sizes());
+  TORCH_CHECK(Wc % kColAlign == 0, "moegemm: qaT.shape[1] (the column copy's capacity) must be a multiple of 16, got ", Wc);
+  check_multiple_of_16(N, "qaT.shape[0] (N)");
+  check_multiple_of_16(K, "qbT.shape[0] (K)");
   TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", E, ", ", N, ", ", K, "], got ", out.sizes());
   c10::DeviceGuard guard(qaT.device());
-  if (N == 0 || K == 0) return;
   const auto stream = current_stream(qaT);
-  if (f32) {
-    Tensor ws = workspace(gemm_fp8_ragged_k_f32_workspace_size(E), qaT);
-    gemm_fp8_ragged_k_f32(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(),
-                          E, Wc, N, K, out.data_ptr<float>(), accumulate, ws.data_ptr(), stream);
-  } else {
-    Tensor ws = workspace(gemm_fp8_ragged_k_bf16_workspace_size(E), qaT);
-    gemm_fp8_ragged_k_bf16(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(),
-                           E, Wc, N, K, out.data_ptr(), ws.data_ptr(), stream);
-  }
+  into_aligned(out, [&](const Tensor& o) {
+    if (f32) {
+      Tensor ws = workspace(gemm_fp8_ragged_k_f32_workspace_size(E), qaT);
+      gemm_fp8_ragged_k_f32(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(),
+                            E, Wc, N, K, o.data_ptr<float>(), accumulate, ws.data_ptr(), stream);
+    } else {
+      Tensor ws = workspace(gemm_fp8_ragged_k_bf16_workspace_size(E), qaT);
+      gemm_fp8_ragged_k_bf16(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(),
+                             E, Wc, N, K, o.data_ptr(), ws.data_ptr(), stream);
+    }
+  });
 }
 
 Tensor new_wgrad(const Tensor& plan, int64_t N, int64_t K, at::ScalarType dtype, const Tensor& like) {
@@ -248,13 +314,15 @@ void gemm_fp8_ragged_k_accumulate_op(const Tensor& qaT, const Tensor& saT, const
 }
 
 // bf16 recipe: a [T, A] with w [E, N, K]; fprop has A = K, dgrad has A = N.
-Tensor gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad) {
-  check(a, dgrad ? "dy" : "x", at::kBFloat16, 2, a);
-  check(w, "weight", at::kBFloat16, 3, a);
+Tensor gemm_bf16_ragged_m(const Tensor& a_in, const Tensor& w_in, const Tensor& plan, bool dgrad) {
+  const Tensor a = input(a_in, dgrad ? "dy" : "x", at::kBFloat16, 2, a_in);
+  const Tensor w = input(w_in, "weight", at::kBFloat16, 3, a);
   check(plan, "plan", at::kInt, 2, a);
   const int E = num_experts(plan);
   const int64_t T = a.size(0), N = w.size(1), K = w.size(2);
   TORCH_CHECK(w.size(0) == E && a.size(1) == (dgrad ? N : K), "moegemm: operand shapes disagree: ", a.sizes(), w.sizes());
+  check_multiple_of_16(N, "weight.shape[1] (N)");
+  check_multiple_of_16(K, "weight.shape[2] (K)");
   c10::DeviceGuard guard(a.device());
   Tensor out = at::empty({T, dgrad ? K : N}, a.options());
   if (T == 0) return out;
@@ -267,28 +335,64 @@ Tensor gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, 
 Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_m(x, w, plan, false); }
 Tensor gemm_bf16_dgrad_op(const Tensor& dy, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_m(dy, w, plan, true); }
 
-void gemm_bf16_wgrad_into(const Tensor& dy, const Tensor& x, const Tensor& plan, const Tensor& out, bool accumulate) {
-  check(dy, "dy", at::kBFloat16, 2, dy);
-  check(x, "x", at::kBFloat16, 2, dy);
+void gemm_bf16_wgrad_into(const Tensor& dy_in, const Tensor& x_in, const Tensor& plan, const Tensor& out, bool accumulate) {
+  const Tensor dy = input(dy_in, "dy", at::kBFloat16, 2, dy_in);
+  const Tensor x = input(x_in, "x", at::kBFloat16, 2, dy);
   check(plan, "plan", at::kInt, 2, dy);
+  check_wgrad_out(out, dy, accumulate);
   const bool f32 = out.scalar_type() == at::kFloat;
-  check(out, "out", f32 ? at::kFloat : at::kBFloat16, 3, dy);
-  TORCH_CHECK(f32 || !accumulate, "moegemm: wgrad accumulation needs a float32 out");
   const int E = num_experts(plan);
   const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
   TORCH_CHECK(x.size(0) == T, "moegemm: dy and x have different token counts: ", dy.sizes(), x.sizes());
+  check_multiple_of_16(N, "dy.shape[1] (N)");
+  check_multiple_of_16(K, "x.shape[1] (K)");
   TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", E, ", ", N, ", ", K, "], got ", out.sizes());
   c10::DeviceGuard guard(dy.device());
   const auto stream = current_stream(dy);
-  if (f32) {
-    Tensor ws = workspace(gemm_bf16_wgrad_f32_workspace_size(E), dy);
-    gemm_bf16_wgrad_f32(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr<float>(),
-                        accumulate, ws.data_ptr(), stream);
-  } else {
-    Tensor ws = workspace(gemm_bf16_wgrad_bf16_workspace_size(E), dy);
-    gemm_bf16_wgrad_bf16(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr(), ws.data_ptr(),
-                         stream);
-  }
+  into_aligned(out, [&](const Tensor& o) {
+    if (f32) {
+      Tensor ws = workspace(gemm_bf16_wgrad_f32_workspace_size(E), dy);
+      gemm_bf16_wgrad_f32(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, o.data_ptr<float>(),
+                          accumulate, ws.data_ptr(), stream);
+    } else {
+      Tensor ws = workspace(gemm_bf16_wgrad_bf16_workspace_size(E), dy);
+      gemm_bf16_wgrad_bf16(dy.data_ptr(), x.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, K, o.data_ptr(), ws.data_ptr(),
+                           stream);
+    }
+  });
+}
+
+// y [T, N] bf16 += bias[e(t)] over the covered tokens, in place; bias [E, N] bf16 or fp32.
+void add_bias_op(const Tensor& y, const Tensor& bias_in, const Tensor& plan) {
+  check(plan, "plan", at::kInt, 2, y);
+  const int E = num_experts(plan);
+  check(y, "y", at::kBFloat16, 2, y);
+  TORCH_CHECK(bias_in.scalar_type() == at::kFloat || bias_in.scalar_type() == at::kBFloat16,
+              "moegemm: bias must be float32 or bfloat16, got ", bias_in.scalar_type());
+  const Tensor bias = input(bias_in, "bias", bias_in.scalar_type(), 2, y);
+  const int64_t T = y.size(0), N = y.size(1);
+  TORCH_CHECK(bias.size(0) == E && bias.size(1) == N, "moegemm: bias must be [", E, ", ", N, "], got ", bias.sizes());
+  check_multiple_of_16(N, "y.shape[1] (N)");
+  c10::DeviceGuard guard(y.device());
+  into_aligned(y, [&](const Tensor& o) {
+    add_bias(o.data_ptr(), bias.data_ptr(), bias.scalar_type() == at::kFloat, plan.data_ptr<int32_t>(), E, T, N,
+             current_stream(y));
+  });
+}
+
+// db [E, N] fp32 = per-expert sums of dy [T, N] (bf16) over the covered tokens; bitwise reproducible.
+Tensor bias_grad_op(const Tensor& dy_in, const Tensor& plan) {
+  const Tensor dy = input(dy_in, "dy", at::kBFloat16, 2, dy_in);
+  check(plan, "plan", at::kInt, 2, dy);
+  const int E = num_experts(plan);
+  const int64_t T = dy.size(0), N = dy.size(1);
+  check_multiple_of_16(N, "dy.shape[1] (N)");
+  c10::DeviceGuard guard(dy.device());
+  Tensor db = at::empty({E, N}, dy.options().dtype(at::kFloat));
+  Tensor partial = at::empty({bias_grad_workspace_floats(T, E, N)}, dy.options().dtype(at::kFloat));
+  bias_grad(dy.data_ptr(), plan.data_ptr<int32_t>(), E, T, N, db.data_ptr<float>(), partial.data_ptr<float>(),
+            current_stream(dy));
+  return db;
 }
 
 Tensor gemm_bf16_wgrad_op(const Tensor& dy, const Tensor& x, const Tensor& plan, at::ScalarType out_dtype) {
@@ -318,6 +422,8 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("gemm_bf16_dgrad(Tensor dy, Tensor w, Tensor plan) -> Tensor");
   m.def("gemm_bf16_wgrad(Tensor dy, Tensor x, Tensor plan, ScalarType out_dtype) -> Tensor");
   m.def("gemm_bf16_wgrad_accumulate(Tensor dy, Tensor x, Tensor plan, Tensor(a!) out) -> ()");
+  m.def("add_bias_(Tensor(a!) y, Tensor bias, Tensor plan) -> ()");
+  m.def("bias_grad(Tensor dy, Tensor plan) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
@@ -335,6 +441,8 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("gemm_bf16_dgrad", &gemm_bf16_dgrad_op);
   m.impl("gemm_bf16_wgrad", &gemm_bf16_wgrad_op);
   m.impl("gemm_bf16_wgrad_accumulate", &gemm_bf16_wgrad_accumulate_op);
+  m.impl("add_bias_", &add_bias_op);
+  m.impl("bias_grad", &bias_grad_op);
 }
 
 }  // namespace moegemm

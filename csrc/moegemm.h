@@ -14,6 +14,8 @@ namespace moegemm {
 constexpr int kBlock = 128;       // FP8 scaling block (1x128, 128x1, 128x128)
 constexpr int kColAlign = 16;     // per-expert token padding of the transposed activation copy
 constexpr int kMaxExperts = 1024; // one thread per expert in the plan kernel
+constexpr int64_t kMaxPlanValue = 2147483647;  // plan entries are int32: T + 15*E (col_capacity) must fit
+constexpr int kPtrAlign = 16;     // every tensor's data pointer: TMA and 16-byte vector loads/stores
 
 enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
@@ -22,7 +24,9 @@ inline int64_t col_capacity(int64_t T, int64_t E) { return ceil_div(T + (kColAli
 inline int64_t block_capacity(int64_t T, int64_t E) { return (T + (kBlock - 1) * E) / kBlock; }
 
 // plan [3, E+1] int32: token starts, padded column starts, 128-token scale-block starts.
-// Negative counts count as 0 and the running total is clamped to T.
+// Each count is clamped to [0, T] before the prefix sum, and the running total to T (whatever the
+// device values). Tokens past the covered ones (plan[0][E] <= T) belong to no expert: the ragged-row
+// GEMMs write zeros there. Needs 1 <= E <= kMaxExperts and col_capacity(T, E) <= kMaxPlanValue.
 void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t* plan, cudaStream_t stream);
 
 // Multi-cast activation quantization of x [T, K] in one launch. Either output pair may be null.
@@ -62,6 +66,16 @@ constexpr int kActBf16Cols = 256;  // columns per dprobs partial sum (one warp, 
 void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K,
                      uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
 
+// Per-expert bias over the plan's covered tokens (rows past them are left alone), by 128-token blocks:
+//   add_bias: y[t, n] += bias[e(t), n], y bf16 [T, N], bias bf16 or fp32 [E, N] (bias_is_f32);
+//   bias_grad: db[e, n] = sum of dy[t, n] over the expert's tokens, fp32 [E, N], in a fixed order
+//   (bitwise reproducible, no atomics; empty experts get zeros). partial: bias_grad_workspace_floats.
+void add_bias(void* y_bf16, const void* bias, bool bias_is_f32, const int32_t* plan, int E, int64_t T, int64_t N,
+              cudaStream_t stream);
+inline int64_t bias_grad_workspace_floats(int64_t T, int64_t E, int64_t N) { return block_capacity(T, E) * N; }
+void bias_grad(const void* dy_bf16, const int32_t* plan, int E, int64_t T, int64_t N, float* db, float* partial,
+               cudaStream_t stream);
+
 // Writes exact zeros into out[e] (bytes_per_expert bytes each) for every expert with no tokens (wgrad
 // of an empty expert gets no GEMM tiles, see SPEC §5).
 void zero_empty_experts(const int32_t* plan, int E, int64_t bytes_per_expert, void* out, cudaStream_t stream);
@@ -70,7 +84,8 @@ void zero_empty_experts(const int32_t* plan, int E, int64_t bytes_per_expert, vo
 // CUTLASS's own workspace; its size comes from the matching *_workspace_size(E).
 
 // out[t] (bf16) = Σ_j sa[t,j] sb[e,n/128,j] Σ_k qa[t,k] qb[e,n,k]; qa [T,K], qb [E,N,K].
-// fprop (b = W) and dgrad (b = Wᵀ copy, with K and N swapped).
+// fprop (b = W) and dgrad (b = Wᵀ copy, with K and N swapped). Rows past the covered tokens get zeros
+// (so do those of the bf16 fprop and dgrad).
 size_t gemm_fp8_ragged_m_workspace_size(int E);
 void gemm_fp8_ragged_m(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
                        const int32_t* plan, int E, int64_t T, int64_t N, int64_t K, void* out,

@@ -32,13 +32,22 @@ struct Gelu {  // exact (erf) GELU, as torch.nn.functional.gelu
     df = cdf + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
   }
 };
+// The ReLUs keep NaN (relu(NaN) = NaN, as torch's; a comparison alone would map it to 0), in the value
+// and in the derivative, so that nothing downstream of a NaN is finite.
+__device__ __forceinline__ bool positive_or_nan(float x) { return !(x <= 0.f); }
 struct Relu {
-  __device__ static float f(float x) { return x > 0.f ? x : 0.f; }
-  __device__ static void fdf(float x, float& f, float& df) { f = x > 0.f ? x : 0.f; df = x > 0.f ? 1.f : 0.f; }
+  __device__ static float f(float x) { return positive_or_nan(x) ? x : 0.f; }
+  __device__ static void fdf(float x, float& f, float& df) {
+    f = positive_or_nan(x) ? x : 0.f;
+    df = positive_or_nan(x) ? (x > 0.f ? 1.f : x) : 0.f;
+  }
 };
 struct SquaredRelu {
-  __device__ static float f(float x) { return x > 0.f ? x * x : 0.f; }
-  __device__ static void fdf(float x, float& f, float& df) { f = x > 0.f ? x * x : 0.f; df = x > 0.f ? 2.f * x : 0.f; }
+  __device__ static float f(float x) { return positive_or_nan(x) ? x * x : 0.f; }
+  __device__ static void fdf(float x, float& f, float& df) {
+    f = positive_or_nan(x) ? x * x : 0.f;
+    df = positive_or_nan(x) ? 2.f * x : 0.f;
+  }
 };
 
 __device__ __forceinline__ float prob(const float* probs, int64_t row) { return probs != nullptr ? probs[row] : 1.f; }

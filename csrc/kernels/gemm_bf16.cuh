@@ -15,10 +15,14 @@ enum class Ragged { kRows, kReduction };
 // Per expert e with token start s and count m:
 //   kRows:      A = a + s*lda ([m, Kg]),  B = b + e*N*K, D = d + s*ldd ([m, Ng]); shape (m, Ng, Kg)
 //   kReduction: A = a + s*lda, B = b + s*ldb, C = D = d + e*Ng*Kg; shape (Mg, Ng, m), or no tiles if m = 0
+// kRows also zeroes D's rows [plan[E], T) (grouped::zero_uncovered_rows).
 template <class Arrays, Ragged kRagged>
-__global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int Mg, int Ng, int Kg,
+__global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t T, int Mg, int Ng, int Kg,
                            const typename Arrays::ElementA* A, int64_t lda, const typename Arrays::ElementB* B,
                            int64_t ldb, typename Arrays::ElementD* D, int64_t ldd) {
+  if constexpr (kRagged == Ragged::kRows) {
+    if (grouped::zero_uncovered_rows(plan, E, T, ldd * int64_t(sizeof(typename Arrays::ElementD)), D)) return;
+  }
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t start = plan[e];
@@ -43,13 +47,14 @@ __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, in
 }
 
 template <class Config, Ragged kRagged>
-void run(const int32_t* plan, int E, int Mg, int Ng, int Kg, const void* A, int64_t lda, const void* B, int64_t ldb,
-         void* D, int64_t ldd, float beta, void* workspace, cudaStream_t stream, const char* name) {
+void run(const int32_t* plan, int E, int64_t T, int Mg, int Ng, int Kg, const void* A, int64_t lda, const void* B,
+         int64_t ldb, void* D, int64_t ldd, float beta, void* workspace, cudaStream_t stream, const char* name) {
   using Runner = typename Config::Runner;
   using Arrays = typename Runner::Arrays;
   Arrays a = Runner::arrays(workspace, E);
-  build_args<Arrays, kRagged><<<grouped::prep_grid(E), grouped::kPrepThreads, 0, stream>>>(
-      a, plan, E, Mg, Ng, Kg, static_cast<const typename Arrays::ElementA*>(A), lda,
+  const dim3 grid = kRagged == Ragged::kRows ? grouped::prep_grid_zeroing_rows(E) : grouped::prep_grid(E);
+  build_args<Arrays, kRagged><<<grid, grouped::kPrepThreads, 0, stream>>>(
+      a, plan, E, T, Mg, Ng, Kg, static_cast<const typename Arrays::ElementA*>(A), lda,
       static_cast<const typename Arrays::ElementB*>(B), ldb, static_cast<typename Arrays::ElementD*>(D), ldd);
   check_launch(name);
   Runner::run(a, E, 1.f, beta, workspace, stream, name);
@@ -64,7 +69,7 @@ template <class ElementD>
 void wgrad(const void* dy, const void* x, const int32_t* plan, int E, int64_t N, int64_t K, ElementD* dw,
            bool accumulate, void* workspace, cudaStream_t stream, const char* name) {
   if (!accumulate) zero_empty_experts(plan, E, N * K * int64_t(sizeof(ElementD)), dw, stream);
-  run<WgradConfig<ElementD>, Ragged::kReduction>(plan, E, int(N), int(K), 0, dy, N, x, K, dw, K,
+  run<WgradConfig<ElementD>, Ragged::kReduction>(plan, E, 0, int(N), int(K), 0, dy, N, x, K, dw, K,
                                                  accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 

@@ -10,8 +10,7 @@ size_t gemm_bf16_dgrad_workspace_size(int E) { return Config::Runner::workspace_
 
 void gemm_bf16_dgrad(const void* dy, const void* w, const int32_t* plan, int E, int64_t T, int64_t N, int64_t K,
                      void* dx, void* workspace, cudaStream_t stream) {
-  (void)T;
-  bf16::run<Config, bf16::Ragged::kRows>(plan, E, 0, int(K), int(N), dy, N, w, K, dx, K, 0.f, workspace, stream,
+  bf16::run<Config, bf16::Ragged::kRows>(plan, E, T, 0, int(K), int(N), dy, N, w, K, dx, K, 0.f, workspace, stream,
                                          "gemm_bf16_dgrad");
 }
 

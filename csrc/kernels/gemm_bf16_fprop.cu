@@ -10,8 +10,7 @@ size_t gemm_bf16_fprop_workspace_size(int E) { return Config::Runner::workspace_
 
 void gemm_bf16_fprop(const void* x, const void* w, const int32_t* plan, int E, int64_t T, int64_t N, int64_t K, void* y,
                      void* workspace, cudaStream_t stream) {
-  (void)T;
-  bf16::run<Config, bf16::Ragged::kRows>(plan, E, 0, int(N), int(K), x, K, w, K, y, N, 0.f, workspace, stream,
+  bf16::run<Config, bf16::Ragged::kRows>(plan, E, T, 0, int(N), int(K), x, K, w, K, y, N, 0.f, workspace, stream,
                                          "gemm_bf16_fprop");
 }
 

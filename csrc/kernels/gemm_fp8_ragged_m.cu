@@ -13,9 +13,10 @@ using Config = grouped::Fp8BlockwiseGemm<ScaleConfig, void, cutlass::bfloat16_t>
 using Runner = Config::Runner;
 using Arrays = Runner::Arrays;
 
-__global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t N, int64_t K,
+__global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t T, int64_t N, int64_t K,
                            const Arrays::ElementA* qa, const float* sa, const Arrays::ElementB* qb, const float* sb,
                            Arrays::ElementD* out) {
+  if (grouped::zero_uncovered_rows(plan, E, T, N * int64_t(sizeof(Arrays::ElementD)), out)) return;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t start = plan[e], m = plan[e + 1] - plan[e];
@@ -39,10 +40,9 @@ size_t gemm_fp8_ragged_m_workspace_size(int E) { return Runner::workspace_size(E
 
 void gemm_fp8_ragged_m(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb, const int32_t* plan, int E,
                        int64_t T, int64_t N, int64_t K, void* out, void* workspace, cudaStream_t stream) {
-  (void)T;
   Arrays a = Runner::arrays(workspace, E);
-  build_args<<<grouped::prep_grid(E), grouped::kPrepThreads, 0, stream>>>(
-      a, plan, E, N, K, reinterpret_cast<const Arrays::ElementA*>(qa), sa, reinterpret_cast<const Arrays::ElementB*>(qb),
+  build_args<<<grouped::prep_grid_zeroing_rows(E), grouped::kPrepThreads, 0, stream>>>(
+      a, plan, E, T, N, K, reinterpret_cast<const Arrays::ElementA*>(qa), sa, reinterpret_cast<const Arrays::ElementB*>(qb),
       sb, static_cast<Arrays::ElementD*>(out));
   check_launch("gemm_fp8_ragged_m build_args");
   Runner::run(a, E, 1.f, 0.f, workspace, stream, "gemm_fp8_ragged_m");

@@ -20,6 +20,7 @@
 #include "../moegemm.h"
 #include "cuda_check.h"
 #include "fp8_block.cuh"
+#include "plan.cuh"
 
 namespace moegemm::multicast {
 
@@ -130,16 +131,6 @@ __device__ __forceinline__ float half_sum(float a) {
 
 // Dynamic shared memory: the plan, then (for the column copy) the staged tile.
 __host__ __device__ __forceinline__ size_t plan_bytes(int E) { return (3 * (E + 1) * sizeof(int32_t) + 15) / 16 * 16; }
-
-// Expert owning scale block b: the last e with blk[e] <= b (blk is non-decreasing; in shared memory).
-__device__ __forceinline__ int find_expert(const int32_t* blk, int E, int64_t b) {
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) >> 1;
-    if (blk[mid] <= b) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
 
 template <class Loader>
 __global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader src, int64_t K, int E, const int32_t* __restrict__ plan,

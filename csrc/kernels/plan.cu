@@ -14,8 +14,10 @@ __global__ void __launch_bounds__(kMaxExperts) make_plan_kernel(const Count* m_s
   using Scan = cub::BlockScan<long long, kMaxExperts>;
   __shared__ typename Scan::TempStorage scan_storage;
   const int e = threadIdx.x;
+  // Each count clamped to [0, T] before any sum: E <= 1024 counts of at most T < 2^31 cannot overflow,
+  // whatever the device values (negative, huge, stale bytes).
   long long m = e < E ? static_cast<long long>(m_splits[e]) : 0;
-  m = m < 0 ? 0 : m;
+  m = m < 0 ? 0 : (m > T ? T : m);
   long long end;  // inclusive prefix sum of the clamped counts
   Scan(scan_storage).InclusiveSum(m, end);
   __syncthreads();
@@ -52,6 +54,7 @@ __global__ void zero_empty_experts_kernel(const int32_t* plan, int64_t bytes, vo
 
 void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t* plan, cudaStream_t stream) {
   if (E < 1 || E > kMaxExperts) throw std::runtime_error("moegemm: make_plan: E out of range");
+  if (T < 0 || col_capacity(T, E) > kMaxPlanValue) throw std::runtime_error("moegemm: make_plan: T out of range");
   if (m_is_int64)
     make_plan_kernel<int64_t><<<1, kMaxExperts, 0, stream>>>(static_cast<const int64_t*>(m_splits), E, T, plan);
   else

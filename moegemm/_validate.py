@@ -15,6 +15,7 @@ from typing import Sequence, Union
 import torch
 
 MAX_EXPERTS = 1024  # the plan kernel runs one thread per expert (csrc/moegemm.h: kMaxExperts)
+MAX_TOKENS = 2**31 - 1 - 15 * MAX_EXPERTS  # the plan's offsets are int32 (csrc/moegemm.h: kMaxPlanValue)
 RECIPES = ("bf16", "fp8_blockwise")
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 W_DTYPES = (torch.bfloat16, torch.float32)
@@ -38,19 +39,24 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
     E, N, K = weight.shape
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"{name}.shape[0] (number of experts) must be in [1, {MAX_EXPERTS}], got {E}")
-    if N % 16:
-        raise ValueError(f"{name}.shape[1] (N, out_features) must be a multiple of 16, got {N}")
-    if K % 16:
-        raise ValueError(f"{name}.shape[2] (K, in_features) must be a multiple of 16, got {K}")
+    if N <= 0 or N % 16:
+        raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of 16, got {N}")
+    if K <= 0 or K % 16:
+        raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of 16, got {K}")
 
 
-def check_x(x: torch.Tensor, K: int, device: torch.device) -> None:
+def check_x(x: torch.Tensor, K: int, device: torch.device, cuda_path: bool = False) -> None:
+    """x [T, K] on ``device``; bf16 on the CUDA path (``cuda_path``), which its kernels take."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
     if x.dtype not in X_DTYPES:
         raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {x.dtype}")
+    if cuda_path and x.dtype != torch.bfloat16:
+        raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {x.dtype}")
+    if x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"x.shape[0] (tokens) must be at most {MAX_TOKENS}, got {x.shape[0]}")
     if x.shape[1] != K:
         raise ValueError(f"x.shape[1] must equal weight.shape[2] = {K}, got {x.shape[1]}")
     if x.device != device:
@@ -95,6 +101,8 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
 
     Host input (list, tuple, CPU tensor) is checked on the host and copied asynchronously. A tensor on
     ``device`` is returned as it is (never read on the host) unless the checked mode is on."""
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"len(m_splits) (the number of experts) must be in [1, {MAX_EXPERTS}], got {E}")
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1:
             raise ValueError(f"m_splits must be 1-D, got shape {tuple(m_splits.shape)}")
@@ -138,9 +146,13 @@ def _check_host_counts(counts, T: int) -> None:
 
 
 def _check_device_counts(m: torch.Tensor, T: int) -> None:
-    """Checked mode: one device reduction and one host read (a deliberate sync)."""
-    stats = torch.stack([m.min().long(), m.long().sum()]).tolist()
-    if stats[0] < 0:
-        raise ValueError(f"m_splits must be non-negative, got a count of {stats[0]}")
-    if stats[1] != T:
-        raise ValueError(f"sum(m_splits) must equal x.shape[0] = {T}, got {stats[1]}")
+    """Checked mode: one device reduction and one host read (a deliberate sync). The sum is taken over
+    counts clamped to [0, T] (E * T cannot overflow int64), so huge counts cannot wrap it to T."""
+    m = m.long()
+    lo, hi, total = torch.stack([m.min(), m.max(), m.clamp(0, T).sum()]).tolist()
+    if lo < 0:
+        raise ValueError(f"m_splits must be non-negative, got a count of {lo}")
+    if hi > T:
+        raise ValueError(f"every count of m_splits must be at most x.shape[0] = {T}, got {hi}")
+    if total != T:
+        raise ValueError(f"sum(m_splits) must equal x.shape[0] = {T}, got {total}")

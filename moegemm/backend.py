@@ -3,7 +3,7 @@
 Both backends offer the same functions with the same canonical layouts (see ``reference.py``):
 ``make_plan, quantize_act, quantize_weight, act_quantize, act_backward_quantize, act_bf16,
 act_backward_bf16, gemm_fp8_ragged_m, gemm_fp8_ragged_k, gemm_bf16_fprop, gemm_bf16_dgrad,
-gemm_bf16_wgrad``. Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA
+gemm_bf16_wgrad, add_bias_, bias_grad``. Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA
 ops (built on first use); everything else, or ``MOEGEMM_BACKEND=reference``, goes to the reference.
 """
 

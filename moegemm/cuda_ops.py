@@ -54,6 +54,17 @@ def gemm_bf16_wgrad(dy, x, plan, out=None, out_dtype=torch.float32):
     return out
 
 
+def add_bias_(y, bias, plan):
+    if bias.dtype not in (torch.float32, torch.bfloat16):
+        bias = bias.float()
+    _ops.add_bias_(y, bias, plan)
+    return y
+
+
+def bias_grad(dy, plan):
+    return _ops.bias_grad(dy, plan)
+
+
 # ------------------------------------------------------------------------------ fake implementations
 def _fake(name):
     return torch.library.register_fake(f"moegemm::{name}")
@@ -122,6 +133,16 @@ def _(dy, x, plan, out_dtype):
 @_fake("gemm_bf16_wgrad_accumulate")
 def _(dy, x, plan, out):
     return None
+
+
+@_fake("add_bias_")
+def _(y, bias, plan):
+    return None
+
+
+@_fake("bias_grad")
+def _(dy, plan):
+    return dy.new_empty((plan.shape[1] - 1, dy.shape[1]), dtype=torch.float32)
 
 
 def act_quantize(h, probs, activation: str, plan, rows: bool = True, cols: bool = True):

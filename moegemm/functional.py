@@ -15,7 +15,6 @@ import torch
 from . import backend
 from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
-from .reference import expert_ids
 
 
 def _forward(x, weight, bias, plan, recipe, need_dx: bool, need_dw: bool):
@@ -34,18 +33,30 @@ def _forward(x, weight, bias, plan, recipe, need_dx: bool, need_dw: bool):
 
 
 def add_bias(y, bias, plan):
-    return y if bias is None else y + bias.to(y.dtype)[expert_ids(plan, y.shape[0])]
+    """``y[t] += bias[e(t)]`` on the covered tokens, in place on y (a fresh GEMM output)."""
+    return y if bias is None else backend.select(y.device).add_bias_(y, bias, plan)
 
 
 def bias_grad(dy, plan, dtype):
-    """``dbias[e] = Σ_{t ∈ e} dy[t]`` in fp32, without a host sync."""
-    db = torch.zeros(plan.shape[1] - 1, dy.shape[1], dtype=torch.float32, device=dy.device)
-    return db.index_add_(0, expert_ids(plan, dy.shape[0]), dy.float()).to(dtype)
+    """``dbias[e] = Σ_{t ∈ e} dy[t]`` (fp32 sums, bitwise reproducible), without a host sync."""
+    return backend.select(dy.device).bias_grad(dy, plan).to(dtype)
+
+
+def refuse_double_backward(what: str) -> None:
+    """Backward under create_graph=True would build a graph whose second derivatives are wrong (the
+    kernels are not differentiable): refuse it. (torch.compile refuses double backward by itself.)"""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(f"moegemm: {what} is not twice differentiable: its backward cannot run with "
+                           "create_graph=True (double backward)")
 
 
 def weight_grad_target(weight, need_dw: bool):
-    """Megatron's gradient-accumulation fusion: wgrad goes into ``weight.main_grad`` when it exists."""
-    return getattr(weight, "main_grad", None) if need_dw else None
+    """Megatron's gradient-accumulation fusion: wgrad goes into ``weight.main_grad`` when it exists.
+    Checked again here: the attribute may have been replaced between forward and backward."""
+    if not need_dw:
+        return None
+    check_main_grad(weight)
+    return getattr(weight, "main_grad", None)
 
 
 def wgrad_dtype(weight) -> torch.dtype:
@@ -69,6 +80,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_double_backward("grouped_linear")
         ops = backend.select(dy.device)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
@@ -112,13 +124,11 @@ def grouped_linear(
     check_recipe(recipe)
     check_weight(weight)
     E, N, K = weight.shape
-    check_x(x, K, weight.device)
+    check_x(x, K, weight.device, cuda_path=backend.uses_cuda(weight.device))
     check_bias(bias, E, N, weight.device)
     check_main_grad(weight)
-    m = splits_to_device(m_splits, E, x.shape[0], x.device, check_splits)
+    m = splits_to_device(m_splits, E, x.shape[0], x.device, check_splits)  # the first device work
     ops = backend.select(x.device)
-    if ops is not backend.reference and x.dtype != torch.bfloat16:
-        raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {x.dtype}")
     plan = ops.make_plan(m, x.shape[0])
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _forward(x, weight, bias, plan, recipe, need_dx=False, need_dw=False)[0]  # inference

@@ -391,6 +391,7 @@ class MoegemmExperts(MegatronModule):
         b2 = self.linear_fc2.bias
         if b2 is not None:  # Megatron adds fc2's bias scaled by the token's prob
             ids = _expert_ids(splits, self.num_local_experts, T, y.device)
+            b2 = torch.cat([b2, b2.new_zeros(1, b2.shape[1])])  # row E: the tokens past the covered ones
             b = b2.index_select(0, ids).float()  # backward: index_add_, no host sync
             if probs is not None:
                 b = b * probs.float().unsqueeze(-1)
@@ -527,12 +528,14 @@ def _merge_expert_shards(sub, *, glu, singleton):
 
 
 def _expert_ids(splits, E: int, T: int, device) -> torch.Tensor:
-    """Local expert index of every row, without reading device counts on the host."""
+    """Local expert index of every row, without reading device counts on the host; E for the rows past
+    the covered tokens. Counts are clamped to [0, T] as the plan does, so any device values are safe."""
     if isinstance(splits, torch.Tensor):
         c = splits.to(device=device, dtype=torch.int64, non_blocking=True)
     else:
         c = torch.tensor([int(m) for m in splits], dtype=torch.int64, device=device)
-    return torch.repeat_interleave(torch.arange(E, device=device), c.clamp(min=0), output_size=T)
+    ends = c.clamp(0, T).cumsum(0)
+    return torch.searchsorted(ends, torch.arange(T, device=device), right=True)
 
 
 # ----------------------------------------------------------------------------------------- specs

@@ -17,9 +17,10 @@ from torch import nn
 from . import backend
 from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
-from .functional import add_bias, bias_grad, finish_weight_grad, weight_grad_target, wgrad_dtype
+from .functional import (add_bias, bias_grad, finish_weight_grad, refuse_double_backward, weight_grad_target,
+                         wgrad_dtype)
 from .modules import GroupedLinear
-from .reference import ACTIVATIONS, GLU_ACTIVATIONS, act_backward
+from .reference import ACTIVATIONS, GLU_ACTIVATIONS
 
 
 def _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1: bool, need_dw2: bool):
@@ -87,6 +88,7 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_double_backward("grouped_mlp")
         # Each tensor is deleted after its last use (see _stash): freed before the next GEMM allocates.
         ops = backend.select(dy.device)
         need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dp = ctx.needs_input_grad[:6]
@@ -106,8 +108,8 @@ class _GroupedMLP(torch.autograd.Function):
                 del qdy, sdy, qw2T, sw2T
                 qdh, sdh, qdhT, sdhT, dprobs = ops.act_backward_quantize(
                     da, h, p32, act, plan, rows=need_dx, cols=need_dw1)
-                # fc1's bias gradient needs dh itself, which the fused kernel only quantizes
-                db1 = bias_grad(act_backward(da, h, p32, act)[0], plan, ctx.b1_dtype) if need_db1 else None
+                # fc1's bias gradient needs dh itself (in bf16), which the fused kernel only quantizes
+                db1 = bias_grad(ops.act_backward_bf16(da, h, p32, act)[0], plan, ctx.b1_dtype) if need_db1 else None
                 del da, h
                 if need_dx:
                     dx = ops.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
@@ -166,7 +168,7 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
                          f"got {tuple(fc2_weight.shape)}")
     if fc2_weight.device != fc1_weight.device:
         raise ValueError(f"fc2_weight is on {fc2_weight.device} but fc1_weight is on {fc1_weight.device}")
-    check_x(x, H, fc1_weight.device)
+    check_x(x, H, fc1_weight.device, cuda_path=backend.uses_cuda(fc1_weight.device))
     check_bias(fc1_bias, E, F1, fc1_weight.device)
     check_bias(fc2_bias, E, H, fc1_weight.device)
     check_main_grad(fc1_weight)
@@ -179,10 +181,8 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
             raise ValueError(f"probs must have shape [T] = {(T,)}, got {tuple(probs.shape)}")
         if probs.device != x.device:
             raise ValueError(f"probs is on {probs.device} but x is on {x.device}")
-    m = splits_to_device(m_splits, E, T, x.device, check_splits)
+    m = splits_to_device(m_splits, E, T, x.device, check_splits)  # the first device work
     ops = backend.select(x.device)
-    if ops is not backend.reference and x.dtype != torch.bfloat16:
-        raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {x.dtype}")
     plan = ops.make_plan(m, T)
     args = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs, plan, activation, recipe, fp8_weights)
     inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)

@@ -20,8 +20,10 @@ def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> t
 
 def quantize_act(x: torch.Tensor, m_splits: SplitsLike, rows: bool = True, cols: bool = True):
     """Multi-cast quantization of ``x [T, K]``: ``(q, s, qT, sT)``, None for the parts not asked for."""
-    if x.dim() != 2 or x.shape[1] % 16:
-        raise ValueError(f"x must be [T, K] with K a multiple of 16, got shape {tuple(x.shape)}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % 16:
+        raise ValueError(f"x must be [T, K] with K a positive multiple of 16, got shape {tuple(x.shape)}")
     plan = make_plan(m_splits, x.shape[0], device=x.device)
     return backend.select(x.device).quantize_act(x.contiguous(), plan, rows=rows, cols=cols)
 

@@ -45,9 +45,10 @@ def block_capacity(T: int, E: int) -> int:
 def make_plan(m_splits: torch.Tensor, T: int) -> torch.Tensor:
     """Offsets of every expert, from device (or CPU) counts, without reading them on the host.
 
-    Negative counts are taken as 0 and the running total is clamped to T, so that no kernel ever
-    reads or writes out of bounds whatever the values (SPEC §6, fast path)."""
-    m = m_splits.to(torch.int64).clamp(min=0)
+    Each count is clamped to [0, T] before the sum (int64 values near 2**63 cannot wrap) and the running
+    total to T, so that no kernel ever reads or writes out of bounds whatever the values (SPEC §6, fast
+    path). Tokens past the covered ones belong to no expert."""
+    m = m_splits.to(torch.int64).clamp(min=0, max=T)
     zero = torch.zeros(1, dtype=torch.int64, device=m.device)
     tok = torch.cat([zero, m.cumsum(0)]).clamp(max=T)
     counts = tok[1:] - tok[:-1]
@@ -167,7 +168,7 @@ def dequantize_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- GEMMs
 def _ragged_m(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, out_dtype) -> torch.Tensor:
-    """``out[t] = a[t] @ b[e(t)]ᵀ`` in float64; a ``[T, K]``, b ``[E, N, K]``."""
+    """``out[t] = a[t] @ b[e(t)]ᵀ`` in float64; a ``[T, K]``, b ``[E, N, K]``; uncovered rows are zeros."""
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
     for e, (start, m, _, _) in enumerate(_segments(plan)):
         if m:
@@ -216,12 +217,23 @@ def _accumulate(res: torch.Tensor, out, out_dtype):
     return out
 
 
-# ----------------------------------------------------------------------------------- bias (both paths)
-def expert_ids(plan: torch.Tensor, T: int) -> torch.Tensor:
-    """Expert index of every row, on the plan's device, without a host sync."""
-    E = plan.shape[1] - 1
-    counts = (plan[0, 1:] - plan[0, :-1]).long()
-    return torch.repeat_interleave(torch.arange(E, device=plan.device), counts, output_size=T)
+# ----------------------------------------------------------------------------------------------- bias
+def add_bias_(y: torch.Tensor, bias: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """``y[t] += bias[e(t)]`` in place over the covered tokens (rounded once to y's dtype)."""
+    for e, (start, m, _, _) in enumerate(_segments(plan)):
+        if m:
+            y[start: start + m] = (y[start: start + m].float() + bias[e].float()).to(y.dtype)
+    return y
+
+
+def bias_grad(dy: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """``db[e] = Σ_{t ∈ e} dy[t]`` in fp32 ``[E, N]``, over the covered tokens; empty experts give zeros."""
+    segs = _segments(plan)
+    db = torch.zeros(len(segs), dy.shape[1], dtype=torch.float32, device=dy.device)
+    for e, (start, m, _, _) in enumerate(segs):
+        if m:
+            db[e] = dy[start: start + m].float().sum(0)
+    return db
 
 
 # ------------------------------------------------------------------- expert-MLP activation (both paths)
@@ -237,8 +249,8 @@ def _act_and_grad(activation: str, g: torch.Tensor):
     if activation in ("geglu", "gelu"):
         cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
         return g * cdf, cdf + g * 0.3989422804014327 * torch.exp(-0.5 * g * g)
-    if activation == "relu":
-        return g.clamp_min(0), (g > 0).float()
+    if activation == "relu":  # clamp keeps NaN; the derivative at NaN is NaN too (never silently finite)
+        return g.clamp_min(0), torch.where(g.isnan(), g, (g > 0).float())
     if activation == "squared_relu":
         r = g.clamp_min(0)
         return r * r, 2 * r

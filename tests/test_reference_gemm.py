@@ -215,10 +215,19 @@ def test_bf16_gemm_fp32_inputs():
     assert_rounded_close(y, loop_ragged_m(x, w, splits), RTOL[torch.float32])
 
 
-def test_expert_ids():
+def test_bias_add_and_grad():
+    """add_bias_ adds each expert's bias to its rows only; bias_grad sums them back; uncovered rows are left alone."""
     splits = [0, 3, 0, 2, 1]
-    plan = make_plan(splits)
-    assert R.expert_ids(plan, 6).tolist() == [1, 1, 1, 3, 3, 4]
+    bias = torch.arange(5.0)[:, None].expand(5, 16).contiguous()
+    y = R.add_bias_(torch.zeros(6, 16), bias, make_plan(splits))
+    assert y[:, 0].tolist() == [1, 1, 1, 3, 3, 4]
+    db = R.bias_grad(torch.ones(6, 16), make_plan(splits))
+    assert db[:, 0].tolist() == [0, 3, 0, 2, 1]
+    short = R.make_plan(torch.tensor([0, 3, 0, 1, 0]), 6)  # counts cover 4 of 6 tokens
+    assert R.add_bias_(torch.zeros(6, 16), bias, short)[:, 0].tolist() == [1, 1, 1, 3, 0, 0]
+    assert R.bias_grad(torch.ones(6, 16), short)[:, 0].tolist() == [0, 3, 0, 1, 0]
     splits = zipf_splits(random.randint(1, 20), random.randint(0, 500))
-    ids = R.expert_ids(make_plan(splits), sum(splits))
-    assert torch.equal(ids, torch.repeat_interleave(torch.arange(len(splits)), torch.tensor(splits)))
+    dy = torch.randn(sum(splits), 32)
+    ids = torch.repeat_interleave(torch.arange(len(splits)), torch.tensor(splits))
+    expected = torch.zeros(len(splits), 32).index_add_(0, ids, dy)
+    assert torch.allclose(R.bias_grad(dy, make_plan(splits)), expected, atol=1e-5)

@@ -344,7 +344,12 @@ def opcheck_cases():
 
 
 FP8_INPUT_OPS = ("gemm_fp8_ragged_m", "gemm_fp8_ragged_k", "gemm_fp8_ragged_k_accumulate")
-OPCHECK = list(opcheck_cases())
+ALL_CASES = list(opcheck_cases())
+# opcheck compiles each case (test_aot_dispatch_dynamic, seconds each): the activation ops with one GLU
+# (swiglu, 0) and one plain (relu, 3) activation; the aliasing test below runs every variant.
+OPCHECK = [c for c in ALL_CASES if not any(c[0].startswith(f"{op}_{act}") for act in (1, 2, 4)
+                                             for op in ("act_quantize", "act_backward_quantize", "act_bf16",
+                                                        "act_backward_bf16"))]
 
 
 @pytest.mark.parametrize("cid,name,build", OPCHECK, ids=[c[0] for c in OPCHECK])
@@ -369,7 +374,7 @@ def _storages(x):
     return []
 
 
-@pytest.mark.parametrize("cid,name,build", OPCHECK, ids=[c[0] for c in OPCHECK])
+@pytest.mark.parametrize("cid,name,build", ALL_CASES, ids=[c[0] for c in ALL_CASES])
 def test_aliasing_and_mutation(a, cid, name, build):
     """Inputs are unchanged bitwise, outputs share no storage with inputs, and the `_accumulate` ops
     mutate exactly `out` (by the non-accumulating op's result)."""

@@ -16,6 +16,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed iterations on a GPU")
     ap.add_argument("--cpu", action="store_true", help="run the reference path on the CPU even with a GPU")
     args = ap.parse_args()
+    # torch's first backward on a fresh autograd thread may warn about a missing CUDA context: harmless
+    warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     gpu = torch.cuda.is_available() and not args.cpu
     if gpu and backend.uses_cuda(torch.device("cuda")):
         name, shape = "DeepSeek-V2-Lite", SHAPES["DeepSeek-V2-Lite"]

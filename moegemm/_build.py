@@ -137,8 +137,8 @@ def default_jobs() -> int:
 
 
 def build_directory() -> str:
-    """Where the JIT build and its cache live: ``$TORCH_EXTENSIONS_DIR/<py>_<cuda>/moegemm_C``, by
-    default under torch's cache root (``~/.cache/torch_extensions``)."""
+    """Where the JIT build and its cache live: ``$TORCH_EXTENSIONS_DIR/moegemm_C``, by default
+    ``~/.cache/torch_extensions/<python>_<cuda>/moegemm_C`` (e.g. ``py312_cu130``)."""
     import torch.utils.cpp_extension as ext
 
     try:

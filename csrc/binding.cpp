@@ -167,8 +167,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(
   const float* p = probs_ptr(probs);
   c10::DeviceGuard guard(da.device());
   auto [q, s, qT, sT] = multicast_outputs(da, T, F1, E, rows, cols);
-  // zeros: the kernel writes the covered tokens' rows only, and dprobs of the others is 0
-  Tensor partial = at::zeros({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, da.options().dtype(at::kFloat));
+  Tensor partial = at::empty({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, da.options().dtype(at::kFloat));
   act_backward_quantize(da.data_ptr(), h.data_ptr(), p, act, T, F, E, plan.data_ptr<int32_t>(), rows ? bytes(q) : nullptr,
                         rows ? s.data_ptr<float>() : nullptr, cols ? bytes(qT) : nullptr,
                         cols ? sT.data_ptr<float>() : nullptr, p != nullptr ? partial.data_ptr<float>() : nullptr,

@@ -132,10 +132,24 @@ __device__ __forceinline__ float half_sum(float a) {
 // Dynamic shared memory: the plan, then (for the column copy) the staged tile.
 __host__ __device__ __forceinline__ size_t plan_bytes(int E) { return (3 * (E + 1) * sizeof(int32_t) + 15) / 16 * 16; }
 
+// Rows [covered, T) of the row copy (q, s) and of row_extra belong to no expert (device counts summing
+// below T): zeros, spread over all CTAs. q's rows are K bytes, K a multiple of 16.
+__device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, int64_t K, int64_t Kb, uint8_t* q, float* s,
+                                                   float* row_extra) {
+  const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x, stride = int64_t(gridDim.x) * kThreads;
+  if (q != nullptr) {
+    uint4* q16 = reinterpret_cast<uint4*>(q);
+    for (int64_t i = covered * K / 16 + tid; i < T * K / 16; i += stride) q16[i] = make_uint4(0, 0, 0, 0);
+    for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) s[i] = 0.f;
+  }
+  if (row_extra != nullptr)
+    for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) row_extra[i] = 0.f;
+}
+
 template <class Loader>
-__global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader src, int64_t K, int E, const int32_t* __restrict__ plan,
-    uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap,
-    float* __restrict__ row_extra) {
+__global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader src, int64_t T, int64_t K, int E,
+    const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT,
+    float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra) {
   using Stage = typename Loader::Stage;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int32_t* plan_s = reinterpret_cast<int32_t*>(smem_raw);  // the plan, [3][E+1], then the tile
@@ -155,6 +169,7 @@ __global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader sr
 
   // Persistent CTAs: tile t = (scale block b, column block kb); a CTA's tiles share nothing, so the
   // next tile's loads are in flight while other CTAs of the SM run their column passes.
+  if (tok[E] < T) zero_uncovered_rows(tok[E], T, K, Kb, q, s, row_extra);
   for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
     const int64_t b = t / Kb, kb = t % Kb;
     const int e = find_expert(blk, E, b);
@@ -299,7 +314,7 @@ void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan,
   // Persistent: as many CTAs as fit on the device at once, never more than the tiles there can be.
   const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);
   const int64_t grid = std::min<int64_t>(most_tiles, resident_ctas<Loader>(smem, name));
-  kernel<Loader><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(src, K, E, plan, q, s, qT, sT,
+  kernel<Loader><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
                                                                          col_capacity(T, E), row_extra);
   check_launch(name);
 }

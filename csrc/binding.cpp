@@ -21,6 +21,18 @@ namespace {
 
 using at::Tensor;
 
+// Error messages format numbers with std::to_string and shapes with shape(), never by writing a number
+// to an iostream: on the GPU machine that crashed inside this extension (a C++ runtime mismatch with the
+// loaded libstdc++), turning every such error into a segfault (tests/test_adversarial_ops.py calls
+// every check).
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string shape(const Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
 cudaStream_t current_stream(const Tensor& t) {
   auto stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
   return static_cast<cudaStream_t>(stream.native_handle());
@@ -32,9 +44,9 @@ bool is_aligned(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr
 Tensor aligned(const Tensor& t) { return is_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous); }
 
 void check_placement(const Tensor& t, const char* name, int64_t dim, const Tensor& like) {
-  TORCH_CHECK(t.is_cuda(), "moegemm: ", name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.device() == like.device(), "moegemm: ", name, " is on ", t.device(), ", expected ", like.device());
-  TORCH_CHECK(t.dim() == dim, "moegemm: ", name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK(t.is_cuda(), "moegemm: ", name, " must be a CUDA tensor, got one on ", t.device().str());
+  TORCH_CHECK(t.device() == like.device(), "moegemm: ", name, " is on ", t.device().str(), ", expected ", like.device().str());
+  TORCH_CHECK(t.dim() == dim, "moegemm: ", name, " must have ", num(dim), " dims, got shape ", shape(t));
   TORCH_CHECK(t.is_contiguous(), "moegemm: ", name, " must be contiguous");
 }
 
@@ -60,12 +72,12 @@ DType to_dtype(const Tensor& t, const char* name) {
 
 int num_experts(const Tensor& plan) {
   TORCH_CHECK(plan.dim() == 2 && plan.size(0) == 3 && plan.size(1) >= 2 && plan.size(1) <= kMaxExperts + 1,
-              "moegemm: plan must be [3, E+1] with 1 <= E <= ", kMaxExperts, ", got shape ", plan.sizes());
+              "moegemm: plan must be [3, E+1] with 1 <= E <= ", num(kMaxExperts), ", got shape ", shape(plan));
   return static_cast<int>(plan.size(1) - 1);
 }
 
 void check_multiple_of_16(int64_t v, const char* what) {
-  TORCH_CHECK(v > 0 && v % kColAlign == 0, "moegemm: ", what, " must be a positive multiple of 16, got ", v);
+  TORCH_CHECK(v > 0 && v % kColAlign == 0, "moegemm: ", what, " must be a positive multiple of 16, got ", num(v));
 }
 
 uint8_t* bytes(const Tensor& t) { return t.numel() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr; }
@@ -87,10 +99,10 @@ Tensor make_plan_op(const Tensor& m_splits, int64_t T) {
   TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
               "moegemm: m_splits must be int32 or int64, got ", m_splits.scalar_type());
   TORCH_CHECK(m_splits.numel() >= 1 && m_splits.numel() <= kMaxExperts, "moegemm: len(m_splits) (the number of experts) must be in [1, ",
-              kMaxExperts, "], got ", m_splits.numel());
+              num(kMaxExperts), "], got ", num(m_splits.numel()));
   const int E = static_cast<int>(m_splits.numel());
-  TORCH_CHECK(T >= 0 && col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", kMaxPlanValue - 15 * E,
-              "] for ", E, " experts (int32 plan), got ", T);
+  TORCH_CHECK(T >= 0 && col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - 15 * E),
+              "] for ", num(E), " experts (int32 plan), got ", num(T));
   c10::DeviceGuard guard(m_splits.device());
   Tensor plan = at::empty({3, E + 1}, m_splits.options().dtype(at::kInt));
   make_plan(m_splits.data_ptr(), m_splits.scalar_type() == at::kLong, E, T, plan.data_ptr<int32_t>(), current_stream(m_splits));
@@ -114,14 +126,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_act_op(const Tensor& x_in, c
 }
 
 Activation to_activation(int64_t activation) {
-  TORCH_CHECK(activation >= 0 && activation <= static_cast<int64_t>(Activation::kSquaredRelu), "moegemm: unknown activation ", activation);
+  TORCH_CHECK(activation >= 0 && activation <= static_cast<int64_t>(Activation::kSquaredRelu), "moegemm: unknown activation ", num(activation));
   return static_cast<Activation>(activation);
 }
 
 // probs [T] fp32, aligned; an undefined tensor when absent.
 Tensor probs_input(const std::optional<Tensor>& probs, int64_t T, const Tensor& like) {
   if (!probs.has_value()) return Tensor();
-  TORCH_CHECK(probs->dim() == 1 && probs->size(0) == T, "moegemm: probs must have shape [", T, "], got ", probs->sizes());
+  TORCH_CHECK(probs->dim() == 1 && probs->size(0) == T, "moegemm: probs must have shape [", num(T), "], got ", shape(*probs));
   return input(*probs, "probs", at::kFloat, 1, like);
 }
 
@@ -130,7 +142,7 @@ const float* probs_ptr(const Tensor& probs) { return probs.defined() ? probs.dat
 // F of an activation over h [T, F1]: F1 = 2F for GLU activations.
 int64_t act_width(const Tensor& h, Activation act) {
   const int64_t F1 = h.size(1), F = is_glu(act) ? F1 / 2 : F1;
-  TORCH_CHECK(!is_glu(act) || F1 % 2 == 0, "moegemm: h.shape[1] must be even (gate and up halves), got ", F1);
+  TORCH_CHECK(!is_glu(act) || F1 % 2 == 0, "moegemm: h.shape[1] must be even (gate and up halves), got ", num(F1));
   check_multiple_of_16(F, "the activation's width (h.shape[1], halved for GLU)");
   return F;
 }
@@ -162,7 +174,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(
   const Activation act = to_activation(activation);
   const int E = num_experts(plan);
   const int64_t T = da.size(0), F = act_width(h, act), F1 = h.size(1);
-  TORCH_CHECK(h.size(0) == T && da.size(1) == F, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  TORCH_CHECK(h.size(0) == T && da.size(1) == F, "moegemm: da ", shape(da), " and h ", shape(h), " disagree");
   const Tensor probs = probs_input(probs_in, T, da);
   const float* p = probs_ptr(probs);
   c10::DeviceGuard guard(da.device());
@@ -194,7 +206,7 @@ std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da_in, const Tenso
   const Tensor h = input(h_in, "h", at::kBFloat16, 2, da);
   const Activation act = to_activation(activation);
   const int64_t T = da.size(0), F = act_width(h, act), F1 = h.size(1);
-  TORCH_CHECK(h.size(0) == T && da.size(1) == F, "moegemm: da ", da.sizes(), " and h ", h.sizes(), " disagree");
+  TORCH_CHECK(h.size(0) == T && da.size(1) == F, "moegemm: da ", shape(da), " and h ", shape(h), " disagree");
   const Tensor probs = probs_input(probs_in, T, da);
   const float* p = probs_ptr(probs);
   c10::DeviceGuard guard(da.device());
@@ -210,7 +222,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_weight_op(const Tensor& w_in
   const DType dtype = to_dtype(w_in, "weight");
   const Tensor w = aligned(w_in);
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: weight.shape[0] (experts) must be in [1, ", kMaxExperts, "], got ", E);
+  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: weight.shape[0] (experts) must be in [1, ", num(kMaxExperts), "], got ", num(E));
   check_multiple_of_16(N, "weight.shape[1] (N)");
   check_multiple_of_16(K, "weight.shape[2] (K)");
   c10::DeviceGuard guard(w.device());
@@ -233,11 +245,11 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tens
   check(plan, "plan", at::kInt, 2, qa);
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
-  TORCH_CHECK(qb.size(0) == E && qb.size(2) == K, "moegemm: qb must be [", E, ", N, ", K, "], got ", qb.sizes());
+  TORCH_CHECK(qb.size(0) == E && qb.size(2) == K, "moegemm: qb must be [", num(E), ", N, ", num(K), "], got ", shape(qb));
   check_multiple_of_16(K, "qa.shape[1] (K)");
   check_multiple_of_16(N, "qb.shape[1] (N)");
-  TORCH_CHECK(sa.size(0) == T && sa.size(1) == ceil_div(K, kBlock), "moegemm: sa has shape ", sa.sizes());
-  TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ", sb.sizes());
+  TORCH_CHECK(sa.size(0) == T && sa.size(1) == ceil_div(K, kBlock), "moegemm: sa has shape ", shape(sa));
+  TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ", shape(sb));
   c10::DeviceGuard guard(qa.device());
   Tensor out = at::empty({T, N}, qa.options().dtype(at::kBFloat16));
   if (T == 0) return out;
@@ -275,11 +287,11 @@ void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Te
   const int E = num_experts(plan);
   const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
   TORCH_CHECK(qbT.size(1) == Wc && saT.size(0) == sbT.size(0) && saT.size(1) == N && sbT.size(1) == K,
-              "moegemm: column-quantized operands disagree: ", qaT.sizes(), saT.sizes(), qbT.sizes(), sbT.sizes());
-  TORCH_CHECK(Wc % kColAlign == 0, "moegemm: qaT.shape[1] (the column copy's capacity) must be a multiple of 16, got ", Wc);
+              "moegemm: column-quantized operands disagree: ", shape(qaT), shape(saT), shape(qbT), shape(sbT));
+  TORCH_CHECK(Wc % kColAlign == 0, "moegemm: qaT.shape[1] (the column copy's capacity) must be a multiple of 16, got ", num(Wc));
   check_multiple_of_16(N, "qaT.shape[0] (N)");
   check_multiple_of_16(K, "qbT.shape[0] (K)");
-  TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", E, ", ", N, ", ", K, "], got ", out.sizes());
+  TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", num(E), ", ", num(N), ", ", num(K), "], got ", shape(out));
   c10::DeviceGuard guard(qaT.device());
   const auto stream = current_stream(qaT);
   into_aligned(out, [&](const Tensor& o) {
@@ -319,7 +331,7 @@ Tensor gemm_bf16_ragged_m(const Tensor& a_in, const Tensor& w_in, const Tensor& 
   check(plan, "plan", at::kInt, 2, a);
   const int E = num_experts(plan);
   const int64_t T = a.size(0), N = w.size(1), K = w.size(2);
-  TORCH_CHECK(w.size(0) == E && a.size(1) == (dgrad ? N : K), "moegemm: operand shapes disagree: ", a.sizes(), w.sizes());
+  TORCH_CHECK(w.size(0) == E && a.size(1) == (dgrad ? N : K), "moegemm: operand shapes disagree: ", shape(a), shape(w));
   check_multiple_of_16(N, "weight.shape[1] (N)");
   check_multiple_of_16(K, "weight.shape[2] (K)");
   c10::DeviceGuard guard(a.device());
@@ -342,10 +354,10 @@ void gemm_bf16_wgrad_into(const Tensor& dy_in, const Tensor& x_in, const Tensor&
   const bool f32 = out.scalar_type() == at::kFloat;
   const int E = num_experts(plan);
   const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
-  TORCH_CHECK(x.size(0) == T, "moegemm: dy and x have different token counts: ", dy.sizes(), x.sizes());
+  TORCH_CHECK(x.size(0) == T, "moegemm: dy and x have different token counts: ", shape(dy), shape(x));
   check_multiple_of_16(N, "dy.shape[1] (N)");
   check_multiple_of_16(K, "x.shape[1] (K)");
-  TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", E, ", ", N, ", ", K, "], got ", out.sizes());
+  TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", num(E), ", ", num(N), ", ", num(K), "], got ", shape(out));
   c10::DeviceGuard guard(dy.device());
   const auto stream = current_stream(dy);
   into_aligned(out, [&](const Tensor& o) {
@@ -370,7 +382,7 @@ void add_bias_op(const Tensor& y, const Tensor& bias_in, const Tensor& plan) {
               "moegemm: bias must be float32 or bfloat16, got ", bias_in.scalar_type());
   const Tensor bias = input(bias_in, "bias", bias_in.scalar_type(), 2, y);
   const int64_t T = y.size(0), N = y.size(1);
-  TORCH_CHECK(bias.size(0) == E && bias.size(1) == N, "moegemm: bias must be [", E, ", ", N, "], got ", bias.sizes());
+  TORCH_CHECK(bias.size(0) == E && bias.size(1) == N, "moegemm: bias must be [", num(E), ", ", num(N), "], got ", shape(bias));
   check_multiple_of_16(N, "y.shape[1] (N)");
   c10::DeviceGuard guard(y.device());
   into_aligned(y, [&](const Tensor& o) {

@@ -51,6 +51,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import moegemm  # noqa: E402
 
 RECIPES = ("bf16", "fp8_blockwise")
+# Diagnostic variants (same parameters, init and batches; the experts' math differs), for --recipes:
+#   fp8_fc1_only / fp8_fc2_only / bf16_composed: the MLP as two grouped_linear calls (fc1 recipe, fc2 recipe)
+#     with the SwiGLU x probs in plain PyTorch between them; only the named GEMM (fprop, dgrad, wgrad) in FP8.
+#   fp8_fwd_only: forward values of the fp8_blockwise MLP, gradients of the bf16 one (straight-through).
+COMPOSED = {"fp8_fc1_only": ("fp8_blockwise", "bf16"), "fp8_fc2_only": ("bf16", "fp8_blockwise"),
+            "bf16_composed": ("bf16", "bf16")}
+VARIANTS = RECIPES + tuple(COMPOSED) + ("fp8_fwd_only",)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -80,9 +87,24 @@ class MoE(nn.Module):
     def __init__(self, d, ffn, experts, top_k, recipe):
         super().__init__()
         self.router = nn.Linear(d, experts, bias=False)
-        self.experts = moegemm.GroupedMLP(experts, d, ffn, activation="swiglu", bias=False, recipe=recipe,
-                                          dtype=torch.float32)
-        self.E, self.top_k = experts, top_k
+        self.experts = moegemm.GroupedMLP(experts, d, ffn, activation="swiglu", bias=False,
+                                          recipe=recipe if recipe in RECIPES else "bf16", dtype=torch.float32)
+        self.E, self.top_k, self.variant = experts, top_k, recipe
+
+    def expert_mlp(self, xs, m_splits, ps, is_first_microbatch):
+        if self.variant in RECIPES:
+            return self.experts(xs, m_splits, ps, is_first_microbatch=is_first_microbatch)
+        w1, w2 = self.experts.fc1.weight, self.experts.fc2.weight
+        if self.variant == "fp8_fwd_only":
+            y = moegemm.grouped_mlp(xs, w1, w2, m_splits, ps, activation="swiglu", recipe="bf16")
+            with torch.no_grad():
+                y8 = moegemm.grouped_mlp(xs, w1, w2, m_splits, ps, activation="swiglu", recipe="fp8_blockwise")
+            return y + (y8 - y).detach()
+        r1, r2 = COMPOSED[self.variant]
+        h = moegemm.grouped_linear(xs, w1, m_splits, recipe=r1).float()
+        gate, up = h.chunk(2, dim=-1)  # Megatron's GLU layout, gate first (as GroupedMLP)
+        a = (F.silu(gate) * up * ps.float()[:, None]).to(xs.dtype)
+        return moegemm.grouped_linear(a, w2, m_splits, recipe=r2)
 
     def forward(self, x, is_first_microbatch):  # x [T, d]
         T, k, E = x.shape[0], self.top_k, self.E
@@ -94,8 +116,8 @@ class MoE(nn.Module):
         order = torch.argsort(flat_e, stable=True)  # slots sorted by expert, on the device
         token = order // k
         m_splits = torch.bincount(flat_e, minlength=E)  # device tensor, never read on the host
-        y = self.experts(x[token].to(torch.bfloat16), m_splits, probs.reshape(-1)[order],
-                         is_first_microbatch=is_first_microbatch)  # [T*k, d], probs applied inside
+        y = self.expert_mlp(x[token].to(torch.bfloat16), m_splits, probs.reshape(-1)[order],
+                            is_first_microbatch)  # [T*k, d], probs applied inside
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=x.device)
         out = y[inv].view(T, k, -1).sum(1).to(x.dtype)  # back to token order, sum of the k experts
@@ -211,13 +233,14 @@ def train(recipe, train_data, held_data, a, device):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     seg = time.perf_counter()
-    for step in range(a.steps):
+    n_steps = min(a.steps, a.stop_at or a.steps)  # --stop-at: fewer steps on the same schedule
+    for step in range(n_steps):
         lr = lr_at(step, a)
         for g in opt.param_groups:
             g["lr"] = lr
         for mb in range(a.micro):
             chunk = data[(offs[step, mb][:, None] + ar)].long()  # [B, S+1] gathered on the device
-            first = (mb == 0) if recipe == "fp8_blockwise" else None
+            first = (mb == 0) if recipe == "fp8_blockwise" else None  # FP8 weights once per optimizer step
             with amp:
                 logits, aux = model(chunk[:, :-1], first)
                 loss = F.cross_entropy(logits.float().reshape(-1, 256), chunk[:, 1:].reshape(-1))
@@ -227,7 +250,7 @@ def train(recipe, train_data, held_data, a, device):
         gnorm_buf[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        last = step == a.steps - 1
+        last = step == n_steps - 1
         log = (step + 1) % a.log_every == 0 or last
         if step == a.warmup_timing - 1 or log:
             if cuda:
@@ -255,13 +278,13 @@ def train(recipe, train_data, held_data, a, device):
             if cuda:
                 torch.cuda.synchronize()
             seg = time.perf_counter()
-    timed_steps = a.steps - a.warmup_timing
+    timed_steps = n_steps - a.warmup_timing
     res = {
         "recipe": recipe,
         "init_fingerprint": fp,
-        "train_loss": loss_buf.tolist(),
-        "aux_loss": aux_buf.tolist(),
-        "grad_norm": gnorm_buf.tolist(),
+        "train_loss": loss_buf[:n_steps].tolist(),
+        "aux_loss": aux_buf[:n_steps].tolist(),
+        "grad_norm": gnorm_buf[:n_steps].tolist(),
         "heldout": evals,
         "final_heldout_loss": evals[-1]["loss"],
         "intervals": intervals,
@@ -371,7 +394,9 @@ def plot(results, path):
         ax.axvline(len(sb) // 10, color="gray", ls=":", lw=0.8)
         for y in (-1, 1):
             ax.axhline(y, color="gray", ls="--", lw=0.8)
-        ax.set_ylim(-2, 2)
+        lim = max(2.0, 110 * c["train_curve_max_abs_rel_gap_after_10pct"],
+                  *(110 * abs(e["rel_gap"]) for e in c["heldout_rel_gap_by_eval"]))
+        ax.set_ylim(-lim, lim)
         ax.legend(fontsize=8)
         ax.set_title(f"(fp8 - bf16) / bf16: final held-out {100 * c['final_heldout_rel_gap']:+.2f} %, "
                      f"max train after 10 % {100 * c['train_curve_max_abs_rel_gap_after_10pct']:.2f} %", fontsize=9)
@@ -396,6 +421,66 @@ def plot(results, path):
     print(f"wrote {path}")
 
 
+def versus_reference(results, ref):
+    """Each run of a diagnostic call against the bf16 and fp8_blockwise curves of the reference run (the
+    full comparison), over their common steps: relative gap of the smoothed train loss and of the
+    held-out loss at the common evaluations."""
+    w = results["args"]["smooth"]
+    out = {}
+    for name, run in results["runs"].items():
+        row = {}
+        for rname, rrun in ref["runs"].items():
+            n = min(len(run["train_loss"]), len(rrun["train_loss"]))
+            s, sr = smooth(run["train_loss"][:n], w), smooth(rrun["train_loss"][:n], w)
+            rel = [(x - y) / y for x, y in zip(s, sr)]
+            ev = {e["step"]: e["loss"] for e in rrun["heldout"]}
+            row[rname] = {
+                "steps": n,
+                "train_max_abs_rel_gap_after_10pct_of_reference": max(abs(g) for g in rel[len(rrun["train_loss"]) // 10:]),
+                "train_rel_gap_at": {str(k): rel[k - 1] for k in range(100, n + 1, 100)},
+                "heldout_rel_gap_at": {str(e["step"]): (e["loss"] - ev[e["step"]]) / ev[e["step"]]
+                                       for e in run["heldout"] if e["step"] in ev},
+            }
+        out[name] = row
+    return out
+
+
+def plot_variants(results, ref, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = results["args"]["smooth"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    for name, run in ref["runs"].items():
+        n = len(run["train_loss"])
+        m = max(len(r["train_loss"]) for r in results["runs"].values())
+        axes[0].plot(range(1, min(n, m) + 1), smooth(run["train_loss"], w)[:m], lw=2.5, alpha=0.35,
+                     color={"bf16": "tab:blue", "fp8_blockwise": "tab:red"}.get(name), label=f"{name} (full comparison run)")
+    base = smooth(ref["runs"]["bf16"]["train_loss"], w)
+    for name, run in results["runs"].items():
+        s = smooth(run["train_loss"], w)
+        axes[0].plot(range(1, len(s) + 1), s, lw=1, label=name)
+        axes[1].plot(range(1, len(s) + 1), [100 * (x - y) / y for x, y in zip(s, base)], lw=1, label=name)
+    f8 = smooth(ref["runs"]["fp8_blockwise"]["train_loss"], w)[: len(s)]
+    axes[1].plot(range(1, len(f8) + 1), [100 * (x - y) / y for x, y in zip(f8, base)], lw=2.5, alpha=0.35,
+                 color="tab:red", label="fp8_blockwise (full comparison run)")
+    axes[0].set_ylim(top=3.0)
+    axes[0].set_ylabel(f"train loss ({w}-step mean), nats/byte")
+    axes[0].legend(fontsize=8)
+    axes[1].axhline(0, color="gray", lw=0.8)
+    axes[1].set_ylabel("% relative to the full run's bf16 curve")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
+    fig.suptitle("Diagnostic runs: the same initial weights and batches, the same schedule; only the experts' numerics "
+                 f"differ ({results['device']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 def main():
@@ -410,6 +495,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--stop-at", type=int, default=0, help="stop after this many steps (schedule of --steps)")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
@@ -423,7 +509,8 @@ def main():
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--warmup-timing", type=int, default=20, help="steps left out of tokens/s")
     ap.add_argument("--smooth", type=int, default=50, help="moving-average window of the train-loss comparison")
-    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--reference", default=None, help="results JSON of the full comparison, for diagnostic runs")
     ap.add_argument("--max-corpus-bytes", type=int, default=0)
     ap.add_argument("--out", default="bench/results/train_moe_lm.json")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke configuration")
@@ -445,7 +532,12 @@ def main():
                 json.dump(results, f)
             print(f"wrote {a.out}")
         print_summary(results)
-        plot(results, os.path.splitext(a.out if len(a.plot_only) > 1 else a.plot_only[0])[0] + ".png")
+        png = os.path.splitext(a.out if len(a.plot_only) > 1 else a.plot_only[0])[0] + ".png"
+        if results["args"].get("reference"):
+            with open(a.reference or results["args"]["reference"]) as f:
+                plot_variants(results, json.load(f), png)
+        else:
+            plot(results, png)
         return
     if a.tiny:
         a.hidden, a.experts, a.ffn, a.top_k, a.seq, a.batch, a.micro, a.steps = 128, 8, 64, 2, 64, 2, 2, 20
@@ -462,18 +554,36 @@ def main():
                "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                "args": vars(a), "corpus": corpus, "runs": {}}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    ref = None
+    if a.reference:
+        with open(a.reference) as f:
+            ref = json.load(f)
+    for recipe in a.recipes.split(","):
+        if recipe not in VARIANTS:
+            raise SystemExit(f"unknown recipe/variant {recipe!r}; one of {VARIANTS}")
     for recipe in a.recipes.split(","):
         results["runs"][recipe] = train(recipe, train_data, held_data, a, device)
         r = results["runs"][recipe]
         print(f"{recipe}: final held-out {r['final_heldout_loss']:.4f}, {r['tokens_per_s'] or 0:.0f} tokens/s, "
               f"peak memory {r['peak_memory_gib'] or 0:.2f} GiB, {r['wall_seconds']:.0f} s", flush=True)
         results["comparison"] = compare(results)
+        if ref is not None:
+            results["vs_reference"] = versus_reference(results, ref)
         with open(a.out, "w") as f:  # after each run, so a cut-off second run leaves the first
             json.dump(results, f)
     print_summary(results)
+    if ref is not None:
+        print("\n=== against the reference run's curves (relative gap of the smoothed train loss) ===")
+        for name, row in results["vs_reference"].items():
+            for rname, g in row.items():
+                at = " ".join(f"{k}:{100 * v:+.1f}%" for k, v in g["train_rel_gap_at"].items())
+                print(f"  {name:14s} vs {rname:14s} {at}")
     print(f"wrote {a.out}")
     try:
-        plot(results, os.path.splitext(a.out)[0] + ".png")
+        if ref is not None:
+            plot_variants(results, ref, os.path.splitext(a.out)[0] + ".png")
+        else:
+            plot(results, os.path.splitext(a.out)[0] + ".png")
     except ImportError:
         print(f"matplotlib missing: python bench/train_moe_lm.py --plot-only {a.out}")
 

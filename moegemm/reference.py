@@ -120,9 +120,19 @@ def quantize_cols(x: torch.Tensor, plan: torch.Tensor):
     return qT, sT
 
 
+def covered_tokens(plan: torch.Tensor) -> int:
+    """Tokens that belong to an expert (the rest, up to T, belong to none: device counts summing below T)."""
+    return int(plan[0, -1])
+
+
 def quantize_act(x: torch.Tensor, plan: torch.Tensor, rows: bool = True, cols: bool = True):
-    """Multi-cast activation quantization: ``(q, s, qT, sT)``; the parts not asked for are None."""
+    """Multi-cast activation quantization: ``(q, s, qT, sT)``; the parts not asked for are None. The row
+    copy of the tokens past the covered ones is zeros (bytes and scales), as the kernel writes it."""
     q, s = quantize_rows(x) if rows else (None, None)
+    if rows:
+        covered = covered_tokens(plan)
+        q[covered:].view(torch.uint8).zero_()
+        s[covered:] = 0
     qT, sT = quantize_cols(x, plan) if cols else (None, None)
     return q, s, qT, sT
 
@@ -308,4 +318,6 @@ def act_quantize(h, probs, activation: str, plan, rows: bool = True, cols: bool 
 def act_backward_quantize(da, h, probs, activation: str, plan, rows: bool = True, cols: bool = True):
     """``(q, s, qT, sT, dprobs)``: the multi-cast quantization of dh, and dprobs (None without probs)."""
     dh, dprobs = act_backward(da, h, probs, activation)
+    if dprobs is not None:
+        dprobs[covered_tokens(plan):] = 0  # tokens of no expert
     return (*quantize_act(dh, plan, rows, cols), dprobs)

@@ -180,7 +180,7 @@ BAD = {
     "gemm_fp8_ragged_m/sa_bf16": lambda a: ("gemm_fp8_ragged_m", (a.qx, a.sx.bfloat16(), a.qw, a.sw, a.plan)),
     "gemm_fp8_ragged_m/qb_E": lambda a: ("gemm_fp8_ragged_m", (a.qx, a.sx, a.qw[:2], a.sw[:2], a.plan)),
     "gemm_fp8_ragged_m/qb_K": lambda a: ("gemm_fp8_ragged_m", (a.qx, a.sx, _zeros(E, N, K + 16, dtype=F8), _zeros(E, 2, 2), a.plan)),
-    "gemm_fp8_ragged_m/sb_transposed": lambda a: ("gemm_fp8_ragged_m", (a.qx, a.sx, a.qw, a.swT, a.plan)),
+    "gemm_fp8_ragged_m/sb_blocks": lambda a: ("gemm_fp8_ragged_m", (a.qx, a.sx, a.qw, _zeros(E, 3, 2), a.plan)),
     "gemm_fp8_ragged_m/sb_2d": lambda a: ("gemm_fp8_ragged_m", (a.qx, a.sx, a.qw, a.sw[0], a.plan)),
     "gemm_fp8_ragged_m/qa_3d": lambda a: ("gemm_fp8_ragged_m", (a.qx.view(1, T, K), a.sx, a.qw, a.sw, a.plan)),
     "gemm_fp8_ragged_m/plan_int64": lambda a: ("gemm_fp8_ragged_m", (a.qx, a.sx, a.qw, a.sw, a.plan.long())),

@@ -5,6 +5,8 @@
   such tests are skipped everywhere else.
 * ``zipf_splits(E, T, empty=True)``: Zipf-skewed token counts, with some empty experts.
 * ``rel(out, expected)``: ‖out − expected‖ / ‖expected‖ in float64 (SPEC §4's measure).
+* ``cuda_alive()``: asserts that the CUDA context still works (after an input that must not kill it).
+* ``capture_step(step)``: warms ``step`` up on a side stream and captures it in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -74,3 +76,25 @@ def rel(out: torch.Tensor, expected: torch.Tensor) -> float:
     if norm == 0:
         return 0.0 if diff == 0 else float("inf")
     return diff / norm
+
+
+def cuda_alive() -> None:
+    """The CUDA context still works after whatever ran before (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        a = torch.arange(8, device="cuda", dtype=torch.float32)
+        assert (a * 2).sum().item() == 56.0
+
+
+def capture_step(step):
+    """``(graph, outputs)``: ``step()`` run twice on a side stream (warm-up), then captured once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    return g, out

@@ -15,7 +15,7 @@ import moegemm
 from moegemm import backend
 from moegemm import reference as R
 
-from conftest import requires_cuda
+from conftest import cuda_alive, requires_cuda
 
 E, T, K, N = 4, 300, 144, 160
 H, F = 128, 144
@@ -24,12 +24,6 @@ RECIPES = ("fp8_blockwise", "bf16")
 SENTINEL = -1234.5
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
-
-def alive() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        a = torch.arange(8, device="cuda", dtype=torch.float32)
-        assert (a * 2).sum().item() == 56.0
 
 
 def offset_view(t: torch.Tensor, offset: int = 1) -> torch.Tensor:
@@ -99,7 +93,7 @@ def test_misaligned_linear(device, recipe, which):
     got, exp = run(True), run(False)
     for g, e in zip(got, exp):
         assert torch.equal(g, e)
-    alive()
+    cuda_alive()
 
 
 MLP_WHICH = ["x", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias", "probs", "main_grad", "dy", "all"]
@@ -145,7 +139,7 @@ def test_misaligned_mlp(device, recipe, which):
 
     for g, e in zip(run(True), run(False)):
         assert torch.equal(g, e)
-    alive()
+    cuda_alive()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,7 +156,7 @@ def test_misaligned_public_quantizers(device, dtype):
     w = torch.randn(E, N, K, device=device).to(dtype)
     for a, b in zip(moegemm.quantize_weight(offset_view(w, 3)), moegemm.quantize_weight(w.clone())):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)
-    alive()
+    cuda_alive()
 
 
 # ============================================================================= empty weight dimensions
@@ -219,7 +213,7 @@ def test_cuda_x_dtype_error_before_any_device_work(xdtype):
         torch.cuda.synchronize()
     copies = [ev.name for ev in prof.events() if "memcpy" in ev.name.lower() or "HtoD" in ev.name]
     assert not copies, copies
-    alive()
+    cuda_alive()
 
 
 # ======================================================================== zero-stride expanded weight
@@ -286,7 +280,7 @@ def test_main_grad_replaced_between_forward_and_backward(device, recipe):
             y.backward(torch.ones_like(y))
         assert guards_intact(buf, span) and (view == 0).all(), shape
         x.grad = None
-        alive()
+        cuda_alive()
 
 
 # ===================================================================================== inference mode
@@ -329,4 +323,4 @@ def test_cuda_mixed_devices_rejected():
     wl.main_grad = torch.zeros(E, N, K)
     with pytest.raises(ValueError, match="main_grad"):
         moegemm.grouped_linear(x, wl, SPLITS)
-    alive()
+    cuda_alive()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import HAS_HOPPER, requires_cuda
+from conftest import HAS_HOPPER, cuda_alive, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -32,11 +32,6 @@ F8 = torch.float8_e4m3fn
 def ops():
     return torch.ops.moegemm
 
-
-def alive() -> None:
-    torch.cuda.synchronize()
-    a = torch.arange(8, device=DEV, dtype=torch.float32)
-    assert (a * 2).sum().item() == 56.0
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +234,7 @@ def test_raw_op_misuse_raises(a, case):
     before = [t.clone() for t in args if isinstance(t, torch.Tensor)]
     with pytest.raises((RuntimeError, NotImplementedError)):
         getattr(ops(), name)(*args)
-    alive()
+    cuda_alive()
     after = [t for t in args if isinstance(t, torch.Tensor)]
     for u, v in zip(before, after):
         assert same(u, v), "an argument was modified by a call that raised"
@@ -257,7 +252,7 @@ def test_raw_ops_tensors_on_two_devices(a):
             moved = tuple(u.to("cuda:1") if j == i else u for j, u in enumerate(args))
             with pytest.raises(RuntimeError):
                 getattr(ops(), name)(*moved)
-            alive()
+            cuda_alive()
 
 
 # ============================================================================= misaligned data pointers
@@ -301,9 +296,9 @@ def test_raw_op_misaligned_arguments(a, name):
             assert "aligned" in msg and re.search(rf"\b{re.escape(arg_names[i])}\b", msg), (arg_names[i], msg)
             if guard is not None:
                 assert guards_intact(*guard)
-            alive()
+            cuda_alive()
             continue
-        alive()
+        cuda_alive()
         if accumulate:
             assert same(call[-1].contiguous(), expected_out), arg_names[i]
             if guard is not None:
@@ -363,7 +358,7 @@ def test_opcheck(a, cid, name, build):
     else:
         utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(op, args, test_utils=utils)
-    alive()
+    cuda_alive()
 
 
 def _storages(x):

@@ -18,7 +18,7 @@ import torch
 import moegemm
 from moegemm import reference as R
 
-from conftest import rel, requires_cuda, zipf_splits
+from conftest import capture_step, cuda_alive, rel, requires_cuda, zipf_splits
 
 DEV = "cuda"
 E, T, K, N = 4, 300, 144, 160          # T, K, N not multiples of 128: partial tiles and blocks
@@ -78,12 +78,6 @@ def oracle_plan(counts) -> list:
         blk.append(blk[-1] + -(-c // 128))
     return [tok, col, blk]
 
-
-def alive() -> None:
-    """The CUDA context still works after whatever ran before."""
-    torch.cuda.synchronize()
-    a = torch.arange(8, device=DEV, dtype=torch.float32)
-    assert (a * 2).sum().item() == 56.0
 
 
 # ============================================================================ CPU: the reference plan
@@ -256,7 +250,7 @@ def test_invalid_device_splits_linear(recipe, name, dt, monkeypatch):
     m = torch.tensor(ms, dtype=dt, device=DEV)
     m0 = m.clone()
     got = run_linear(x, w, b, m, dy, recipe)
-    alive()
+    cuda_alive()
     assert torch.equal(m, m0)  # m_splits is not modified
     y, dx, dw, db = got
     assert (y[cov:] == 0).all() and (dx[cov:] == 0).all(), "rows past the covered tokens must be zero (no bias)"
@@ -287,7 +281,7 @@ def test_invalid_device_splits_mlp(recipe, activation, name):
     inputs = mlp_inputs(seed=4, activation=activation)
     m = torch.tensor(ms, dtype=torch.int64, device=DEV)
     y, dx, dw1, dw2, db1, db2, dp = run_mlp(inputs, m, activation, recipe)
-    alive()
+    cuda_alive()
     assert (y[cov:] == 0).all() and (dx[cov:] == 0).all() and (dp[cov:] == 0).all()
     for g in (y, dx, dw1, dw2, db1, db2, dp):
         assert torch.isfinite(g).all()
@@ -343,7 +337,7 @@ def test_invalid_device_splits_plan_and_quantizer(name, dt):
         wd, nb = -(-c // 16) * 16, -(-c // 128)
         assert torch.equal(qT[:, col:col + wd].cpu().view(torch.uint8), rqT[:, col:col + wd].view(torch.uint8))
         assert torch.equal(sT[blk:blk + nb].cpu(), rsT[blk:blk + nb])
-    alive()
+    cuda_alive()
 
 
 # =========================================================================== GPU: the checked mode
@@ -366,7 +360,7 @@ def test_checked_mode_rejects(name, dt, via, monkeypatch):
         moegemm.grouped_mlp(inputs[0], inputs[1], inputs[2], m, inputs[5], **kw)
     with pytest.raises(ValueError, match="m_splits"):
         moegemm.make_plan(m, T, **kw)
-    alive()
+    cuda_alive()
 
 
 @requires_cuda
@@ -402,7 +396,7 @@ def test_T0_with_garbage_device_counts(recipe):
         outs = run_mlp(inputs, m, "swiglu", recipe)
         assert outs[0].shape == (0, H)
         assert all((g == 0).all() for g in outs[2:6])
-    alive()
+    cuda_alive()
 
 
 @requires_cuda
@@ -452,7 +446,7 @@ def test_splits_on_wrong_device():
     if torch.cuda.device_count() >= 2:
         with pytest.raises(ValueError, match="m_splits"):
             moegemm.grouped_linear(x, w, m.to("cuda:1"))
-    alive()
+    cuda_alive()
 
 
 # ===================================================================================== E at the max
@@ -479,7 +473,7 @@ def test_max_experts(recipe, monkeypatch):
     cov = sum(covered_counts(garbage.tolist(), Tm))
     y, dx, _, _ = run_linear(x, w, b, garbage.to(DEV), dy, recipe)
     assert (y[cov:] == 0).all() and (dx[cov:] == 0).all()
-    alive()
+    cuda_alive()
 
 
 @requires_cuda
@@ -490,7 +484,7 @@ def test_too_many_experts_public():
         moegemm.grouped_linear(x, w, torch.zeros(1025, dtype=torch.int64, device=DEV))
     with pytest.raises(ValueError):
         moegemm.make_plan(torch.zeros(1025, dtype=torch.int64, device=DEV), 4)
-    alive()
+    cuda_alive()
 
 
 # ============================================================================ CUDA graph, bad counts
@@ -505,18 +499,9 @@ def test_cuda_graph_replay_with_invalid_counts(recipe):
         xl.grad = wl.grad = bl.grad = None
         y = moegemm.grouped_linear(xl, wl, m, bl, recipe=recipe)
         y.backward(dy)
-        return y
+        return y, xl.grad, wl.grad, bl.grad
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y_static = step()
-        gx, gw, gb = xl.grad, wl.grad, bl.grad
+    g, (y_static, gx, gw, gb) = capture_step(step)
     for name in ["negative", "over_T", "wrap2", "wrap3_sums_to_T", "stale_bytes", "sum_below", "all_zero"]:
         ms = bad_cases()[name]
         cov = sum(covered_counts(ms, T))
@@ -527,4 +512,4 @@ def test_cuda_graph_replay_with_invalid_counts(recipe):
         eager = run_linear(x, w, b, m, dy, recipe)
         for a, c in zip((y_static, gx, gw, gb), eager):
             assert torch.equal(a, c), name
-    alive()
+    cuda_alive()

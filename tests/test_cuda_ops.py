@@ -11,7 +11,7 @@ import torch
 import moegemm
 from moegemm import reference as ref
 
-from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
+from conftest import HAS_HOPPER, capture_step, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
@@ -254,18 +254,9 @@ def test_cuda_graph_replay_with_new_splits(recipe):
         x.grad = w.grad = None
         y = moegemm.grouped_linear(x, w, m, recipe=recipe)
         y.backward(dy)
-        return y
+        return y, x.grad, w.grad
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y_static = step()
-        gx, gw = x.grad, w.grad
+    g, (y_static, gx, gw) = capture_step(step)
     for _ in range(3):
         m.copy_(torch.tensor(zipf_splits(E, T), device=DEV))
         g.replay()

@@ -13,6 +13,7 @@ import torch.nn.functional as F_
 from cases import Case
 from peer_imports import MOD
 from shared import BF16, FP8, FP8_MAX
+from moegemm.workloads import TorchGroupedLinearBF16
 
 
 def _offs(m):
@@ -22,27 +23,6 @@ def _offs(m):
 def swiglu_probs(h, probs, F):
     """The expert activation of every peer: silu(gate) * up * probs (torch ops, bf16)."""
     return F_.silu(h[:, :F]) * h[:, F:] * probs.to(h.dtype).unsqueeze(-1)
-
-
-class _TorchGroupedLinearBF16(torch.autograd.Function):
-    """y = x @ W[e]^T with torch._grouped_mm: fprop/dgrad 2d x 3d, wgrad 2d x 2d over the token offsets.
-    wgrad passes dy^T column-major and x row-major: the layout torch allows empty groups in."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w, offs)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch._grouped_mm(dy, w, offs=offs)
-        if ctx.needs_input_grad[1]:
-            dw = torch._grouped_mm(dy.t(), x, offs=offs)
-        return dx, dw, None
 
 
 def _fp8_rowwise(t):
@@ -188,8 +168,8 @@ def build_mlp(key, c: Case) -> MLPImpl:
 
         def fwd(x, m, p):
             offs = _offs(m)
-            h = _TorchGroupedLinearBF16.apply(x, W1, offs)
-            return _TorchGroupedLinearBF16.apply(swiglu_probs(h, p, F), W2, offs)
+            h = TorchGroupedLinearBF16.apply(x, W1, offs)
+            return TorchGroupedLinearBF16.apply(swiglu_probs(h, p, F), W2, offs)
         return MLPImpl(fwd, [W1, W2])
     if key == "torch_fp8":
         W1, W2, fp8_wgrad = c.W1g, c.W2g, c.kind == "aligned"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import moegemm
 from moegemm import backend
-from moegemm.workloads import SHAPES, zipf_splits
+from moegemm.workloads import SHAPES, TorchGroupedLinearBF16, zipf_splits
 
 ERROR_BOUND = {"fp8_blockwise": 0.10, "bf16": 0.02}  # FP8 E4M3: ~3-5 % per GEMM (SPEC §4), ~6-7 % through the MLP
 
@@ -31,22 +31,6 @@ ERROR_BOUND = {"fp8_blockwise": 0.10, "bf16": 0.02}  # FP8 E4M3: ~3-5 % per GEMM
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
-
-
-class _GroupedMMBF16(torch.autograd.Function):
-    """y = x @ W[e]^T with torch._grouped_mm over the token offsets (fprop and dgrad 2d x 3d, wgrad
-    2d x 2d): the torch bf16 baseline on a GPU."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w, offs)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
-        dy = dy.contiguous()
-        return torch._grouped_mm(dy, w, offs=offs), torch._grouped_mm(dy.t(), x, offs=offs), None
 
 
 def torch_mlp(x, w1, w2, probs, splits: list, offs):
@@ -58,8 +42,8 @@ def torch_mlp(x, w1, w2, probs, splits: list, offs):
         return F.silu(h[:, :Fh]) * h[:, Fh:] * p.to(h.dtype).unsqueeze(-1)
 
     if offs is not None:
-        h = _GroupedMMBF16.apply(x, w1, offs)
-        return _GroupedMMBF16.apply(act(h, probs), w2, offs)
+        h = TorchGroupedLinearBF16.apply(x, w1, offs)
+        return TorchGroupedLinearBF16.apply(act(h, probs), w2, offs)
     outs = [act(xe @ w1[e].t(), pe) @ w2[e].t()
             for e, (xe, pe) in enumerate(zip(torch.split(x, splits), torch.split(probs, splits)))]
     return torch.cat(outs)

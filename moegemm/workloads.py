@@ -1,9 +1,12 @@
 """The standard MoE workloads of the demo and the benchmarks (SPEC §7): model shapes and token counts
-per expert (Zipf-skewed with empty experts, or balanced), and issue 6's two grouped-GEMM problems. Deterministic for a given seed."""
+per expert (Zipf-skewed with empty experts, or balanced), issue 6's two grouped-GEMM problems, and the
+torch bf16 baseline both measure against (``torch._grouped_mm``). Deterministic for a given seed."""
 
 from __future__ import annotations
 
 import random
+
+import torch
 
 SHAPES = {  # name: (E, hidden, ffn per expert, routed tokens)
     "DeepSeek-V2-Lite": (64, 2048, 1408, 24576),
@@ -35,3 +38,25 @@ def zipf_splits(E: int, T: int, alpha: float = 1.2, empty_frac: float = 0.125, s
 
 def balanced_splits(E: int, T: int) -> list:
     return [T // E + (1 if e < T % E else 0) for e in range(E)]
+
+
+class TorchGroupedLinearBF16(torch.autograd.Function):
+    """The torch baseline: y = x @ W[e]^T with torch._grouped_mm over the token offsets ``offs``
+    (fprop and dgrad 2d x 3d; wgrad 2d x 2d with dy^T column-major and x row-major, the layout torch
+    allows empty groups in)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dy, w, offs=offs)
+        if ctx.needs_input_grad[1]:
+            dw = torch._grouped_mm(dy.t(), x, offs=offs)
+        return dx, dw, None

@@ -46,9 +46,10 @@ def cutlass_pin() -> str:
 
 
 def sources() -> list[str]:
-    """The binding file and every kernel translation unit."""
+    """The binding file, the C++ API layer (csrc/api/*.cpp) and every kernel translation unit."""
     csrc = csrc_dir()
-    return [str(csrc / "binding.cpp")] + sorted(str(p) for p in (csrc / "kernels").glob("*.cu"))
+    return ([str(csrc / "binding.cpp")] + sorted(str(p) for p in (csrc / "api").glob("*.cpp"))
+            + sorted(str(p) for p in (csrc / "kernels").glob("*.cu")))
 
 
 def cutlass_include_dirs() -> list[str]:

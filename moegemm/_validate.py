@@ -3,7 +3,7 @@
 Every check runs on the host before any kernel is launched and names the argument, the expected and the
 actual value. ``m_splits`` given as a list or CPU tensor is checked here (negative counts, sum ≠ T);
 a device tensor is never read on the host unless the checked mode is on (``check_splits=True`` or
-``MOEGEMM_CHECK_SPLITS=1``), which validates it on the device and raises.
+``MOEGEMM_CHECK_SPLITS=1``, read once at import), which validates it on the device and raises.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Sequence, Union
 
 import torch
 
-MAX_EXPERTS = 1024  # the plan kernel runs one thread per expert (csrc/moegemm.h: kMaxExperts)
-MAX_TOKENS = 2**31 - 1 - 15 * MAX_EXPERTS  # the plan's offsets are int32 (csrc/moegemm.h: kMaxPlanValue)
-RECIPES = ("bf16", "fp8_blockwise")
+from .layout import MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS
+
+# The default of check_splits, read once at import (tests set it directly).
+CHECK_SPLITS = os.environ.get("MOEGEMM_CHECK_SPLITS", "0") not in ("", "0")
+RECIPES = tuple(RECIPE_IDS)
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 W_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -91,9 +93,7 @@ def check_main_grad(weight: torch.Tensor) -> None:
 
 
 def checked_mode(check_splits) -> bool:
-    if check_splits is not None:
-        return bool(check_splits)
-    return os.environ.get("MOEGEMM_CHECK_SPLITS", "0") not in ("", "0")
+    return CHECK_SPLITS if check_splits is None else bool(check_splits)
 
 
 def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device, check_splits=None) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The one place that chooses between the CUDA extension and the plain-PyTorch reference.
 
-Both backends offer the same functions with the same canonical layouts (see ``reference.py``):
-``make_plan, quantize_act, quantize_weight, act_quantize, act_backward_quantize, act_bf16,
-act_backward_bf16, gemm_fp8_ragged_m, gemm_fp8_ragged_k, gemm_bf16_fprop, gemm_bf16_dgrad,
-gemm_bf16_wgrad, add_bias_, bias_grad``. Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA
-ops (built on first use); everything else, or ``MOEGEMM_BACKEND=reference``, goes to the reference.
+Both backends offer the same functions: the layer entries ``linear_fwd, linear_bwd, mlp_fwd, mlp_bwd``
+(one per layer and direction: ``cuda_ops`` wraps the C++ ops, ``reference_api`` builds them from the
+reference primitives) and the primitives ``make_plan, quantize_act, quantize_weight, ...`` with the same
+canonical layouts (see ``reference.py``). Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA
+ops (built on first use); everything else, or ``MOEGEMM_BACKEND=reference`` (read once, at import; tests
+set ``FORCE_REFERENCE``), goes to the reference.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import warnings
 
 import torch
 
-from . import reference
+from . import reference_api
 
+FORCE_REFERENCE = os.environ.get("MOEGEMM_BACKEND", "") == "reference"
 
 _HOPPER: dict = {}  # device index -> is it compute capability 9.0 (a plain dict: torch.compile traces it)
 
@@ -27,7 +29,7 @@ def _device_is_hopper(index: int) -> bool:
 
 
 def uses_cuda(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("MOEGEMM_BACKEND", "") == "reference":
+    if device.type != "cuda" or FORCE_REFERENCE:
         return False
     if _device_is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
         return True
@@ -40,9 +42,9 @@ def _warn_not_hopper() -> None:
 
 
 def select(device: torch.device):
-    """The backend module for tensors on ``device``."""
+    """The backend module for tensors on ``device``: ``cuda_ops`` or ``reference_api``."""
     if uses_cuda(device):
         from . import cuda_ops
 
         return cuda_ops
-    return reference
+    return reference_api

@@ -1,16 +1,102 @@
-"""The CUDA backend: thin wrappers over the extension's ``torch.ops.moegemm`` ops, with the same
-signatures as ``reference.py`` (parts not asked for come back as None), plus their fake (meta)
-implementations so that torch.compile can trace them."""
+"""The CUDA backend: the extension's ``torch.ops.moegemm`` ops with the interface of ``reference_api.py``,
+plus their fake (meta) implementations so that torch.compile can trace them.
+
+* The layer entries ``linear_fwd, linear_bwd, mlp_fwd, mlp_bwd`` are the C++ ops themselves (one op per
+  layer and direction, ``csrc/api/layers.h``); parts not asked for come back as ``[0]`` placeholders.
+* The primitives (one kernel each, for tests and benchmarks) are thin wrappers with the signatures of
+  ``reference.py`` (parts not asked for come back as None).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ._build import load_extension
-from .reference import ACTIVATIONS, BLOCK, block_capacity, ceil_div, col_capacity
+from .layout import (ACT_BF16_COLS, ACTIVATIONS, BLOCK, FP8_BLOCKWISE, GLU_ACTIVATIONS, PLAN_ROWS, block_capacity,
+                     ceil_div, col_capacity)
 
 load_extension()
 _ops = torch.ops.moegemm
+
+# ------------------------------------------------------------------------------------- layer entries
+linear_fwd = _ops.linear_fwd.default
+linear_bwd = _ops.linear_bwd.default
+mlp_fwd = _ops.mlp_fwd.default
+mlp_bwd = _ops.mlp_bwd.default
+
+_F8, _F32, _BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+_GLU_IDS = tuple(ACTIVATIONS[a] for a in GLU_ACTIVATIONS)
+
+
+def _new(like, shape, dtype, wanted: bool = True):
+    """A fake output: ``shape`` when wanted, else the ``[0]`` placeholder of the C++ ops."""
+    return like.new_empty(shape if wanted else (0,), dtype=dtype)
+
+
+def _wgrad_dtype(weight):
+    return _BF16 if weight.dtype == _BF16 else _F32
+
+
+def _fake_plan(like, E):
+    return like.new_empty((PLAN_ROWS, E + 1), dtype=torch.int32)
+
+
+def _fake_weight_T(w, wanted: bool):
+    """The transposed FP8 copy of w [E, N, K] and its scales: qT [E, K, N], sT [E, Kb, Nb]."""
+    E, N, K = w.shape
+    return [_new(w, (E, K, N), _F8, wanted), _new(w, (E, ceil_div(K, BLOCK), ceil_div(N, BLOCK)), _F32, wanted)]
+
+
+def _fake_cols(like, T, E, K, wanted: bool):
+    """The per-expert column copy of a [T, K] tensor and its scales."""
+    return [_new(like, (K, col_capacity(T, E)), _F8, wanted), _new(like, (block_capacity(T, E), K), _F32, wanted)]
+
+
+@torch.library.register_fake("moegemm::linear_fwd")
+def _(x, weight, m_splits, bias, recipe, need_dx, need_dw):
+    (T, K), (E, N, _) = x.shape, weight.shape
+    if recipe == FP8_BLOCKWISE:
+        saved = _fake_cols(x, T, E, K, need_dw) + _fake_weight_T(weight, need_dx)
+    else:
+        saved = [_new(x, (E, N, K), _BF16, need_dx and weight.dtype != _BF16)]
+    return _new(x, (T, N), _BF16), _fake_plan(x, E), saved
+
+
+@torch.library.register_fake("moegemm::linear_bwd")
+def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db):
+    (E, N, K), T = weight.shape, dy.shape[0]
+    return (_new(dy, (T, K), _BF16, need_dx), _new(dy, (E, N, K), _wgrad_dtype(weight), need_dw and main_grad is None),
+            _new(dy, (E, N), _F32, need_db))
+
+
+@torch.library.register_fake("moegemm::mlp_fwd")
+def _(x, fc1_weight, fc2_weight, m_splits, fc1_bias, fc2_bias, probs, activation, recipe, fp8_weights, save, need_dw1,
+      need_dw2):
+    (T, H), (E, F1, _) = x.shape, fc1_weight.shape
+    F = F1 // 2 if activation in _GLU_IDS else F1
+    saved = []
+    if save and recipe == FP8_BLOCKWISE:
+        quantize_here = len(fp8_weights) == 0
+        saved = (_fake_cols(x, T, E, H, need_dw1) + [_new(x, (T, F1), _BF16)] + _fake_cols(x, T, E, F, need_dw2)
+                 + _fake_weight_T(fc1_weight, quantize_here) + _fake_weight_T(fc2_weight, quantize_here))
+    elif save:
+        saved = [_new(x, (T, F1), _BF16), _new(x, (T, F), _BF16), _new(x, (E, F1, H), _BF16, fc1_weight.dtype != _BF16),
+                 _new(x, (E, H, F), _BF16, fc2_weight.dtype != _BF16)]
+    return _new(x, (T, H), _BF16), _fake_plan(x, E), saved
+
+
+@torch.library.register_fake("moegemm::mlp_bwd")
+def _(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_main_grad, fc2_main_grad, activation, recipe,
+      need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dprobs, release_saved):
+    (T, H), (E, F1, _), F = dy.shape, fc1_weight.shape, fc2_weight.shape[2]
+    return (_new(dy, (T, H), _BF16, need_dx),
+            _new(dy, (E, F1, H), _wgrad_dtype(fc1_weight), need_dw1 and fc1_main_grad is None),
+            _new(dy, (E, H, F), _wgrad_dtype(fc2_weight), need_dw2 and fc2_main_grad is None),
+            _new(dy, (E, F1), _F32, need_db1), _new(dy, (E, H), _F32, need_db2),
+            _new(dy, (T,), _F32, need_dprobs and probs is not None))
+
+
+# ----------------------------------------------------------------------------------------- primitives
 
 
 def make_plan(m_splits: torch.Tensor, T: int) -> torch.Tensor:
@@ -158,7 +244,7 @@ def act_backward_quantize(da, h, probs, activation: str, plan, rows: bool = True
 
 @_fake("act_quantize")
 def _(h, probs, activation, plan, rows, cols):
-    F = h.shape[1] // 2 if activation in (0, 1) else h.shape[1]
+    F = h.shape[1] // 2 if activation in _GLU_IDS else h.shape[1]
     return _multicast_like(h, F, plan, rows, cols)
 
 
@@ -180,12 +266,12 @@ def act_backward_bf16(da, h, probs, activation: str):
 
 @_fake("act_bf16")
 def _(h, probs, activation):
-    F = h.shape[1] // 2 if activation in (0, 1) else h.shape[1]
+    F = h.shape[1] // 2 if activation in _GLU_IDS else h.shape[1]
     return h.new_empty((h.shape[0], F))
 
 
 @_fake("act_backward_bf16")
 def _(da, h, probs, activation):
     T, F = da.shape
-    return h.new_empty(h.shape), da.new_empty((T if probs is not None else 0, ceil_div(F, 256)), dtype=torch.float32)
+    return h.new_empty(h.shape), da.new_empty((T if probs is not None else 0, ceil_div(F, ACT_BF16_COLS)), dtype=torch.float32)
 

@@ -1,9 +1,10 @@
 """``grouped_linear``: the differentiable grouped GEMM of SPEC §2.
 
-The autograd Function is a thin shell: it validates nothing (the public function does, once) and calls
-the backend chosen in ``backend.py`` — the CUDA ops or the reference, which share one interface.
-For ``fp8_blockwise`` the forward quantizes ``x`` once into its row copy (fprop) and its per-expert
-transposed copy (saved for wgrad), so backward never re-reads ``x`` in bf16.
+The public function checks its arguments once on the host (``_validate.py``); the autograd Function is
+a thin shell that calls one op per direction, ``linear_fwd`` and ``linear_bwd``, of the backend chosen in
+``backend.py`` (the C++ entries of ``csrc/api/grouped_linear.cpp`` or ``reference_api.py``, which share
+one interface). For ``fp8_blockwise`` the forward quantizes ``x`` once into its row copy (fprop) and its
+per-expert transposed copy (saved for wgrad), so backward never re-reads ``x`` in bf16.
 """
 
 from __future__ import annotations
@@ -15,31 +16,7 @@ import torch
 from . import backend
 from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
-
-
-def _forward(x, weight, bias, plan, recipe, need_dx: bool, need_dw: bool):
-    """y and the tensors backward needs (quantized copies for fp8, bf16 operands otherwise)."""
-    ops = backend.select(x.device)
-    if recipe == "fp8_blockwise":
-        qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw)
-        qw, sw, qwT, swT = ops.quantize_weight(weight.contiguous())
-        y = ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, x.dtype)
-        saved = (qxT, sxT, qwT if need_dx else None, swT if need_dx else None)
-    else:
-        w = weight.to(x.dtype).contiguous()
-        y = ops.gemm_bf16_fprop(x, w, plan)
-        saved = (x if need_dw else None, w if need_dx else None)
-    return add_bias(y, bias, plan), saved
-
-
-def add_bias(y, bias, plan):
-    """``y[t] += bias[e(t)]`` on the covered tokens, in place on y (a fresh GEMM output)."""
-    return y if bias is None else backend.select(y.device).add_bias_(y, bias, plan)
-
-
-def bias_grad(dy, plan, dtype):
-    """``dbias[e] = Σ_{t ∈ e} dy[t]`` (fp32 sums, bitwise reproducible), without a host sync."""
-    return backend.select(dy.device).bias_grad(dy, plan).to(dtype)
+from .layout import BF16, RECIPE_IDS
 
 
 def refuse_double_backward(what: str) -> None:
@@ -59,21 +36,22 @@ def weight_grad_target(weight, need_dw: bool):
     return getattr(weight, "main_grad", None)
 
 
-def wgrad_dtype(weight) -> torch.dtype:
-    """The wgrad GEMMs write bf16 directly for bf16 weights, fp32 otherwise (no fp32 round trip)."""
-    return torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+def finish_weight_grad(dw, need_dw: bool, weight, main_grad):
+    """The gradient autograd returns for ``weight``: None when not needed or when it went into main_grad."""
+    return None if not need_dw or main_grad is not None else dw.to(weight.dtype)
 
 
-def finish_weight_grad(dw, weight, main_grad):
-    """The gradient autograd returns for ``weight``: None when it went into main_grad."""
-    return None if dw is None or main_grad is not None else dw.to(weight.dtype)
+def finish_sum(total, needed: bool, dtype):
+    """A bias or probs gradient (an fp32 sum from the op) in its parameter's dtype, or None."""
+    return total.to(dtype) if needed else None
 
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, plan, recipe):
-        y, saved = _forward(x, weight, bias, plan, recipe, *ctx.needs_input_grad[:2])
-        ctx.save_for_backward(*saved, plan)
+    def forward(ctx, x, weight, bias, m_splits, recipe: int):
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        y, plan, saved = backend.select(x.device).linear_fwd(x, weight, m_splits, bias, recipe, need_dx, need_dw)
+        ctx.save_for_backward(plan, x if recipe == BF16 and need_dw else None, weight, *saved)
         ctx.recipe, ctx.weight = recipe, weight
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
@@ -81,28 +59,13 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("grouped_linear")
-        ops = backend.select(dy.device)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy = dy.contiguous()
+        plan, x, weight, *saved = ctx.saved_tensors
         main_grad = weight_grad_target(ctx.weight, need_dw)
-        dx = dw = db = None
-        if ctx.recipe == "fp8_blockwise":
-            qxT, sxT, qwT, swT, plan = ctx.saved_tensors
-            if need_dx or need_dw:
-                qdy, sdy, qdyT, sdyT = ops.quantize_act(dy, plan, rows=need_dx, cols=need_dw)
-            if need_dx:
-                dx = ops.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, dy.dtype)
-            if need_dw:
-                dw = ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=main_grad, out_dtype=wgrad_dtype(ctx.weight))
-        else:
-            x, w, plan = ctx.saved_tensors
-            if need_dx:
-                dx = ops.gemm_bf16_dgrad(dy, w, plan)
-            if need_dw:
-                dw = ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad, out_dtype=wgrad_dtype(ctx.weight))
-        dw = finish_weight_grad(dw, ctx.weight, main_grad)
-        db = bias_grad(dy, plan, ctx.bias_dtype) if need_db else None
-        return dx, dw, db, None, None
+        dx, dw, db = backend.select(dy.device).linear_bwd(dy, plan, saved, x, weight, main_grad, ctx.recipe, need_dx,
+                                                          need_dw, need_db)
+        return (dx if need_dx else None, finish_weight_grad(dw, need_dw, ctx.weight, main_grad),
+                finish_sum(db, need_db, ctx.bias_dtype), None, None)
 
 
 def grouped_linear(
@@ -128,8 +91,6 @@ def grouped_linear(
     check_bias(bias, E, N, weight.device)
     check_main_grad(weight)
     m = splits_to_device(m_splits, E, x.shape[0], x.device, check_splits)  # the first device work
-    ops = backend.select(x.device)
-    plan = ops.make_plan(m, x.shape[0])
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _forward(x, weight, bias, plan, recipe, need_dx=False, need_dw=False)[0]  # inference
-    return _GroupedLinear.apply(x, weight, bias, plan, recipe)
+        return backend.select(x.device).linear_fwd(x, weight, m, bias, RECIPE_IDS[recipe], False, False)[0]  # inference
+    return _GroupedLinear.apply(x, weight, bias, m, RECIPE_IDS[recipe])

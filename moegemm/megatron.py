@@ -49,7 +49,7 @@ from . import backend
 from ._validate import check_recipe
 from .mlp import grouped_mlp
 from .quantize import quantize_weight
-from .reference import GLU_ACTIVATIONS
+from .layout import GLU_ACTIVATIONS
 
 __all__ = ["MoegemmExperts", "experts_builder", "patch_layer_spec", "get_moe_layer_spec", "get_gpt_layer_spec",
            "resolve_activation", "resolve_recipe"]

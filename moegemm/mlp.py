@@ -1,10 +1,12 @@
 """The expert MLP for training: fc1 -> activation x router probs -> fc2, forward and backward.
 
-For ``fp8_blockwise`` the activation is fused with the FP8 quantization of its result (fc2's input and
-its per-expert transposed copy for wgrad) in one kernel, and its backward with quantizing the
-gradient, so no bf16 copy of the activation is written or saved. Saved for backward: the FP8 copies
-(x's and the activation's column copies, the weights' transposed copies) and fc1's bf16 output h;
-backward frees each after its last use.
+The public function checks its arguments once on the host; the autograd Function is a thin shell that
+calls one op per direction, ``mlp_fwd`` and ``mlp_bwd``, of the backend chosen in ``backend.py`` (the C++
+entries of ``csrc/api/grouped_mlp.cpp`` or ``reference_api.py``). For ``fp8_blockwise`` the activation is
+fused with the FP8 quantization of its result, and its backward with quantizing the gradient, so no bf16
+copy of the activation is written or saved. Saved for backward: the FP8 copies (x's and the
+activation's column copies, the weights' transposed copies) and fc1's bf16 output h; the backward op
+frees each after its last use.
 """
 
 from __future__ import annotations
@@ -17,43 +19,17 @@ from torch import nn
 from . import backend
 from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
-from .functional import (add_bias, bias_grad, finish_weight_grad, refuse_double_backward, weight_grad_target,
-                         wgrad_dtype)
+from .functional import finish_sum, finish_weight_grad, refuse_double_backward, weight_grad_target
+from .layout import ACTIVATIONS, BF16, GLU_ACTIVATIONS, RECIPE_IDS, act_width
 from .modules import GroupedLinear
-from .reference import ACTIVATIONS, GLU_ACTIVATIONS
-
-
-def _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1: bool, need_dw2: bool):
-    """y and the tensors backward needs. The column (transposed) copies of x and of the activation are
-    made only when the matching weight gradient is needed; inference asks for neither. Each weight is
-    quantized just before its GEMM and its row copy dropped right after, so the four FP8 weight copies
-    never coexist."""
-    ops = backend.select(x.device)
-    if recipe == "fp8_blockwise":
-        qw1, sw1, qw1T, sw1T = fp8_weights[0] if fp8_weights else ops.quantize_weight(w1.contiguous())
-        qx, sx, qxT, sxT = ops.quantize_act(x, plan, rows=True, cols=need_dw1)
-        h = add_bias(ops.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, x.dtype), b1, plan)
-        del qx, sx, qw1, sw1
-        qw2, sw2, qw2T, sw2T = fp8_weights[1] if fp8_weights else ops.quantize_weight(w2.contiguous())
-        qa, sa, qaT, saT = ops.act_quantize(h, p32, activation, plan, rows=True, cols=need_dw2)
-        y = ops.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, x.dtype)
-        saved = (qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T)
-    else:
-        w1b, w2b = w1.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous()
-        h = add_bias(ops.gemm_bf16_fprop(x, w1b, plan), b1, plan)
-        a = ops.act_bf16(h, p32, activation)
-        y = ops.gemm_bf16_fprop(a, w2b, plan)
-        saved = (x, w1b, h, a, w2b)
-    return add_bias(y, b2, plan), saved
-
 
 _RELEASED = "released"
 
 
 def _stash(ctx, tensors) -> None:
-    """Keep the tensors backward needs. Eager mode keeps them in a list on ctx that backward empties, so
-    that each one is freed as soon as its last use is done (the FP8 weight copies and h do not wait
-    for the whole backward: peak memory); a torch.compile trace uses save_for_backward."""
+    """Keep the tensors backward needs. Eager mode keeps them in a list on ctx that backward hands over
+    to the op, which frees each one as soon as its last use is done (the FP8 weight copies and h do not
+    wait for the whole backward: peak memory); a torch.compile trace uses save_for_backward."""
     if torch.compiler.is_compiling():
         ctx.save_for_backward(*tensors)
         ctx.stash = None
@@ -61,25 +37,26 @@ def _stash(ctx, tensors) -> None:
         ctx.stash = list(tensors)
 
 
-def _unstash(ctx) -> list:
-    """The tensors of _stash, handed over to the caller (ctx keeps no reference in eager mode)."""
+def _unstash(ctx):
+    """(the tensors of _stash, whether the op may free them): handed over in eager mode (ctx keeps no
+    reference), kept by autograd in a torch.compile trace."""
     if ctx.stash is None:
-        return list(ctx.saved_tensors)
+        return list(ctx.saved_tensors), False
     if ctx.stash is _RELEASED:
         raise RuntimeError("moegemm: GroupedMLP's backward ran a second time over the same graph; it frees its "
                            "saved tensors during the first one (retain_graph=True is not supported)")
     tensors, ctx.stash = ctx.stash, _RELEASED
-    return tensors
+    return tensors, True
 
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, b1, b2, probs, plan, activation, recipe, fp8_weights):
-        p32 = probs.float().contiguous() if probs is not None else None
+    def forward(ctx, x, w1, w2, b1, b2, probs, m_splits, activation: int, recipe: int, fp8_weights: list):
         need_dw1, need_dw2 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        y, saved = _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, need_dw1, need_dw2)
-        _stash(ctx, (*saved, p32, plan))
-        ctx.activation, ctx.recipe = activation, recipe
+        y, plan, saved = backend.select(x.device).mlp_fwd(x, w1, w2, m_splits, b1, b2, probs, activation, recipe,
+                                                          fp8_weights, True, need_dw1, need_dw2)
+        _stash(ctx, (plan, x if recipe == BF16 else None, w1, w2, probs, *fp8_weights, *saved))
+        ctx.activation, ctx.recipe, ctx.num_fp8_weights = activation, recipe, len(fp8_weights)
         ctx.w1, ctx.w2 = w1, w2
         ctx.b1_dtype = b1.dtype if b1 is not None else None
         ctx.b2_dtype = b2.dtype if b2 is not None else None
@@ -89,57 +66,18 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("grouped_mlp")
-        # Each tensor is deleted after its last use (see _stash): freed before the next GEMM allocates.
-        ops = backend.select(dy.device)
         need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dp = ctx.needs_input_grad[:6]
-        need_dh = need_dx or need_dw1 or need_db1
-        dy = dy.contiguous()
-        act = ctx.activation
         mg1, mg2 = weight_grad_target(ctx.w1, need_dw1), weight_grad_target(ctx.w2, need_dw2)
-        dx = dw1 = dw2 = db1 = dprobs = None
-        if ctx.recipe == "fp8_blockwise":
-            qxT, sxT, qw1T, sw1T, h, qaT, saT, qw2T, sw2T, p32, plan = _unstash(ctx)
-            qdy, sdy, qdyT, sdyT = ops.quantize_act(dy, plan, rows=need_dh or need_dp, cols=need_dw2)
-            if need_dw2:
-                dw2 = ops.gemm_fp8_ragged_k(qdyT, sdyT, qaT, saT, plan, out=mg2, out_dtype=wgrad_dtype(ctx.w2))
-            del qdyT, sdyT, qaT, saT
-            if need_dh or need_dp:
-                da = ops.gemm_fp8_ragged_m(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
-                del qdy, sdy, qw2T, sw2T
-                qdh, sdh, qdhT, sdhT, dprobs = ops.act_backward_quantize(
-                    da, h, p32, act, plan, rows=need_dx, cols=need_dw1)
-                # fc1's bias gradient needs dh itself (in bf16), which the fused kernel only quantizes
-                db1 = bias_grad(ops.act_backward_bf16(da, h, p32, act)[0], plan, ctx.b1_dtype) if need_db1 else None
-                del da, h
-                if need_dx:
-                    dx = ops.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
-                del qdh, sdh, qw1T, sw1T
-                if need_dw1:
-                    dw1 = ops.gemm_fp8_ragged_k(qdhT, sdhT, qxT, sxT, plan, out=mg1, out_dtype=wgrad_dtype(ctx.w1))
-        else:
-            x, w1b, h, a, w2b, p32, plan = _unstash(ctx)
-            if need_dw2:
-                dw2 = ops.gemm_bf16_wgrad(dy, a, plan, out=mg2, out_dtype=wgrad_dtype(ctx.w2))
-            del a
-            if need_dh or need_dp:
-                da = ops.gemm_bf16_dgrad(dy, w2b, plan)
-                dh, dprobs = ops.act_backward_bf16(da, h, p32, act)
-                del da, h
-                if need_dx:
-                    dx = ops.gemm_bf16_dgrad(dh, w1b, plan)
-                if need_dw1:
-                    dw1 = ops.gemm_bf16_wgrad(dh, x, plan, out=mg1, out_dtype=wgrad_dtype(ctx.w1))
-                db1 = bias_grad(dh, plan, ctx.b1_dtype) if need_db1 else None
-        db2 = bias_grad(dy, plan, ctx.b2_dtype) if need_db2 else None
-        dprobs = dprobs.to(ctx.probs_dtype) if need_dp and dprobs is not None else None
-        return (dx, finish_weight_grad(dw1, ctx.w1, mg1), finish_weight_grad(dw2, ctx.w2, mg2), db1, db2, dprobs,
-                None, None, None, None)
-
-
-def _inference(x, w1, w2, b1, b2, probs, plan, activation, recipe, fp8_weights):
-    """Forward only: no transposed copies, nothing kept for backward."""
-    p32 = probs.float().contiguous() if probs is not None else None
-    return _forward(x, w1, w2, b1, b2, p32, plan, activation, recipe, fp8_weights, False, False)[0]
+        tensors, release = _unstash(ctx)
+        (plan, x, w1, w2, probs), rest = tensors[:5], tensors[5:]
+        fp8_weights, saved = rest[:ctx.num_fp8_weights], rest[ctx.num_fp8_weights:]
+        del tensors, rest  # the op holds the last references to what it frees
+        dx, dw1, dw2, db1, db2, dp = backend.select(dy.device).mlp_bwd(
+            dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
+            need_dw2, need_db1, need_db2, need_dp, release)
+        return (dx if need_dx else None, finish_weight_grad(dw1, need_dw1, ctx.w1, mg1),
+                finish_weight_grad(dw2, need_dw2, ctx.w2, mg2), finish_sum(db1, need_db1, ctx.b1_dtype),
+                finish_sum(db2, need_db2, ctx.b2_dtype), finish_sum(dp, need_dp, ctx.probs_dtype), None, None, None, None)
 
 
 def check_activation(activation: str) -> str:
@@ -160,7 +98,7 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     check_weight(fc1_weight, "fc1_weight")
     check_weight(fc2_weight, "fc2_weight")
     E, F1, H = fc1_weight.shape
-    F = F1 // 2 if activation in GLU_ACTIVATIONS else F1
+    F = act_width(F1, activation)
     if activation in GLU_ACTIVATIONS and F % 16:
         raise ValueError(f"fc1_weight.shape[1] must be 2*ffn with ffn a multiple of 16 for {activation}, got {F1}")
     if tuple(fc2_weight.shape) != (E, H, F):
@@ -182,13 +120,13 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
         if probs.device != x.device:
             raise ValueError(f"probs is on {probs.device} but x is on {x.device}")
     m = splits_to_device(m_splits, E, T, x.device, check_splits)  # the first device work
-    ops = backend.select(x.device)
-    plan = ops.make_plan(m, T)
-    args = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs, plan, activation, recipe, fp8_weights)
+    fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe == "fp8_blockwise" else []
+    act_id, recipe_id = ACTIVATIONS[activation], RECIPE_IDS[recipe]
     inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
-        return _inference(*args)
-    return _GroupedMLP.apply(*args)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):  # inference
+        return backend.select(x.device).mlp_fwd(x, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id,
+                                                recipe_id, fp8, False, False, False)[0]
+    return _GroupedMLP.apply(*inputs, m, act_id, recipe_id, fp8)
 
 
 class GroupedMLP(nn.Module):

@@ -21,24 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from .layout import ACTIVATIONS, BLOCK, COL_ALIGN, GLU_ACTIVATIONS, block_capacity, ceil_div, col_capacity  # noqa: F401
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-BLOCK = 128
-COL_ALIGN = 16
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def col_capacity(T: int, E: int) -> int:
-    """Width of the transposed activation copy: Σ round_up(m_e, 16) ≤ T + 15·E, rounded up to 16."""
-    return ceil_div(T + (COL_ALIGN - 1) * E, COL_ALIGN) * COL_ALIGN
-
-
-def block_capacity(T: int, E: int) -> int:
-    """Rows of the column-block scale tensor: Σ ceil(m_e/128) ≤ (T + 127·E) / 128."""
-    return (T + (BLOCK - 1) * E) // BLOCK
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -247,10 +233,6 @@ def bias_grad(dy: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------- expert-MLP activation (both paths)
-ACTIVATIONS = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3, "squared_relu": 4}  # csrc/moegemm.h: Activation
-GLU_ACTIVATIONS = ("swiglu", "geglu")
-
-
 def _act_and_grad(activation: str, g: torch.Tensor):
     """(act(g), act'(g)) in fp32; GLU variants use silu (swiglu) or exact GELU (geglu) on the gate."""
     if activation == "swiglu":

@@ -1,0 +1,98 @@
+// The grouped linear layer y[t] = x[t] · weight[e(t)]ᵀ (+ bias[e(t)]): one entry per direction.
+//
+// Saved for backward (a list whose length depends on the recipe only; [0] placeholders where a part is
+// not needed):
+//   fp8_blockwise: [qxT, sxT, qwT, swT] — x's per-expert column copy (wgrad) and Wᵀ's copy (dgrad);
+//   bf16:          [w_bf16] — the bf16 copy of an fp32 weight (dgrad); backward reads x and a bf16
+//                  weight from its own arguments.
+#include <c10/core/DeviceGuard.h>
+
+#include "api/layer_inputs.h"
+#include "api/layers.h"
+
+namespace moegemm::api {
+
+namespace {
+constexpr size_t kFp8Saved = 4, kBf16Saved = 1;
+}
+
+std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, const Tensor& weight, const Tensor& m_splits,
+                                                           const std::optional<Tensor>& bias_in, int64_t recipe_id,
+                                                           bool need_dx, bool need_dw) {
+  const Recipe recipe = to_recipe(recipe_id);
+  const Tensor x = x_input(x_in, "x");
+  check_weight(weight, "weight", x);
+  const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = x.size(0);
+  TORCH_CHECK(x.size(1) == K, "moegemm: x.shape[1] must equal weight.shape[2] = ", num(K), ", got ", num(x.size(1)));
+  const Tensor bias = bias_input(bias_in, "bias", E, N, x);
+  c10::DeviceGuard guard(x.device());
+  const Tensor plan = new_plan(m_splits, E, T, x);
+  Tensor y;
+  std::vector<Tensor> saved;
+  if (recipe == Recipe::kFp8Blockwise) {
+    Quantized qx = run_quantize_act(x, DType::kBF16, plan, true, need_dw);
+    Quantized qw = run_quantize_weight(weight_input(weight), to_dtype(weight, "weight"));
+    y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
+    saved = {qx.qT, qx.sT, need_dx ? qw.qT : none_like(x, at::kFloat8_e4m3fn), need_dx ? qw.sT : none_like(x, at::kFloat)};
+  } else {
+    const Tensor w = weight_bf16(weight);
+    y = run_gemm_bf16_ragged_m(x, w, plan, false);
+    saved = {need_dx && weight.scalar_type() != at::kBFloat16 ? w : none_like(x, at::kBFloat16)};
+  }
+  if (bias.defined()) run_add_bias(y, bias, plan);
+  return {y, plan, saved};
+}
+
+std::tuple<Tensor, Tensor, Tensor> linear_bwd(const Tensor& dy_in, const Tensor& plan, at::TensorList saved,
+                                              const std::optional<Tensor>& x_in, const Tensor& weight,
+                                              const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx,
+                                              bool need_dw, bool need_db) {
+  const Recipe recipe = to_recipe(recipe_id);
+  TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
+  check_weight(weight, "weight", dy_in);
+  const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = dy_in.dim() == 2 ? dy_in.size(0) : -1;
+  const Tensor dy = grad_input(dy_in, T, N, dy_in);
+  check_plan(plan, E, dy);
+  const Tensor main_grad = need_dw ? main_grad_input(main_grad_in, "main_grad", weight, dy) : Tensor();
+  c10::DeviceGuard guard(dy.device());
+  Tensor dx = none_like(dy, at::kBFloat16), dw = none_like(dy, wgrad_dtype(weight)), db = none_like(dy, at::kFloat);
+  if (recipe == Recipe::kFp8Blockwise) {
+    TORCH_CHECK(saved.size() == kFp8Saved, "moegemm: saved must hold ", num(kFp8Saved), " tensors, got ", num(saved.size()));
+    if (need_dx || need_dw) {
+      Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_dx, need_dw);
+      if (need_dx) {
+        const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
+        check_tensor(saved[2], "saved qwT", at::kFloat8_e4m3fn, {E, K, N}, dy);
+        check_tensor(saved[3], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
+        dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, aligned(saved[2]), aligned(saved[3]), plan);
+      }
+      if (need_dw) {
+        check_tensor(saved[0], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);
+        check_tensor(saved[1], "saved sxT", at::kFloat, {block_capacity(T, E), K}, dy);
+        const Tensor qxT = aligned(saved[0]), sxT = aligned(saved[1]);
+        dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
+          run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qxT, sxT, plan, out, accumulate);
+        });
+      }
+    }
+  } else {
+    TORCH_CHECK(saved.size() == kBf16Saved, "moegemm: saved must hold ", num(kBf16Saved), " tensor, got ", num(saved.size()));
+    if (need_dx) {
+      const bool kept = weight.scalar_type() != at::kBFloat16;  // forward saved the bf16 copy of an fp32 weight
+      if (kept) check_tensor(saved[0], "saved w_bf16", at::kBFloat16, {E, N, K}, dy);
+      dx = run_gemm_bf16_ragged_m(dy, kept ? aligned(saved[0]) : weight_bf16(weight), plan, true);
+    }
+    if (need_dw) {
+      TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's weight gradient needs x");
+      const Tensor x = x_input(*x_in, "x");
+      TORCH_CHECK(x.size(0) == T && x.size(1) == K, "moegemm: x must be [", num(T), ", ", num(K), "], got ", shape(x));
+      dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
+        run_gemm_bf16_wgrad(dy, x, plan, out, accumulate);
+      });
+    }
+  }
+  if (need_db) db = run_bias_grad(dy, plan);
+  return {dx, dw, db};
+}
+
+}  // namespace moegemm::api

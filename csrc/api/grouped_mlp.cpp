@@ -1,0 +1,242 @@
+// The expert MLP y = fc2(act(fc1(x)) * probs): one entry per direction.
+//
+// With fp8_blockwise the activation is fused with the FP8 quantization of its result (fc2's input and its
+// per-expert transposed copy for wgrad), and its backward with quantizing the gradient, so no bf16 copy
+// of the activation is written or saved. Saved for backward (only when `save`; [0] placeholders where a
+// part is not needed):
+//   fp8_blockwise: [qxT, sxT, h, qaT, saT, qw1T, sw1T, qw2T, sw2T] — the weights' transposed copies only
+//                  when quantized here (pre-quantized weights come back through fp8_weights);
+//   bf16:          [h, a, w1_bf16, w2_bf16] — the bf16 copies only of fp32 weights.
+// The backward entry drops each after its last use, and with release_saved (eager autograd hands the
+// list over) frees its memory right there: peak memory, as the order below is laid out for.
+#include <ATen/ops/sum.h>
+#include <c10/core/DeviceGuard.h>
+
+#include "api/layer_inputs.h"
+#include "api/layers.h"
+
+namespace moegemm::api {
+
+namespace {
+
+constexpr size_t kFp8Saved = 9, kBf16Saved = 4, kFp8Weights = 8;
+enum Fp8Slot : size_t { kQxT, kSxT, kH, kQaT, kSaT, kQw1T, kSw1T, kQw2T, kSw2T };
+enum Bf16Slot : size_t { kBH, kBA, kW1, kW2 };
+
+// The shapes every MLP entry agrees on: x [T, H], fc1 [E, F1, H], fc2 [E, H, F] with F1 = 2F for GLU.
+struct MlpShape {
+  int64_t E, T, H, F, F1;
+};
+
+MlpShape check_mlp_weights(const Tensor& fc1_weight, const Tensor& fc2_weight, Activation act, int64_t T, const Tensor& like) {
+  check_weight(fc1_weight, "fc1_weight", like);
+  check_weight(fc2_weight, "fc2_weight", like);
+  const int64_t E = fc1_weight.size(0), F1 = fc1_weight.size(1), H = fc1_weight.size(2);
+  const int64_t F = is_glu(act) ? F1 / 2 : F1;
+  TORCH_CHECK(!is_glu(act) || (F1 % 2 == 0 && F % kColAlign == 0), "moegemm: fc1_weight.shape[1] must be 2*ffn with ffn a ",
+              "multiple of 16 for a GLU activation, got ", num(F1));
+  TORCH_CHECK(fc2_weight.size(0) == E && fc2_weight.size(1) == H && fc2_weight.size(2) == F, "moegemm: fc2_weight must be [",
+              num(E), ", ", num(H), ", ", num(F), "] to match fc1_weight ", shape(fc1_weight), ", got ", shape(fc2_weight));
+  return {E, T, H, F, F1};
+}
+
+// The weights' FP8 copies for this call: pre-quantized (fp8_weights, 8 tensors) or quantized here.
+bool pre_quantized(const c10::List<std::optional<Tensor>>& fp8_weights) {
+  TORCH_CHECK(fp8_weights.size() == 0 || fp8_weights.size() == kFp8Weights, "moegemm: fp8_weights must hold 0 or ",
+              num(kFp8Weights), " tensors (quantize_weight of fc1_weight, then of fc2_weight), got ", num(fp8_weights.size()));
+  return fp8_weights.size() == kFp8Weights;
+}
+
+Quantized fc1_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
+                  const Tensor& like) {
+  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc1_weight"));
+  return fp8_weight_input(fp8_weights, 0, "fp8_weights[0]", s.E, s.F1, s.H, transposed, like);
+}
+
+Quantized fc2_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
+                  const Tensor& like) {
+  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc2_weight"));
+  return fp8_weight_input(fp8_weights, 4, "fp8_weights[1]", s.E, s.H, s.F, transposed, like);
+}
+
+Tensor dprobs_of(const Tensor& partial, bool wanted, const Tensor& like) {
+  return wanted ? at::sum(partial, 1) : none_like(like, at::kFloat);
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
+    const Tensor& x_in, const Tensor& fc1_weight, const Tensor& fc2_weight, const Tensor& m_splits,
+    const std::optional<Tensor>& fc1_bias, const std::optional<Tensor>& fc2_bias, const std::optional<Tensor>& probs_in,
+    int64_t activation, int64_t recipe_id, const c10::List<std::optional<Tensor>>& fp8_weights, bool save, bool need_dw1,
+    bool need_dw2) {
+  const Recipe recipe = to_recipe(recipe_id);
+  const Activation act = to_activation(activation);
+  const Tensor x = x_input(x_in, "x");
+  const MlpShape s = check_mlp_weights(fc1_weight, fc2_weight, act, x.size(0), x);
+  TORCH_CHECK(x.size(1) == s.H, "moegemm: x.shape[1] must equal fc1_weight.shape[2] = ", num(s.H), ", got ", num(x.size(1)));
+  const Tensor b1 = bias_input(fc1_bias, "fc1_bias", s.E, s.F1, x), b2 = bias_input(fc2_bias, "fc2_bias", s.E, s.H, x);
+  const bool given = pre_quantized(fp8_weights);
+  TORCH_CHECK(!given || recipe == Recipe::kFp8Blockwise, "moegemm: fp8_weights need the fp8_blockwise recipe");
+  c10::DeviceGuard guard(x.device());
+  const Tensor probs = probs_fp32(probs_in, s.T, x);
+  const Tensor plan = new_plan(m_splits, s.E, s.T, x);
+  std::vector<Tensor> saved;
+  Tensor y;
+  if (recipe == Recipe::kFp8Blockwise) {
+    // Each weight is quantized just before its GEMM and its row copy dropped right after, so the four
+    // FP8 weight copies never coexist.
+    Quantized qw1 = fc1_fp8(fp8_weights, fc1_weight, s, save, x);
+    Quantized qx = run_quantize_act(x, DType::kBF16, plan, true, need_dw1);
+    Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan);
+    if (b1.defined()) run_add_bias(h, b1, plan);
+    qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();
+    Quantized qw2 = fc2_fp8(fp8_weights, fc2_weight, s, save, x);
+    Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
+    y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan);
+    if (save) {
+      const Tensor none8 = none_like(x, at::kFloat8_e4m3fn), none32 = none_like(x, at::kFloat);
+      saved = {qx.qT, qx.sT, h, qa.qT, qa.sT, given ? none8 : qw1.qT, given ? none32 : qw1.sT, given ? none8 : qw2.qT,
+               given ? none32 : qw2.sT};
+    }
+  } else {
+    const Tensor w1 = weight_bf16(fc1_weight);
+    Tensor h = run_gemm_bf16_ragged_m(x, w1, plan, false);
+    if (b1.defined()) run_add_bias(h, b1, plan);
+    Tensor a = run_act_bf16(h, probs, act);
+    const Tensor w2 = weight_bf16(fc2_weight);
+    y = run_gemm_bf16_ragged_m(a, w2, plan, false);
+    if (save) {
+      const Tensor none = none_like(x, at::kBFloat16);
+      saved = {h, a, fc1_weight.scalar_type() == at::kBFloat16 ? none : w1, fc2_weight.scalar_type() == at::kBFloat16 ? none : w2};
+    }
+  }
+  if (b2.defined()) run_add_bias(y, b2, plan);
+  return {y, plan, saved};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
+    const Tensor& dy_in, const Tensor& plan, at::TensorList saved_in, const std::optional<Tensor>& x_in,
+    const Tensor& fc1_weight, const Tensor& fc2_weight, const std::optional<Tensor>& probs_in,
+    const c10::List<std::optional<Tensor>>& fp8_weights, const std::optional<Tensor>& fc1_main_grad,
+    const std::optional<Tensor>& fc2_main_grad, int64_t activation, int64_t recipe_id, bool need_dx, bool need_dw1,
+    bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved) {
+  const Recipe recipe = to_recipe(recipe_id);
+  const Activation act = to_activation(activation);
+  TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
+  const int64_t T = dy_in.dim() == 2 ? dy_in.size(0) : -1;
+  const MlpShape s = check_mlp_weights(fc1_weight, fc2_weight, act, T, dy_in);
+  const Tensor dy = grad_input(dy_in, T, s.H, dy_in);
+  check_plan(plan, s.E, dy);
+  const Tensor mg1 = need_dw1 ? main_grad_input(fc1_main_grad, "fc1_main_grad", fc1_weight, dy) : Tensor();
+  const Tensor mg2 = need_dw2 ? main_grad_input(fc2_main_grad, "fc2_main_grad", fc2_weight, dy) : Tensor();
+  const bool given = pre_quantized(fp8_weights);
+  const bool need_dh = need_dx || need_dw1 || need_db1, need_da = need_dh || need_dprobs;
+  c10::DeviceGuard guard(dy.device());
+  const Tensor probs = probs_fp32(probs_in, T, dy);
+  need_dprobs = need_dprobs && probs.defined();
+  std::vector<Tensor> saved(saved_in.begin(), saved_in.end());
+  // Drops a tensor after its last use; frees its memory now if it is one of the saved tensors handed over.
+  auto drop_saved = [&](size_t slot) { release(saved[slot], release_saved); };
+  Tensor dx = none_like(dy, at::kBFloat16), dw1 = none_like(dy, wgrad_dtype(fc1_weight));
+  Tensor dw2 = none_like(dy, wgrad_dtype(fc2_weight)), db1 = none_like(dy, at::kFloat), dprobs = none_like(dy, at::kFloat);
+  if (recipe == Recipe::kFp8Blockwise) {
+    TORCH_CHECK(saved.size() == kFp8Saved, "moegemm: saved must hold ", num(kFp8Saved), " tensors, got ", num(saved.size()));
+    if (need_dw1) {
+      check_tensor(saved[kQxT], "saved qxT", at::kFloat8_e4m3fn, {s.H, col_capacity(T, s.E)}, dy);
+      check_tensor(saved[kSxT], "saved sxT", at::kFloat, {block_capacity(T, s.E), s.H}, dy);
+    }
+    if (need_da) check_tensor(saved[kH], "saved h", at::kBFloat16, {T, s.F1}, dy);
+    if (need_dw2) {
+      check_tensor(saved[kQaT], "saved qaT", at::kFloat8_e4m3fn, {s.F, col_capacity(T, s.E)}, dy);
+      check_tensor(saved[kSaT], "saved saT", at::kFloat, {block_capacity(T, s.E), s.F}, dy);
+    }
+    // Wᵀ copies: saved when quantized in forward, else the pre-quantized ones (never freed here).
+    Quantized w1T, w2T;
+    if (given) {
+      if (need_dx) w1T = fp8_weight_input(fp8_weights, 0, "fp8_weights[0]", s.E, s.F1, s.H, true, dy);
+      if (need_da) w2T = fp8_weight_input(fp8_weights, 4, "fp8_weights[1]", s.E, s.H, s.F, true, dy);
+    } else {
+      const int64_t Hb = ceil_div(s.H, kBlock), Fb = ceil_div(s.F, kBlock), F1b = ceil_div(s.F1, kBlock);
+      if (need_dx) check_tensor(saved[kQw1T], "saved qw1T", at::kFloat8_e4m3fn, {s.E, s.H, s.F1}, dy);
+      if (need_dx) check_tensor(saved[kSw1T], "saved sw1T", at::kFloat, {s.E, Hb, F1b}, dy);
+      if (need_da) check_tensor(saved[kQw2T], "saved qw2T", at::kFloat8_e4m3fn, {s.E, s.F, s.H}, dy);
+      if (need_da) check_tensor(saved[kSw2T], "saved sw2T", at::kFloat, {s.E, Fb, Hb}, dy);
+      w1T.qT = aligned(saved[kQw1T]), w1T.sT = aligned(saved[kSw1T]), w2T.qT = aligned(saved[kQw2T]), w2T.sT = aligned(saved[kSw2T]);
+    }
+    auto drop_weight = [&](Tensor& t, size_t slot) {
+      t.reset();
+      if (!given) drop_saved(slot);
+    };
+    Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2);
+    if (need_dw2) {
+      const Tensor qaT = aligned(saved[kQaT]), saT = aligned(saved[kSaT]);
+      dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
+        run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qaT, saT, plan, out, accumulate);
+      });
+    }
+    qdy.qT.reset(), qdy.sT.reset(), drop_saved(kQaT), drop_saved(kSaT);
+    if (need_da) {
+      Tensor da = run_gemm_fp8_ragged_m(qdy.q, qdy.s, w2T.qT, w2T.sT, plan);
+      qdy.q.reset(), qdy.s.reset(), drop_weight(w2T.qT, kQw2T), drop_weight(w2T.sT, kSw2T);
+      const Tensor h = aligned(saved[kH]);
+      Tensor partial;
+      Quantized qdh = run_act_backward_quantize(da, h, probs, act, plan, need_dx, need_dw1, partial);
+      // fc1's bias gradient needs dh itself (in bf16), which the fused kernel only quantizes.
+      if (need_db1) {
+        Tensor unused_partial;
+        db1 = run_bias_grad(run_act_backward_bf16(da, h, probs, act, unused_partial), plan);
+      }
+      da.reset(), drop_saved(kH);
+      if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
+      qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, kQw1T), drop_weight(w1T.sT, kSw1T);
+      if (need_dw1) {
+        const Tensor qxT = aligned(saved[kQxT]), sxT = aligned(saved[kSxT]);
+        dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
+          run_gemm_fp8_ragged_k(qdh.qT, qdh.sT, qxT, sxT, plan, out, accumulate);
+        });
+      }
+      dprobs = dprobs_of(partial, need_dprobs, dy);
+    }
+  } else {
+    TORCH_CHECK(saved.size() == kBf16Saved, "moegemm: saved must hold ", num(kBf16Saved), " tensors, got ", num(saved.size()));
+    if (need_da) check_tensor(saved[kBH], "saved h", at::kBFloat16, {T, s.F1}, dy);
+    if (need_dw2) check_tensor(saved[kBA], "saved a", at::kBFloat16, {T, s.F}, dy);
+    if (need_dw2) {
+      const Tensor a = aligned(saved[kBA]);
+      dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
+        run_gemm_bf16_wgrad(dy, a, plan, out, accumulate);
+      });
+    }
+    drop_saved(kBA);
+    if (need_da) {
+      // The bf16 copies of fp32 weights were saved; bf16 weights are read in place.
+      auto bf16_weight = [&](const Tensor& w, size_t slot, const char* name) {
+        if (w.scalar_type() == at::kBFloat16) return weight_bf16(w);
+        check_tensor(saved[slot], name, at::kBFloat16, {w.size(0), w.size(1), w.size(2)}, dy);
+        return aligned(saved[slot]);
+      };
+      Tensor da = run_gemm_bf16_ragged_m(dy, bf16_weight(fc2_weight, kW2, "saved w2_bf16"), plan, true);
+      drop_saved(kW2);
+      Tensor partial;
+      Tensor dh = run_act_backward_bf16(da, aligned(saved[kBH]), probs, act, partial);
+      da.reset(), drop_saved(kBH);
+      if (need_dx) dx = run_gemm_bf16_ragged_m(dh, bf16_weight(fc1_weight, kW1, "saved w1_bf16"), plan, true);
+      drop_saved(kW1);
+      if (need_dw1) {
+        TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's fc1 weight gradient needs x");
+        const Tensor x = x_input(*x_in, "x");
+        TORCH_CHECK(x.size(0) == T && x.size(1) == s.H, "moegemm: x must be [", num(T), ", ", num(s.H), "], got ", shape(x));
+        dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
+          run_gemm_bf16_wgrad(dh, x, plan, out, accumulate);
+        });
+      }
+      if (need_db1) db1 = run_bias_grad(dh, plan);
+      dprobs = dprobs_of(partial, need_dprobs, dy);
+    }
+  }
+  Tensor db2 = need_db2 ? run_bias_grad(dy, plan) : none_like(dy, at::kFloat);
+  return {dx, dw1, dw2, db1, db2, dprobs};
+}
+
+}  // namespace moegemm::api

@@ -1,0 +1,161 @@
+#include "api/launch.h"
+
+namespace moegemm::api {
+
+namespace {
+
+const int32_t* plan_ptr(const Tensor& plan) { return plan.data_ptr<int32_t>(); }
+
+Quantized multicast_outputs(const Tensor& like, int64_t T, int64_t K, int E, bool rows, bool cols) {
+  auto f8 = like.options().dtype(at::kFloat8_e4m3fn);
+  auto f32 = like.options().dtype(at::kFloat);
+  return {rows ? at::empty({T, K}, f8) : at::empty({0}, f8), rows ? at::empty({T, ceil_div(K, kBlock)}, f32) : at::empty({0}, f32),
+          cols ? at::empty({K, col_capacity(T, E)}, f8) : at::empty({0}, f8),
+          cols ? at::empty({block_capacity(T, E), K}, f32) : at::empty({0}, f32)};
+}
+
+uint8_t* q_ptr(const Tensor& q, bool wanted) { return wanted ? bytes(q) : nullptr; }
+float* s_ptr(const Tensor& s, bool wanted) { return wanted ? s.data_ptr<float>() : nullptr; }
+
+}  // namespace
+
+Tensor run_make_plan(const Tensor& m_splits, int64_t T) {
+  const int E = static_cast<int>(m_splits.numel());
+  Tensor plan = at::empty({3, E + 1}, m_splits.options().dtype(at::kInt));
+  make_plan(m_splits.data_ptr(), m_splits.scalar_type() == at::kLong, E, T, plan.data_ptr<int32_t>(), current_stream(m_splits));
+  return plan;
+}
+
+Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols) {
+  const int E = num_experts(plan);
+  const int64_t T = x.size(0), K = x.size(1);
+  Quantized out = multicast_outputs(x, T, K, E, rows, cols);
+  quantize_act(x.data_ptr(), dtype, T, K, E, plan_ptr(plan), q_ptr(out.q, rows), s_ptr(out.s, rows), q_ptr(out.qT, cols),
+               s_ptr(out.sT, cols), current_stream(x));
+  return out;
+}
+
+Quantized run_quantize_weight(const Tensor& w, DType dtype) {
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  auto f8 = w.options().dtype(at::kFloat8_e4m3fn);
+  auto f32 = w.options().dtype(at::kFloat);
+  const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
+  Quantized out{at::empty({E, N, K}, f8), at::empty({E, Nb, Kb}, f32), at::empty({E, K, N}, f8), at::empty({E, Kb, Nb}, f32)};
+  quantize_weight(w.data_ptr(), dtype, E, N, K, bytes(out.q), out.s.data_ptr<float>(), bytes(out.qT), out.sT.data_ptr<float>(),
+                  current_stream(w));
+  return out;
+}
+
+Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols) {
+  const int E = num_experts(plan);
+  const int64_t T = h.size(0), F = act_width(h, act);
+  Quantized out = multicast_outputs(h, T, F, E, rows, cols);
+  act_quantize(h.data_ptr(), probs_ptr(probs), act, T, F, E, plan_ptr(plan), q_ptr(out.q, rows), s_ptr(out.s, rows),
+               q_ptr(out.qT, cols), s_ptr(out.sT, cols), current_stream(h));
+  return out;
+}
+
+Quantized run_act_backward_quantize(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act,
+                                    const Tensor& plan, bool rows, bool cols, Tensor& dprobs_partial) {
+  const int E = num_experts(plan);
+  const int64_t T = da.size(0), F = act_width(h, act), F1 = h.size(1);
+  const float* p = probs_ptr(probs);
+  Quantized out = multicast_outputs(da, T, F1, E, rows, cols);
+  dprobs_partial = at::empty({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, da.options().dtype(at::kFloat));
+  act_backward_quantize(da.data_ptr(), h.data_ptr(), p, act, T, F, E, plan_ptr(plan), q_ptr(out.q, rows), s_ptr(out.s, rows),
+                        q_ptr(out.qT, cols), s_ptr(out.sT, cols), p != nullptr ? dprobs_partial.data_ptr<float>() : nullptr,
+                        current_stream(da));
+  return out;
+}
+
+Tensor run_act_bf16(const Tensor& h, const Tensor& probs, Activation act) {
+  const int64_t T = h.size(0), F = act_width(h, act);
+  Tensor a = at::empty({T, F}, h.options());
+  act_bf16(h.data_ptr(), probs_ptr(probs), act, T, F, a.data_ptr(), current_stream(h));
+  return a;
+}
+
+Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act, Tensor& dprobs_partial) {
+  const int64_t T = da.size(0), F = act_width(h, act);
+  const float* p = probs_ptr(probs);
+  Tensor dh = at::empty(h.sizes(), h.options());
+  dprobs_partial = at::empty({p != nullptr ? T : 0, ceil_div(F, kActBf16Cols)}, da.options().dtype(at::kFloat));
+  act_backward_bf16(da.data_ptr(), h.data_ptr(), p, act, T, F, dh.data_ptr(), p != nullptr ? dprobs_partial.data_ptr<float>() : nullptr,
+                    current_stream(da));
+  return dh;
+}
+
+Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan) {
+  const int E = num_experts(plan);
+  const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
+  Tensor out = at::empty({T, N}, qa.options().dtype(at::kBFloat16));
+  if (T == 0) return out;
+  Tensor ws = workspace(gemm_fp8_ragged_m_workspace_size(E), qa);
+  gemm_fp8_ragged_m(cbytes(qa), sa.data_ptr<float>(), cbytes(qb), sb.data_ptr<float>(), plan_ptr(plan), E, T, N, K,
+                    out.data_ptr(), ws.data_ptr(), current_stream(qa));
+  return out;
+}
+
+void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+                           const Tensor& out, bool accumulate) {
+  const int E = num_experts(plan);
+  const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
+  const auto stream = current_stream(qaT);
+  into_aligned(out, [&](const Tensor& o) {
+    if (o.scalar_type() == at::kFloat) {
+      Tensor ws = workspace(gemm_fp8_ragged_k_f32_workspace_size(E), qaT);
+      gemm_fp8_ragged_k_f32(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, N, K,
+                            o.data_ptr<float>(), accumulate, ws.data_ptr(), stream);
+    } else {
+      Tensor ws = workspace(gemm_fp8_ragged_k_bf16_workspace_size(E), qaT);
+      gemm_fp8_ragged_k_bf16(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, N, K,
+                             o.data_ptr(), ws.data_ptr(), stream);
+    }
+  });
+}
+
+Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad) {
+  const int E = num_experts(plan);
+  const int64_t T = a.size(0), N = w.size(1), K = w.size(2);
+  Tensor out = at::empty({T, dgrad ? K : N}, a.options());
+  if (T == 0) return out;
+  Tensor ws = workspace(dgrad ? gemm_bf16_dgrad_workspace_size(E) : gemm_bf16_fprop_workspace_size(E), a);
+  auto fn = dgrad ? gemm_bf16_dgrad : gemm_bf16_fprop;
+  fn(a.data_ptr(), w.data_ptr(), plan_ptr(plan), E, T, N, K, out.data_ptr(), ws.data_ptr(), current_stream(a));
+  return out;
+}
+
+void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, const Tensor& out, bool accumulate) {
+  const int E = num_experts(plan);
+  const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
+  const auto stream = current_stream(dy);
+  into_aligned(out, [&](const Tensor& o) {
+    if (o.scalar_type() == at::kFloat) {
+      Tensor ws = workspace(gemm_bf16_wgrad_f32_workspace_size(E), dy);
+      gemm_bf16_wgrad_f32(dy.data_ptr(), x.data_ptr(), plan_ptr(plan), E, T, N, K, o.data_ptr<float>(), accumulate,
+                          ws.data_ptr(), stream);
+    } else {
+      Tensor ws = workspace(gemm_bf16_wgrad_bf16_workspace_size(E), dy);
+      gemm_bf16_wgrad_bf16(dy.data_ptr(), x.data_ptr(), plan_ptr(plan), E, T, N, K, o.data_ptr(), ws.data_ptr(), stream);
+    }
+  });
+}
+
+void run_add_bias(const Tensor& y, const Tensor& bias, const Tensor& plan) {
+  const int E = num_experts(plan);
+  const int64_t T = y.size(0), N = y.size(1);
+  into_aligned(y, [&](const Tensor& o) {
+    add_bias(o.data_ptr(), bias.data_ptr(), bias.scalar_type() == at::kFloat, plan_ptr(plan), E, T, N, current_stream(y));
+  });
+}
+
+Tensor run_bias_grad(const Tensor& dy, const Tensor& plan) {
+  const int E = num_experts(plan);
+  const int64_t T = dy.size(0), N = dy.size(1);
+  Tensor db = at::empty({E, N}, dy.options().dtype(at::kFloat));
+  Tensor partial = at::empty({bias_grad_workspace_floats(T, E, N)}, dy.options().dtype(at::kFloat));
+  bias_grad(dy.data_ptr(), plan_ptr(plan), E, T, N, db.data_ptr<float>(), partial.data_ptr<float>(), current_stream(dy));
+  return db;
+}
+
+}  // namespace moegemm::api

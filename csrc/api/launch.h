@@ -1,0 +1,46 @@
+// One kernel of csrc/moegemm.h each: allocate its outputs (sizes from T, E, N, K only) and enqueue it on
+// the current stream. The arguments are already checked and 16-byte aligned, and the caller holds a
+// device guard: the primitives (primitives.cpp) and the layer entries (grouped_linear.cpp,
+// grouped_mlp.cpp) check first, then call these.
+#pragma once
+
+#include "api/common.h"
+
+namespace moegemm::api {
+
+// The multi-cast copies of a [T, K] tensor: rows q [T, K] + s [T, ceil(K/128)], columns (per-expert
+// transposed) qT [K, col_capacity] + sT [block_capacity, K]; the parts not asked for have shape [0].
+// Weights use the same four slots: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb].
+struct Quantized {
+  Tensor q, s, qT, sT;
+};
+
+Tensor run_make_plan(const Tensor& m_splits, int64_t T);
+Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols);
+Quantized run_quantize_weight(const Tensor& w, DType dtype);
+
+// a = act(h) * probs, quantized like quantize_act (probs may be undefined).
+Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols);
+// dh from da and h, quantized like quantize_act; dprobs_partial [T or 0, ceil(F1/128)] fp32.
+Quantized run_act_backward_quantize(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act,
+                                    const Tensor& plan, bool rows, bool cols, Tensor& dprobs_partial);
+Tensor run_act_bf16(const Tensor& h, const Tensor& probs, Activation act);
+// dh [T, F1] bf16; dprobs_partial [T or 0, ceil(F/256)] fp32.
+Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act, Tensor& dprobs_partial);
+
+// out [T, N] bf16 = qa [T, K] · qb [E, N, K]ᵀ, blockwise scaled (fprop; dgrad with the Wᵀ copy).
+Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan);
+// out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x).
+void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+                           const Tensor& out, bool accumulate);
+// bf16 recipe: fprop y [T, N] = a [T, K] w[e]ᵀ, or dgrad (dgrad = true) dx [T, K] = a [T, N] w[e].
+Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad);
+// bf16 recipe: out [E, N, K] (fp32 = or +=, bf16 =) dy_eᵀ x_e.
+void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, const Tensor& out, bool accumulate);
+
+// y [T, N] bf16 += bias[e(t)] in place over the covered tokens; bias [E, N] fp32 or bf16.
+void run_add_bias(const Tensor& y, const Tensor& bias, const Tensor& plan);
+// db [E, N] fp32, per-expert sums of dy [T, N] in a fixed order.
+Tensor run_bias_grad(const Tensor& dy, const Tensor& plan);
+
+}  // namespace moegemm::api

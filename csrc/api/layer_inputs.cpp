@@ -1,0 +1,104 @@
+#include "api/layer_inputs.h"
+
+namespace moegemm::api {
+
+Tensor x_input(const Tensor& x, const char* name) { return input(x, name, at::kBFloat16, 2, x); }
+
+Tensor grad_input(const Tensor& dy, int64_t T, int64_t N, const Tensor& like) {
+  TORCH_CHECK(dy.dim() == 2 && dy.size(0) == T && dy.size(1) == N, "moegemm: dy must have shape [", num(T), ", ", num(N),
+              "], got ", shape(dy));
+  return input(dy.contiguous(), "dy", at::kBFloat16, 2, like);
+}
+
+void check_weight(const Tensor& weight, const char* name, const Tensor& like) {
+  TORCH_CHECK(weight.is_cuda() && weight.device() == like.device(), "moegemm: ", name, " is on ", weight.device().str(),
+              ", expected ", like.device().str());
+  TORCH_CHECK(weight.dim() == 3, "moegemm: ", name, " must be [E, N, K], got shape ", shape(weight));
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, "moegemm: ", name,
+              " must be bfloat16 or float32, got ", c10::toString(weight.scalar_type()));
+  check_num_experts(weight.size(0), "the number of experts (weight.shape[0])");
+  check_multiple_of_16(weight.size(1), "weight.shape[1] (N)");
+  check_multiple_of_16(weight.size(2), "weight.shape[2] (K)");
+}
+
+Tensor weight_input(const Tensor& weight) { return aligned(weight.contiguous()); }
+Tensor weight_bf16(const Tensor& weight) { return aligned(weight.to(at::kBFloat16).contiguous()); }
+
+Tensor bias_input(const std::optional<Tensor>& bias, const char* name, int64_t E, int64_t N, const Tensor& like) {
+  if (!bias.has_value()) return Tensor();
+  TORCH_CHECK(bias->is_cuda() && bias->device() == like.device(), "moegemm: ", name, " is on ", bias->device().str(),
+              ", expected ", like.device().str());
+  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == E && bias->size(1) == N, "moegemm: ", name, " must be [", num(E), ", ",
+              num(N), "], got ", shape(*bias));
+  TORCH_CHECK(bias->is_floating_point(), "moegemm: ", name, " must be floating point, got ", c10::toString(bias->scalar_type()));
+  const bool kept = bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16;
+  return aligned((kept ? *bias : bias->to(at::kFloat)).contiguous());
+}
+
+Tensor probs_fp32(const std::optional<Tensor>& probs, int64_t T, const Tensor& like) {
+  if (!probs.has_value()) return Tensor();
+  TORCH_CHECK(probs->is_floating_point(), "moegemm: probs must be floating point, got ", c10::toString(probs->scalar_type()));
+  return probs_input(probs->to(at::kFloat).contiguous(), T, like);
+}
+
+Tensor new_plan(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like) {
+  check_placement(m_splits, "m_splits", 1, like);
+  TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
+              "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
+  TORCH_CHECK(m_splits.numel() == E, "moegemm: len(m_splits) must equal the number of experts ", num(E), ", got ",
+              num(m_splits.numel()));
+  TORCH_CHECK(col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - 15 * E), "] for ", num(E),
+              " experts (int32 plan), got ", num(T));
+  return run_make_plan(aligned(m_splits), T);
+}
+
+void check_plan(const Tensor& plan, int64_t E, const Tensor& like) {
+  check(plan, "plan", at::kInt, 2, like);
+  TORCH_CHECK(num_experts(plan) == E, "moegemm: plan must be [3, ", num(E + 1), "], got ", shape(plan));
+}
+
+void check_tensor(const Tensor& t, const char* name, at::ScalarType dtype, std::initializer_list<int64_t> sizes,
+                  const Tensor& like) {
+  TORCH_CHECK(t.defined(), "moegemm: ", name, " is missing");
+  check(t, name, dtype, static_cast<int64_t>(sizes.size()), like);
+  int64_t i = 0;
+  bool same = true;
+  std::string want = "[";
+  for (int64_t s : sizes) {
+    same = same && t.size(i) == s;
+    want += (i++ ? ", " : "") + num(s);
+  }
+  TORCH_CHECK(same, "moegemm: ", name, " must have shape ", want, "], got ", shape(t));
+}
+
+Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t first, const char* name, int64_t E, int64_t N,
+                           int64_t K, bool transposed, const Tensor& like) {
+  auto at_ = [&](size_t i) -> Tensor {
+    std::optional<Tensor> t = list.get(first + i);
+    return t.has_value() ? *t : Tensor();
+  };
+  Quantized w{at_(0), at_(1), at_(2), at_(3)};
+  const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
+  const std::string n = name;
+  check_tensor(w.q, (n + " (q)").c_str(), at::kFloat8_e4m3fn, {E, N, K}, like);
+  check_tensor(w.s, (n + " (s)").c_str(), at::kFloat, {E, Nb, Kb}, like);
+  if (transposed) {
+    check_tensor(w.qT, (n + " (qT)").c_str(), at::kFloat8_e4m3fn, {E, K, N}, like);
+    check_tensor(w.sT, (n + " (sT)").c_str(), at::kFloat, {E, Kb, Nb}, like);
+  }
+  w.q = aligned(w.q), w.s = aligned(w.s);
+  if (transposed) w.qT = aligned(w.qT), w.sT = aligned(w.sT);
+  return w;
+}
+
+Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like) {
+  if (!main_grad.has_value()) return Tensor();
+  check_tensor(*main_grad, name, at::kFloat, {weight.size(0), weight.size(1), weight.size(2)}, like);
+  return *main_grad;
+}
+
+at::ScalarType wgrad_dtype(const Tensor& weight) {
+  return weight.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+}
+
+}  // namespace moegemm::api

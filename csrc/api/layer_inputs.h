@@ -1,0 +1,55 @@
+// The arguments of the layer entries (grouped_linear.cpp, grouped_mlp.cpp), checked once per call and
+// turned into what the kernels take (bf16/fp32, contiguous, 16-byte aligned), and the weight gradient's
+// two targets (a fresh tensor, or accumulation into main_grad).
+#pragma once
+
+#include <initializer_list>
+
+#include "api/launch.h"
+
+namespace moegemm::api {
+
+// x [T, K] bf16 on a CUDA device, contiguous; aligned.
+Tensor x_input(const Tensor& x, const char* name);
+// dy [T, N] bf16 on like's device (any strides: made contiguous); aligned.
+Tensor grad_input(const Tensor& dy, int64_t T, int64_t N, const Tensor& like);
+// weight [E, N, K] bf16 or fp32 on like's device, 1 <= E <= kMaxExperts, N and K positive multiples of
+// 16 (any strides: the entries make it contiguous where they read it).
+void check_weight(const Tensor& weight, const char* name, const Tensor& like);
+// The weight as the kernels read it: contiguous and aligned, in its dtype or in bf16.
+Tensor weight_input(const Tensor& weight);
+Tensor weight_bf16(const Tensor& weight);
+// bias [E, N] floating point on like's device, as fp32 or bf16, contiguous, aligned; undefined if absent.
+Tensor bias_input(const std::optional<Tensor>& bias, const char* name, int64_t E, int64_t N, const Tensor& like);
+// probs [T] floating point on like's device, as fp32, contiguous, aligned; undefined if absent.
+Tensor probs_fp32(const std::optional<Tensor>& probs, int64_t T, const Tensor& like);
+// The plan [3, E+1] of m_splits (E int32/int64 counts on like's device) for T tokens.
+Tensor new_plan(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like);
+// A plan passed back to a backward entry: [3, E+1] int32 on like's device.
+void check_plan(const Tensor& plan, int64_t E, const Tensor& like);
+// t is dtype with exactly these sizes on like's device, contiguous (saved tensors, FP8 weight copies).
+void check_tensor(const Tensor& t, const char* name, at::ScalarType dtype, std::initializer_list<int64_t> sizes,
+                  const Tensor& like);
+// A pre-quantized weight (q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb]) from a Tensor?[] list at
+// `first`; the transposed parts are checked only if `transposed` (they may be None for inference).
+Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t first, const char* name, int64_t E, int64_t N,
+                           int64_t K, bool transposed, const Tensor& like);
+// main_grad [E, N, K] fp32 on like's device, contiguous; undefined if absent.
+Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like);
+
+// The gradient of a weight [E, N, K]: `gemm(out, accumulate)` accumulates into main_grad when it is
+// defined (then the returned dw is the [0] placeholder), else writes a fresh dw in the wgrad dtype
+// (bf16 for bf16 weights, fp32 otherwise).
+at::ScalarType wgrad_dtype(const Tensor& weight);
+template <class Gemm>
+Tensor weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, Gemm&& gemm) {
+  if (main_grad.defined()) {
+    gemm(main_grad, true);
+    return none_like(like, wgrad_dtype(weight));
+  }
+  Tensor dw = new_wgrad(weight.size(0), weight.size(1), weight.size(2), wgrad_dtype(weight), like);
+  gemm(dw, false);
+  return dw;
+}
+
+}  // namespace moegemm::api

@@ -1,0 +1,239 @@
+// The primitive ops (torch.ops.moegemm.make_plan, quantize_act, ..., bias_grad): one kernel each, for
+// tests and benchmarks; the layers call the entries of grouped_linear.cpp and grouped_mlp.cpp instead.
+// Each op checks its own arguments and raises (RuntimeError) before any launch: a plan is trusted to come
+// from make_plan for the same T (its contents live on the device). Inputs whose data pointer is not
+// 16-byte aligned are copied to an aligned buffer first, and an accumulation target goes through an
+// aligned temporary.
+#include "api/primitives.h"
+
+#include <c10/core/DeviceGuard.h>
+
+#include "api/launch.h"
+
+namespace moegemm::api {
+
+namespace {
+
+Quad as_tuple(Quantized&& q) {
+  return {std::move(q.q), std::move(q.s), std::move(q.qT), std::move(q.sT)};
+}
+
+// da [T, F] and h [T, F1] of one activation; returns F.
+int64_t check_act_grad_shapes(const Tensor& da, const Tensor& h, Activation act) {
+  const int64_t F = act_width(h, act);
+  TORCH_CHECK(h.size(0) == da.size(0) && da.size(1) == F, "moegemm: da ", shape(da), " and h ", shape(h), " disagree");
+  return F;
+}
+
+void check_wgrad_shape(const Tensor& out, int E, int64_t N, int64_t K) {
+  TORCH_CHECK(out.size(0) == E && out.size(1) == N && out.size(2) == K, "moegemm: out must be [", num(E), ", ", num(N), ", ",
+              num(K), "], got ", shape(out));
+}
+
+void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Tensor& qbT_in, const Tensor& sbT_in,
+                            const Tensor& plan, const Tensor& out, bool accumulate) {
+  const Tensor qaT = input(qaT_in, "qaT", at::kFloat8_e4m3fn, 2, qaT_in);
+  const Tensor qbT = input(qbT_in, "qbT", at::kFloat8_e4m3fn, 2, qaT);
+  const Tensor saT = input(saT_in, "saT", at::kFloat, 2, qaT);
+  const Tensor sbT = input(sbT_in, "sbT", at::kFloat, 2, qaT);
+  check(plan, "plan", at::kInt, 2, qaT);
+  check_wgrad_out(out, qaT, accumulate);
+  const int E = num_experts(plan);
+  const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
+  TORCH_CHECK(qbT.size(1) == Wc && saT.size(0) == sbT.size(0) && saT.size(1) == N && sbT.size(1) == K,
+              "moegemm: column-quantized operands disagree: ", shape(qaT), shape(saT), shape(qbT), shape(sbT));
+  TORCH_CHECK(Wc % kColAlign == 0, "moegemm: qaT.shape[1] (the column copy's capacity) must be a multiple of 16, got ", num(Wc));
+  check_multiple_of_16(N, "qaT.shape[0] (N)");
+  check_multiple_of_16(K, "qbT.shape[0] (K)");
+  check_wgrad_shape(out, E, N, K);
+  c10::DeviceGuard guard(qaT.device());
+  run_gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out, accumulate);
+}
+
+// bf16 recipe: a [T, A] with w [E, N, K]; fprop has A = K, dgrad has A = N.
+Tensor gemm_bf16_ragged_m(const Tensor& a_in, const Tensor& w_in, const Tensor& plan, bool dgrad) {
+  const Tensor a = input(a_in, dgrad ? "dy" : "x", at::kBFloat16, 2, a_in);
+  const Tensor w = input(w_in, "weight", at::kBFloat16, 3, a);
+  check(plan, "plan", at::kInt, 2, a);
+  const int E = num_experts(plan);
+  const int64_t N = w.size(1), K = w.size(2);
+  TORCH_CHECK(w.size(0) == E && a.size(1) == (dgrad ? N : K), "moegemm: operand shapes disagree: ", shape(a), shape(w));
+  check_multiple_of_16(N, "weight.shape[1] (N)");
+  check_multiple_of_16(K, "weight.shape[2] (K)");
+  c10::DeviceGuard guard(a.device());
+  return run_gemm_bf16_ragged_m(a, w, plan, dgrad);
+}
+
+void gemm_bf16_wgrad_into(const Tensor& dy_in, const Tensor& x_in, const Tensor& plan, const Tensor& out, bool accumulate) {
+  const Tensor dy = input(dy_in, "dy", at::kBFloat16, 2, dy_in);
+  const Tensor x = input(x_in, "x", at::kBFloat16, 2, dy);
+  check(plan, "plan", at::kInt, 2, dy);
+  check_wgrad_out(out, dy, accumulate);
+  const int E = num_experts(plan);
+  const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
+  TORCH_CHECK(x.size(0) == T, "moegemm: dy and x have different token counts: ", shape(dy), shape(x));
+  check_multiple_of_16(N, "dy.shape[1] (N)");
+  check_multiple_of_16(K, "x.shape[1] (K)");
+  check_wgrad_shape(out, E, N, K);
+  c10::DeviceGuard guard(dy.device());
+  run_gemm_bf16_wgrad(dy, x, plan, out, accumulate);
+}
+
+Tensor new_wgrad_for(const Tensor& plan, int64_t N, int64_t K, at::ScalarType dtype, const Tensor& like) {
+  return new_wgrad(plan.size(1) - 1, N, K, dtype, like);
+}
+
+}  // namespace
+
+Tensor make_plan_op(const Tensor& m_splits, int64_t T) {
+  check_placement(m_splits, "m_splits", 1, m_splits);
+  TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
+              "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
+  check_num_experts(m_splits.numel(), "len(m_splits) (the number of experts)");
+  const int E = static_cast<int>(m_splits.numel());
+  TORCH_CHECK(T >= 0 && col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - 15 * E),
+              "] for ", num(E), " experts (int32 plan), got ", num(T));
+  c10::DeviceGuard guard(m_splits.device());
+  return run_make_plan(m_splits, T);
+}
+
+Quad quantize_act_op(const Tensor& x_in, const Tensor& plan, bool rows, bool cols) {
+  check_placement(x_in, "x", 2, x_in);
+  const DType dtype = to_dtype(x_in, "x");
+  const Tensor x = aligned(x_in);
+  check(plan, "plan", at::kInt, 2, x);
+  num_experts(plan);
+  check_multiple_of_16(x.size(1), "x.shape[1]");
+  c10::DeviceGuard guard(x.device());
+  return as_tuple(run_quantize_act(x, dtype, plan, rows, cols));
+}
+
+Quad act_quantize_op(const Tensor& h_in, const std::optional<Tensor>& probs_in,
+                                                           int64_t activation, const Tensor& plan, bool rows, bool cols) {
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, h_in);
+  check(plan, "plan", at::kInt, 2, h);
+  const Activation act = to_activation(activation);
+  num_experts(plan);
+  act_width(h, act);
+  const Tensor probs = probs_input(probs_in, h.size(0), h);
+  c10::DeviceGuard guard(h.device());
+  return as_tuple(run_act_quantize(h, probs, act, plan, rows, cols));
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(
+    const Tensor& da_in, const Tensor& h_in, const std::optional<Tensor>& probs_in, int64_t activation, const Tensor& plan,
+    bool rows, bool cols) {
+  const Tensor da = input(da_in, "da", at::kBFloat16, 2, da_in);
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, da);
+  check(plan, "plan", at::kInt, 2, da);
+  const Activation act = to_activation(activation);
+  num_experts(plan);
+  check_act_grad_shapes(da, h, act);
+  const Tensor probs = probs_input(probs_in, da.size(0), da);
+  c10::DeviceGuard guard(da.device());
+  Tensor partial;
+  Quantized dh = run_act_backward_quantize(da, h, probs, act, plan, rows, cols, partial);
+  return {dh.q, dh.s, dh.qT, dh.sT, partial};
+}
+
+Tensor act_bf16_op(const Tensor& h_in, const std::optional<Tensor>& probs_in, int64_t activation) {
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, h_in);
+  const Activation act = to_activation(activation);
+  act_width(h, act);
+  const Tensor probs = probs_input(probs_in, h.size(0), h);
+  c10::DeviceGuard guard(h.device());
+  return run_act_bf16(h, probs, act);
+}
+
+std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da_in, const Tensor& h_in, const std::optional<Tensor>& probs_in,
+                                                int64_t activation) {
+  const Tensor da = input(da_in, "da", at::kBFloat16, 2, da_in);
+  const Tensor h = input(h_in, "h", at::kBFloat16, 2, da);
+  const Activation act = to_activation(activation);
+  check_act_grad_shapes(da, h, act);
+  const Tensor probs = probs_input(probs_in, da.size(0), da);
+  c10::DeviceGuard guard(da.device());
+  Tensor partial;
+  Tensor dh = run_act_backward_bf16(da, h, probs, act, partial);
+  return {dh, partial};
+}
+
+Quad quantize_weight_op(const Tensor& w_in) {
+  check_placement(w_in, "weight", 3, w_in);
+  const DType dtype = to_dtype(w_in, "weight");
+  const Tensor w = aligned(w_in);
+  check_num_experts(w.size(0), "weight.shape[0] (experts)");
+  check_multiple_of_16(w.size(1), "weight.shape[1] (N)");
+  check_multiple_of_16(w.size(2), "weight.shape[2] (K)");
+  c10::DeviceGuard guard(w.device());
+  return as_tuple(run_quantize_weight(w, dtype));
+}
+
+Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
+                            const Tensor& plan) {
+  const Tensor qa = input(qa_in, "qa", at::kFloat8_e4m3fn, 2, qa_in);
+  const Tensor qb = input(qb_in, "qb", at::kFloat8_e4m3fn, 3, qa);
+  const Tensor sa = input(sa_in, "sa", at::kFloat, 2, qa);
+  const Tensor sb = input(sb_in, "sb", at::kFloat, 3, qa);
+  check(plan, "plan", at::kInt, 2, qa);
+  const int E = num_experts(plan);
+  const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
+  TORCH_CHECK(qb.size(0) == E && qb.size(2) == K, "moegemm: qb must be [", num(E), ", N, ", num(K), "], got ", shape(qb));
+  check_multiple_of_16(K, "qa.shape[1] (K)");
+  check_multiple_of_16(N, "qb.shape[1] (N)");
+  TORCH_CHECK(sa.size(0) == T && sa.size(1) == ceil_div(K, kBlock), "moegemm: sa has shape ", shape(sa));
+  TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ",
+              shape(sb));
+  c10::DeviceGuard guard(qa.device());
+  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan);
+}
+
+Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+                            at::ScalarType out_dtype) {
+  Tensor out = new_wgrad_for(plan, qaT.size(0), qbT.size(0), out_dtype, qaT);
+  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, false);
+  return out;
+}
+
+void gemm_fp8_ragged_k_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
+                                     const Tensor& plan, const Tensor& out) {
+  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, true);
+}
+
+Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_m(x, w, plan, false); }
+Tensor gemm_bf16_dgrad_op(const Tensor& dy, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_m(dy, w, plan, true); }
+
+Tensor gemm_bf16_wgrad_op(const Tensor& dy, const Tensor& x, const Tensor& plan, at::ScalarType out_dtype) {
+  Tensor out = new_wgrad_for(plan, dy.size(1), x.size(1), out_dtype, dy);
+  gemm_bf16_wgrad_into(dy, x, plan, out, false);
+  return out;
+}
+
+void gemm_bf16_wgrad_accumulate_op(const Tensor& dy, const Tensor& x, const Tensor& plan, const Tensor& out) {
+  gemm_bf16_wgrad_into(dy, x, plan, out, true);
+}
+
+void add_bias_op(const Tensor& y, const Tensor& bias_in, const Tensor& plan) {
+  check(plan, "plan", at::kInt, 2, y);
+  const int E = num_experts(plan);
+  check(y, "y", at::kBFloat16, 2, y);
+  TORCH_CHECK(bias_in.scalar_type() == at::kFloat || bias_in.scalar_type() == at::kBFloat16,
+              "moegemm: bias must be float32 or bfloat16, got ", c10::toString(bias_in.scalar_type()));
+  const Tensor bias = input(bias_in, "bias", bias_in.scalar_type(), 2, y);
+  const int64_t N = y.size(1);
+  TORCH_CHECK(bias.size(0) == E && bias.size(1) == N, "moegemm: bias must be [", num(E), ", ", num(N), "], got ", shape(bias));
+  check_multiple_of_16(N, "y.shape[1] (N)");
+  c10::DeviceGuard guard(y.device());
+  run_add_bias(y, bias, plan);
+}
+
+Tensor bias_grad_op(const Tensor& dy_in, const Tensor& plan) {
+  const Tensor dy = input(dy_in, "dy", at::kBFloat16, 2, dy_in);
+  check(plan, "plan", at::kInt, 2, dy);
+  num_experts(plan);
+  check_multiple_of_16(dy.size(1), "dy.shape[1] (N)");
+  c10::DeviceGuard guard(dy.device());
+  return run_bias_grad(dy, plan);
+}
+
+}  // namespace moegemm::api

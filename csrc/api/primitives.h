@@ -1,0 +1,39 @@
+// The primitive ops: one kernel of csrc/moegemm.h each, checked (primitives.cpp). Registered in
+// csrc/binding.cpp for tests and benchmarks; the layers' path is layers.h.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace moegemm::api {
+
+using at::Tensor;
+using Quad = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+Tensor make_plan_op(const Tensor& m_splits, int64_t T);
+Quad quantize_act_op(const Tensor& x, const Tensor& plan, bool rows, bool cols);
+Quad quantize_weight_op(const Tensor& w);
+Quad act_quantize_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t activation, const Tensor& plan, bool rows,
+                     bool cols);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(const Tensor& da, const Tensor& h,
+                                                                            const std::optional<Tensor>& probs,
+                                                                            int64_t activation, const Tensor& plan,
+                                                                            bool rows, bool cols);
+Tensor act_bf16_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t activation);
+std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da, const Tensor& h, const std::optional<Tensor>& probs,
+                                                int64_t activation);
+Tensor gemm_fp8_ragged_m_op(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan);
+Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+                            at::ScalarType out_dtype);
+void gemm_fp8_ragged_k_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
+                                     const Tensor& plan, const Tensor& out);
+Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan);
+Tensor gemm_bf16_dgrad_op(const Tensor& dy, const Tensor& w, const Tensor& plan);
+Tensor gemm_bf16_wgrad_op(const Tensor& dy, const Tensor& x, const Tensor& plan, at::ScalarType out_dtype);
+void gemm_bf16_wgrad_accumulate_op(const Tensor& dy, const Tensor& x, const Tensor& plan, const Tensor& out);
+void add_bias_op(const Tensor& y, const Tensor& bias, const Tensor& plan);
+Tensor bias_grad_op(const Tensor& dy, const Tensor& plan);
+
+}  // namespace moegemm::api

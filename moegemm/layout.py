@@ -1,0 +1,48 @@
+"""The layout contract shared by every part of moegemm, declared once for Python (``csrc/moegemm.h`` and
+``csrc/api/common.h`` declare it for C++; ``tests/test_layout.py`` checks that both agree).
+
+* FP8 scaling blocks of ``BLOCK`` (1×128 activation rows, 128×1 per-expert columns, 128×128 weights).
+* The plan ``[PLAN_ROWS, E+1]`` int32: token starts, column starts of the per-expert transposed copy
+  (segments padded to ``COL_ALIGN`` tokens), first 128-token scale block of each expert.
+* Capacities of the transposed copy (``col_capacity``) and of its scales (``block_capacity``).
+* The ids the ops take for activations and recipes.
+"""
+
+from __future__ import annotations
+
+BLOCK = 128  # FP8 scaling block (csrc/moegemm.h: kBlock)
+COL_ALIGN = 16  # per-expert token padding of the transposed activation copy (kColAlign)
+MAX_EXPERTS = 1024  # the plan kernel runs one thread per expert (kMaxExperts)
+MAX_PLAN_VALUE = 2**31 - 1  # plan entries are int32: col_capacity(T, E) must fit (kMaxPlanValue)
+MAX_TOKENS = MAX_PLAN_VALUE - (COL_ALIGN - 1) * MAX_EXPERTS  # T that fits for every E
+PTR_ALIGN = 16  # data pointers the kernels read: TMA and 16-byte vector accesses (kPtrAlign)
+PLAN_ROWS = 3  # token starts, padded column starts, scale-block starts
+ACT_BF16_COLS = 256  # columns per dprobs partial sum of the bf16 activation backward (kActBf16Cols)
+
+# csrc/moegemm.h: enum class Activation; GLU variants read fc1's output [T, 2F] as (gate, up)
+ACTIVATIONS = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3, "squared_relu": 4}
+GLU_ACTIVATIONS = ("swiglu", "geglu")
+ACTIVATION_NAMES = {i: name for name, i in ACTIVATIONS.items()}
+
+# csrc/api/common.h: enum class Recipe
+RECIPE_IDS = {"bf16": 0, "fp8_blockwise": 1}
+BF16, FP8_BLOCKWISE = RECIPE_IDS["bf16"], RECIPE_IDS["fp8_blockwise"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def col_capacity(T: int, E: int) -> int:
+    """Width of the transposed activation copy: Σ round_up(m_e, 16) ≤ T + 15·E, rounded up to 16."""
+    return ceil_div(T + (COL_ALIGN - 1) * E, COL_ALIGN) * COL_ALIGN
+
+
+def block_capacity(T: int, E: int) -> int:
+    """Rows of the column-block scale tensor: Σ ceil(m_e/128) ≤ (T + 127·E) / 128."""
+    return (T + (BLOCK - 1) * E) // BLOCK
+
+
+def act_width(F1: int, activation: str) -> int:
+    """F, the activation's output width, from fc1's output width F1 (= 2F for GLU activations)."""
+    return F1 // 2 if activation in GLU_ACTIVATIONS else F1

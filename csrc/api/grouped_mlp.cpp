@@ -95,9 +95,11 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
     y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan);
     if (save) {
-      const Tensor none8 = none_like(x, at::kFloat8_e4m3fn), none32 = none_like(x, at::kFloat);
-      saved = {qx.qT, qx.sT, h, qa.qT, qa.sT, given ? none8 : qw1.qT, given ? none32 : qw1.sT, given ? none8 : qw2.qT,
-               given ? none32 : qw2.sT};
+      // a fresh empty tensor per unused slot: outputs of an op may not alias each other
+      auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };
+      auto none32 = [&] { return none_like(x, at::kFloat); };
+      saved = {qx.qT, qx.sT, h, qa.qT, qa.sT, given ? none8() : qw1.qT, given ? none32() : qw1.sT,
+               given ? none8() : qw2.qT, given ? none32() : qw2.sT};
     }
   } else {
     const Tensor w1 = weight_bf16(fc1_weight);
@@ -107,8 +109,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     const Tensor w2 = weight_bf16(fc2_weight);
     y = run_gemm_bf16_ragged_m(a, w2, plan, false);
     if (save) {
-      const Tensor none = none_like(x, at::kBFloat16);
-      saved = {h, a, fc1_weight.scalar_type() == at::kBFloat16 ? none : w1, fc2_weight.scalar_type() == at::kBFloat16 ? none : w2};
+      auto none = [&] { return none_like(x, at::kBFloat16); };  // one fresh empty tensor per unused slot
+      saved = {h, a, fc1_weight.scalar_type() == at::kBFloat16 ? none() : w1,
+               fc2_weight.scalar_type() == at::kBFloat16 ? none() : w2};
     }
   }
   if (b2.defined()) run_add_bias(y, b2, plan);

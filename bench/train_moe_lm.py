@@ -2,20 +2,27 @@
 
 A decoder-only byte-level LM (vocab 256) on the Python standard library's own source (every ``*.py``
 under ``sysconfig.get_paths()['stdlib']``, site-packages excluded; every 20th file, in sorted order, is the
-fixed held-out split): embedding + learned positions -> L x [RMSNorm, causal attention
-(``F.scaled_dot_product_attention``), RMSNorm, MoE] -> RMSNorm -> head. The MoE is DeepSeek-V2-Lite's
-routed-expert shape: 64 experts of ffn 1408 on hidden 2048, top-6 softmax router in fp32 (top-k probs
+fixed held-out split): embedding -> L x [RMSNorm, causal attention (``F.scaled_dot_product_attention``,
+rotary position embeddings on q and k; ``--qk-norm`` optional), RMSNorm, MoE] -> RMSNorm -> head, pre-norm
+throughout; normal(0, 0.02) init with the residual projections (attention out, experts' fc2) at
+0.02 / sqrt(2 layers). (``--pos learned --no-resid-scale --lr 5e-4 --warmup 100 --batch 4 --eval-every 200
+--eval-batches 8 --recipes bf16,fp8_blockwise`` is the earlier setup, learned absolute positions: its runs sat
+on a loss plateau at ~2.35 nats/byte and left it at a step that varied by hundreds from run to run.)
+The MoE is DeepSeek-V2-Lite's routed-expert shape: 64 experts of ffn 1408 on hidden 2048, top-6 softmax router in fp32 (top-k probs
 renormalised), tokens sorted by expert on the device (``argsort``), ``m_splits = bincount(...)`` as a
 device tensor that is never read on the host, ``moegemm.GroupedMLP`` experts (SwiGLU, router probs
 applied inside), un-permute and sum of the k outputs. No capacity limit: no token is dropped. A
 Switch/DeepSeek load-balancing loss ``E * sum_e f_e P_e`` per layer is added with a small coefficient.
 
-The same model is trained twice, experts with ``fp8_blockwise`` and with ``bf16``, from the same seed,
+The same model is trained with experts in ``fp8_blockwise`` and in ``bf16`` from the same seed,
 initial weights (checked by a fingerprint) and batches; everything else runs in bf16 autocast with fp32
 master weights. AdamW, linear warm-up and cosine decay, gradient clipping at 1.0, gradient
 accumulation over ``--micro`` micro-batches; with FP8 the first micro-batch of each optimizer step passes
 ``is_first_microbatch=True`` (quantize the expert weights once and keep the FP8 copies) and the others
-``False``; with bf16 ``None``.
+``False``; with bf16 ``None``. A third run, ``bf16_again``, repeats the bf16 run with nothing changed: on
+the GPU it differs from it only by nondeterministic kernels (on the CPU the two are bitwise identical), so
+its gap to the bf16 run is the run-to-run noise that FP8's gap is read against (``bf16_data2``: the bf16
+run on another data order instead).
 
 Recorded per run: train loss every step, held-out loss every ``--eval-every`` steps and at the end (a
 fixed set of held-out batches), tokens/s over the timed steps (synchronised wall-clock, the first
@@ -24,9 +31,10 @@ balance per logging interval (max/mean tokens per expert, coefficient of variati
 together with the RMS of the MoE's output relative to the residual stream it is added to (the experts
 carry signal). The
 comparison (final held-out relative gap, max relative gap of the smoothed train-loss curves after the
-first 10 % of steps) is computed here and stored in the JSON.
+first 10 % of steps), for FP8 against bf16 and for the control against bf16, is computed here and stored
+in the JSON, which is rewritten after every evaluation (a run cut off by a timeout leaves its curves).
 
-    python bench/train_moe_lm.py                       # the full run (one H200, both recipes)
+    python bench/train_moe_lm.py                       # the full run (one H200: bf16, fp8_blockwise, bf16_again)
     python bench/train_moe_lm.py --plot-only bench/results/train_moe_lm.json   # PNG from the JSON
     python bench/train_moe_lm.py --tiny                # CPU smoke configuration (reference backend)
 """
@@ -57,7 +65,13 @@ RECIPES = ("bf16", "fp8_blockwise")
 #   fp8_fwd_only: forward values of the fp8_blockwise MLP, gradients of the bf16 one (straight-through).
 COMPOSED = {"fp8_fc1_only": ("fp8_blockwise", "bf16"), "fp8_fc2_only": ("bf16", "fp8_blockwise"),
             "bf16_composed": ("bf16", "bf16")}
-VARIANTS = RECIPES + tuple(COMPOSED) + ("fp8_fwd_only",)
+# Noise controls: bf16 experts again, for the run-to-run spread that FP8's gap is read against.
+#   bf16_again: the bf16 run repeated with nothing changed (same seed, initial weights, batches, schedule,
+#     process): on the GPU it differs from the first only by nondeterministic kernels (atomic additions in
+#     the gather's backward, etc.); on the CPU the two are bitwise identical.
+#   bf16_data2: the bf16 run with another data-order seed (other batches; same initial weights).
+CONTROLS = {"bf16_again": ("bf16", 0), "bf16_data2": ("bf16", 1000)}
+VARIANTS = RECIPES + tuple(COMPOSED) + ("fp8_fwd_only",) + tuple(CONTROLS)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -127,17 +141,43 @@ class MoE(nn.Module):
         return out, aux, m_splits
 
 
+def rope_tables(seq, dim, base=10000.0):
+    """cos, sin [seq, dim // 2] (fp32) of rotary position embeddings (GPT-NeoX half-split layout)."""
+    inv = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ang = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x, cos, sin):  # x [..., S, D]; cos, sin [S, D/2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
 class Block(nn.Module):
-    def __init__(self, d, heads, ffn, experts, top_k, recipe, stats):
+    def __init__(self, d, heads, ffn, experts, top_k, recipe, stats, a):
         super().__init__()
         self.n1, self.n2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
         self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
         self.moe = MoE(d, ffn, experts, top_k, recipe)
         self.heads, self.stats = heads, stats
+        hd = d // heads
+        self.qk_norm = a.qk_norm
+        if a.qk_norm:  # RMSNorm of q and k over the head dimension, before the rotation
+            self.qn, self.kn = nn.RMSNorm(hd, eps=1e-5), nn.RMSNorm(hd, eps=1e-5)
+        self.rope = a.pos == "rope"
+        if self.rope:
+            cos, sin = rope_tables(a.seq, hd)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x, is_first_microbatch):  # [B, S, d]
         B, S, d = x.shape
         q, k, v = self.qkv(self.n1(x)).view(B, S, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.qk_norm:
+            q, k = self.qn(q).to(v.dtype), self.kn(k).to(v.dtype)
+        if self.rope:
+            q, k = apply_rope(q, self.cos[:S], self.sin[:S]), apply_rope(k, self.cos[:S], self.sin[:S])
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, d)
         x = x + self.proj(att)
         y, aux, m_splits = self.moe(self.n2(x).reshape(B * S, d), is_first_microbatch)
@@ -155,17 +195,23 @@ class MoELM(nn.Module):
         super().__init__()
         d = a.hidden
         self.emb = nn.Embedding(256, d)
-        self.pos = nn.Parameter(torch.empty(a.seq, d))
-        self.blocks = nn.ModuleList(Block(d, a.heads or max(1, d // 128), a.ffn, a.experts, a.top_k, recipe, stats)
+        self.pos = nn.Parameter(torch.empty(a.seq, d)) if a.pos == "learned" else None
+        self.blocks = nn.ModuleList(Block(d, a.heads or max(1, d // 128), a.ffn, a.experts, a.top_k, recipe, stats, a)
                                     for _ in range(a.layers))
         self.norm, self.head = nn.RMSNorm(d, eps=1e-5), nn.Linear(d, 256, bias=False)
-        with torch.no_grad():  # normal(0, 0.02) everywhere, the experts included; norms at 1
+        with torch.no_grad():  # normal(0, init_std) everywhere, the experts included; norms at 1
             for name, p in self.named_parameters():
                 if p.dim() >= 2:
-                    p.normal_(0.0, a.init_std)
+                    std = a.init_std
+                    # the projections that write into the residual stream (attention out, experts' fc2)
+                    if a.resid_scale and (name.endswith(".proj.weight") or name.endswith(".fc2.weight")):
+                        std = a.init_std / math.sqrt(2 * a.layers)
+                    p.normal_(0.0, std)
 
     def forward(self, idx, is_first_microbatch=None):
-        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        x = self.emb(idx)
+        if self.pos is not None:
+            x = x + self.pos[: idx.shape[1]]
         aux = 0.0
         for blk in self.blocks:
             x, a = blk(x, is_first_microbatch)
@@ -187,10 +233,13 @@ def lr_at(step, a):
     return a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(recipe, train_data, held_data, a, device):
+def train(recipe, train_data, held_data, a, device, save=None):
+    """One run; ``save(partial_result)`` is called after every evaluation (a run cut off by a timeout
+    leaves its curves up to there)."""
+    model_recipe, data_offset = CONTROLS.get(recipe, (recipe, 0))
     torch.manual_seed(a.seed)
     stats: list = []
-    model = MoELM(a, recipe, stats).to(device)
+    model = MoELM(a, model_recipe, stats).to(device)
     fp = fingerprint(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -201,7 +250,7 @@ def train(recipe, train_data, held_data, a, device):
 
     # The same batches for both runs: every offset of the run drawn up front from a seeded generator
     # and moved to the device once (no host->device copy, hence no sync, in the loop).
-    gen = torch.Generator().manual_seed(a.seed + 1)
+    gen = torch.Generator().manual_seed(a.seed + 1 + data_offset)
     offs = torch.randint(0, len(train_data) - a.seq - 1, (a.steps, a.micro, a.batch), generator=gen).to(device)
     data = train_data.to(device)
     ar = torch.arange(a.seq + 1, device=device)
@@ -234,13 +283,39 @@ def train(recipe, train_data, held_data, a, device):
         torch.cuda.reset_peak_memory_stats()
     seg = time.perf_counter()
     n_steps = min(a.steps, a.stop_at or a.steps)  # --stop-at: fewer steps on the same schedule
+
+    def snapshot(done, timed_s):
+        timed_steps = done - a.warmup_timing
+        return {
+            "recipe": recipe,
+            "experts_recipe": model_recipe,
+            "data_seed": a.seed + 1 + data_offset,
+            "complete": done == n_steps,
+            "steps_done": done,
+            "init_fingerprint": fp,
+            "train_loss": loss_buf[:done].tolist(),
+            "aux_loss": aux_buf[:done].tolist(),
+            "grad_norm": gnorm_buf[:done].tolist(),
+            "heldout": list(evals),
+            "final_heldout_loss": evals[-1]["loss"],
+            "intervals": list(intervals),
+            "timed_steps": timed_steps,
+            "timed_seconds": timed_s,
+            "tokens_per_s": timed_steps * n_tok_step / timed_s if timed_s > 0 and timed_steps > 0 else None,
+            "ms_per_step": 1e3 * timed_s / timed_steps if timed_s > 0 and timed_steps > 0 else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "wall_seconds": time.perf_counter() - t_start,
+            "params": sum(p.numel() for p in model.parameters()),
+            "expert_params": sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
+        }
+
     for step in range(n_steps):
         lr = lr_at(step, a)
         for g in opt.param_groups:
             g["lr"] = lr
         for mb in range(a.micro):
             chunk = data[(offs[step, mb][:, None] + ar)].long()  # [B, S+1] gathered on the device
-            first = (mb == 0) if recipe == "fp8_blockwise" else None  # FP8 weights once per optimizer step
+            first = (mb == 0) if model_recipe == "fp8_blockwise" else None  # FP8 weights once per optimizer step
             with amp:
                 logits, aux = model(chunk[:, :-1], first)
                 loss = F.cross_entropy(logits.float().reshape(-1, 256), chunk[:, 1:].reshape(-1))
@@ -275,28 +350,12 @@ def train(recipe, train_data, held_data, a, device):
                     evals.append({"step": step + 1, "loss": ev})
                     msg += f" held-out {ev:.4f}"
                 print(msg, flush=True)
+                if save is not None and evals and evals[-1]["step"] == step + 1 and not last:
+                    save(snapshot(step + 1, timed_s))
             if cuda:
                 torch.cuda.synchronize()
             seg = time.perf_counter()
-    timed_steps = n_steps - a.warmup_timing
-    res = {
-        "recipe": recipe,
-        "init_fingerprint": fp,
-        "train_loss": loss_buf[:n_steps].tolist(),
-        "aux_loss": aux_buf[:n_steps].tolist(),
-        "grad_norm": gnorm_buf[:n_steps].tolist(),
-        "heldout": evals,
-        "final_heldout_loss": evals[-1]["loss"],
-        "intervals": intervals,
-        "timed_steps": timed_steps,
-        "timed_seconds": timed_s,
-        "tokens_per_s": timed_steps * n_tok_step / timed_s if timed_s > 0 else None,
-        "ms_per_step": 1e3 * timed_s / timed_steps if timed_steps > 0 else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "wall_seconds": time.perf_counter() - t_start,
-        "params": sum(p.numel() for p in model.parameters()),
-        "expert_params": sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
-    }
+    res = snapshot(n_steps, timed_s)
     del model, opt, data
     if cuda:
         torch.cuda.empty_cache()
@@ -313,36 +372,78 @@ def smooth(xs, w):
     return out
 
 
+def pair_gap(x, ref, w, steps):
+    """Run ``x`` against run ``ref`` over their common steps: relative gap (x - ref) / ref of the
+    ``w``-step moving means of the train loss (max |gap| and mean after the first 10 % of the schedule's
+    ``steps``) and of the held-out loss at their common evaluations (the last common one is "final")."""
+    n = min(len(x["train_loss"]), len(ref["train_loss"]))
+    sx, sr = smooth(x["train_loss"][:n], w), smooth(ref["train_loss"][:n], w)
+    rel = [(u - v) / v for u, v in zip(sx, sr)]
+    start = steps // 10
+    after = rel[start:] or [0.0]
+    i_max = max(range(len(after)), key=lambda i: abs(after[i]))
+    ev = {e["step"]: e["loss"] for e in ref["heldout"]}
+    held = [{"step": e["step"], "rel_gap": (e["loss"] - ev[e["step"]]) / ev[e["step"]]} for e in x["heldout"]
+            if e["step"] in ev]
+    return {
+        "common_steps": n,
+        "both_complete": x.get("complete", True) and ref.get("complete", True),
+        "final_heldout": x["heldout"][-1]["loss"] if held else None,
+        "final_heldout_ref": ev[held[-1]["step"]] if held else None,
+        "final_heldout_step": held[-1]["step"] if held else None,
+        "final_heldout_rel_gap": held[-1]["rel_gap"] if held else None,
+        "heldout_rel_gap_by_eval": held,
+        "train_curve_max_abs_rel_gap_after_10pct": abs(after[i_max]),
+        "train_curve_max_gap_step": start + i_max + 1,
+        "train_curve_mean_rel_gap_after_10pct": sum(after) / len(after),
+        "train_curve_rel_gap_every_100": {str(k): rel[k - 1] for k in range(100, n + 1, 100)},
+    }
+
+
 def compare(results):
     runs = results["runs"]
     if not all(r in runs for r in RECIPES):
         return None
     b, f = runs["bf16"], runs["fp8_blockwise"]
-    w = results["args"]["smooth"]
-    sb, sf = smooth(b["train_loss"], w), smooth(f["train_loss"], w)
-    n = len(sb)
-    start = n // 10
-    rel = [(sf[i] - sb[i]) / sb[i] for i in range(start, n)]
-    i_max = max(range(len(rel)), key=lambda i: abs(rel[i]))
-    held_rel = [(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(f["heldout"], b["heldout"])]
+    w, steps = results["args"]["smooth"], results["args"]["steps"]
+    fb = pair_gap(f, b, w, steps)
     c = {
         "smooth_window": w,
-        "final_heldout_bf16": b["final_heldout_loss"],
-        "final_heldout_fp8": f["final_heldout_loss"],
-        "final_heldout_rel_gap": (f["final_heldout_loss"] - b["final_heldout_loss"]) / b["final_heldout_loss"],
-        "heldout_rel_gap_by_eval": [{"step": x["step"], "rel_gap": g} for x, g in zip(f["heldout"], held_rel)],
-        "train_curve_max_abs_rel_gap_after_10pct": abs(rel[i_max]),
-        "train_curve_max_gap_step": start + i_max + 1,
-        "train_curve_mean_rel_gap_after_10pct": sum(rel) / len(rel),
+        "final_heldout_step": fb["final_heldout_step"],  # the last evaluation both runs reached
+        "final_heldout_bf16": fb["final_heldout_ref"],
+        "final_heldout_fp8": fb["final_heldout"],
+        "final_heldout_rel_gap": fb["final_heldout_rel_gap"],
+        "heldout_rel_gap_by_eval": fb["heldout_rel_gap_by_eval"],
+        "train_curve_max_abs_rel_gap_after_10pct": fb["train_curve_max_abs_rel_gap_after_10pct"],
+        "train_curve_max_gap_step": fb["train_curve_max_gap_step"],
+        "train_curve_mean_rel_gap_after_10pct": fb["train_curve_mean_rel_gap_after_10pct"],
         "same_initial_weights": b["init_fingerprint"] == f["init_fingerprint"],
         "tokens_per_s_bf16": b["tokens_per_s"],
         "tokens_per_s_fp8": f["tokens_per_s"],
-        "speedup_fp8_over_bf16": (f["tokens_per_s"] / b["tokens_per_s"]) if b["tokens_per_s"] else None,
+        "speedup_fp8_over_bf16": (f["tokens_per_s"] / b["tokens_per_s"]) if b["tokens_per_s"] and f["tokens_per_s"] else None,
         "peak_memory_gib_bf16": b["peak_memory_gib"],
         "peak_memory_gib_fp8": f["peak_memory_gib"],
+        "both_complete": fb["both_complete"],
     }
     c["accept_heldout_within_0.5pct"] = abs(c["final_heldout_rel_gap"]) <= 0.005
     c["accept_curves_within_1pct"] = c["train_curve_max_abs_rel_gap_after_10pct"] <= 0.01
+    # the noise control: the same gaps between two bf16 runs, and FP8 against the second bf16 run
+    pairs = {"fp8_blockwise_vs_bf16": fb}
+    for ctl in CONTROLS:
+        if ctl in runs:
+            pairs[f"{ctl}_vs_bf16"] = pair_gap(runs[ctl], b, w, steps)
+            pairs[f"fp8_blockwise_vs_{ctl}"] = pair_gap(f, runs[ctl], w, steps)
+            c.setdefault("noise_control", ctl)
+    c["pairs"] = pairs
+    ctl = c.get("noise_control")
+    if ctl:
+        cb = pairs[f"{ctl}_vs_bf16"]
+        c["control_final_heldout_rel_gap"] = cb["final_heldout_rel_gap"]
+        c["control_final_heldout_step"] = cb["final_heldout_step"]
+        c["control_train_curve_max_abs_rel_gap_after_10pct"] = cb["train_curve_max_abs_rel_gap_after_10pct"]
+        c["control_complete"] = cb["both_complete"]
+        c["fp8_heldout_gap_within_control_gap"] = (abs(c["final_heldout_rel_gap"])
+                                                   <= abs(cb["final_heldout_rel_gap"] or 0.0))
     return c
 
 
@@ -352,14 +453,28 @@ def print_summary(results):
         return
     print("\n=== comparison fp8_blockwise vs bf16 ===")
     for k, v in c.items():
-        if k != "heldout_rel_gap_by_eval":
+        if k not in ("heldout_rel_gap_by_eval", "pairs"):
             print(f"  {k}: {v}")
+    print("=== pairs (x vs ref: relative gap of x to ref) ===")
+    for name, g in c.get("pairs", {}).items():
+        at = " ".join(f"{k}:{100 * v:+.2f}%" for k, v in g["train_curve_rel_gap_every_100"].items())
+        fh = g["final_heldout_rel_gap"]
+        print(f"  {name}: held-out at step {g['final_heldout_step']} {100 * fh if fh is not None else float('nan'):+.3f} %, "
+              f"train curve max |gap| after 10 % {100 * g['train_curve_max_abs_rel_gap_after_10pct']:.3f} % "
+              f"(step {g['train_curve_max_gap_step']}), mean {100 * g['train_curve_mean_rel_gap_after_10pct']:+.3f} %, "
+              f"{g['common_steps']} common steps{'' if g['both_complete'] else ' (a run incomplete)'}")
+        print(f"    train gap every 100 steps: {at}")
+        print(f"    held-out gap by eval: " + " ".join(f"{e['step']}:{100 * e['rel_gap']:+.3f}%"
+                                                      for e in g["heldout_rel_gap_by_eval"]))
     for r, run in results["runs"].items():
         last = run["intervals"][-1]
         lb = [sum(x["max_over_mean"]) / len(x["max_over_mean"]) for x in run["intervals"]]
         cv = [sum(x["cv"]) / len(x["cv"]) for x in run["intervals"]]
         print(f"  {r}: load balance max/mean first {lb[0]:.2f} last {lb[-1]:.2f} (per layer {last['max_over_mean']}), "
               f"cv first {cv[0]:.3f} last {cv[-1]:.3f}, moe rms ratio {last['moe_rms_ratio']}")
+
+
+COLORS = {"bf16": "tab:blue", "fp8_blockwise": "tab:red", "bf16_again": "tab:green", "bf16_data2": "tab:green"}
 
 
 def plot(results, path):
@@ -370,52 +485,71 @@ def plot(results, path):
 
     runs, a = results["runs"], results["args"]
     w = a["smooth"]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
     ax = axes[0]
-    colors = {"bf16": "tab:blue", "fp8_blockwise": "tab:red"}
     for r, run in runs.items():
-        ax.plot(range(1, len(run["train_loss"]) + 1), smooth(run["train_loss"], w), color=colors.get(r), lw=1.2,
-                label=f"{r} train ({w}-step mean)")
-        ax.plot([e["step"] for e in run["heldout"]], [e["loss"] for e in run["heldout"]], "o--", color=colors.get(r),
-                ms=4, lw=0.8, label=f"{r} held-out (final {run['final_heldout_loss']:.4f})")
+        tag = "" if run.get("complete", True) else f", cut at {run['steps_done']}"
+        ax.plot(range(1, len(run["train_loss"]) + 1), smooth(run["train_loss"], w), color=COLORS.get(r), lw=1.0,
+                ls="-" if r in RECIPES else ":", label=f"{r} train ({w}-step mean)")
+        ax.plot([e["step"] for e in run["heldout"]], [e["loss"] for e in run["heldout"]], "o--", color=COLORS.get(r),
+                ms=3.5, lw=0.7, mfc="none" if r not in RECIPES else None,
+                label=f"{r} held-out (last {run['heldout'][-1]['loss']:.4f}{tag})")
     ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss, nats/byte")
     ax.set_title("loss")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7.5)
     c = results.get("comparison")
     ax = axes[1]
     if c:
-        sb, sf = smooth(runs["bf16"]["train_loss"], w), smooth(runs["fp8_blockwise"]["train_loss"], w)
-        ax.plot(range(1, len(sb) + 1), [100 * (y - x) / x for x, y in zip(sb, sf)], color="tab:purple", lw=1,
-                label=f"train ({w}-step mean)")
-        ax.plot([e["step"] for e in c["heldout_rel_gap_by_eval"]], [100 * e["rel_gap"] for e in c["heldout_rel_gap_by_eval"]],
-                "o-", color="k", ms=4, label="held-out")
-        ax.axvline(len(sb) // 10, color="gray", ls=":", lw=0.8)
+        n_all = len(runs["bf16"]["train_loss"])
+        lim = 1.5
+        pair_style = {"fp8_blockwise_vs_bf16": ("tab:purple", "fp8_blockwise vs bf16")}
+        for ctl in CONTROLS:
+            pair_style[f"{ctl}_vs_bf16"] = ("tab:green", f"{ctl} vs bf16 (noise control)")
+        for name, (col, label) in pair_style.items():
+            g = c.get("pairs", {}).get(name)
+            if g is None:
+                continue
+            x, ref = name.split("_vs_")
+            sx = smooth(runs[x]["train_loss"][: g["common_steps"]], w)
+            sr = smooth(runs[ref]["train_loss"][: g["common_steps"]], w)
+            ax.plot(range(1, len(sx) + 1), [100 * (u - v) / v for u, v in zip(sx, sr)], color=col, lw=0.9,
+                    label=f"{label}: train ({w}-step mean), max after 10 % "
+                          f"{100 * g['train_curve_max_abs_rel_gap_after_10pct']:.2f} %")
+            fh = g["final_heldout_rel_gap"]
+            ax.plot([e["step"] for e in g["heldout_rel_gap_by_eval"]], [100 * e["rel_gap"] for e in g["heldout_rel_gap_by_eval"]],
+                    "o-", color=col, ms=4, lw=1.6, alpha=0.8,
+                    label=f"{label}: held-out, final {100 * fh:+.2f} %" if fh is not None else label)
+            lim = max(lim, 110 * g["train_curve_max_abs_rel_gap_after_10pct"],
+                      *(110 * abs(e["rel_gap"]) for e in g["heldout_rel_gap_by_eval"]))
+        ax.axvline(n_all // 10, color="gray", ls=":", lw=0.8)
         for y in (-1, 1):
             ax.axhline(y, color="gray", ls="--", lw=0.8)
-        lim = max(2.0, 110 * c["train_curve_max_abs_rel_gap_after_10pct"],
-                  *(110 * abs(e["rel_gap"]) for e in c["heldout_rel_gap_by_eval"]))
+        for y in (-0.5, 0.5):
+            ax.axhline(y, color="gray", ls=":", lw=0.6)
+        ax.axhline(0, color="k", lw=0.5)
         ax.set_ylim(-lim, lim)
-        ax.legend(fontsize=8)
-        ax.set_title(f"(fp8 - bf16) / bf16: final held-out {100 * c['final_heldout_rel_gap']:+.2f} %, "
-                     f"max train after 10 % {100 * c['train_curve_max_abs_rel_gap_after_10pct']:.2f} %", fontsize=9)
+        ax.legend(fontsize=7.5)
+        ax.set_title("relative gap (x - bf16) / bf16; dashed: 1 % curve bound, dotted: 0.5 % held-out bound",
+                     fontsize=9)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("relative gap, %")
     ax = axes[2]
     for r, run in runs.items():
         st = [x["step"] for x in run["intervals"]]
-        ax.plot(st, [sum(x["max_over_mean"]) / len(x["max_over_mean"]) for x in run["intervals"]], color=colors.get(r),
-                label=f"{r} max/mean tokens per expert")
-        ax.plot(st, [1 + sum(x["cv"]) / len(x["cv"]) for x in run["intervals"]], color=colors.get(r), ls="--",
+        ax.plot(st, [sum(x["max_over_mean"]) / len(x["max_over_mean"]) for x in run["intervals"]], color=COLORS.get(r),
+                ls="-" if r in RECIPES else ":", label=f"{r} max/mean tokens per expert")
+        ax.plot(st, [1 + sum(x["cv"]) / len(x["cv"]) for x in run["intervals"]], color=COLORS.get(r), ls="--",
                 label=f"{r} 1 + coeff. of variation")
     ax.set_xlabel("optimizer step")
     ax.set_title("router load balance (mean over layers)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7.5)
     tps = ", ".join(f"{r} {run['tokens_per_s'] / 1e3:.0f}k tok/s" for r, run in runs.items() if run.get("tokens_per_s"))
+    pos = a.get("pos", "learned")
     fig.suptitle(f"MoE byte LM, {a['layers']} layers, hidden {a['hidden']}, {a['experts']} experts x ffn {a['ffn']} "
-                 f"top-{a['top_k']}, seq {a['seq']}, {a['steps']} steps x {a['micro']}x{a['batch']} seqs; "
-                 f"{results['device']}; {tps}", fontsize=10)
+                 f"top-{a['top_k']}, seq {a['seq']} ({pos} positions), {a['steps']} steps x {a['micro']}x{a['batch']} seqs, "
+                 f"lr {a['lr']:g} (warm-up {a['warmup']}); {results['device']}; {tps}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -492,24 +626,30 @@ def main():
     ap.add_argument("--ffn", type=int, default=1408)
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--batch", type=int, default=3, help="sequences per micro-batch")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--stop-at", type=int, default=0, help="stop after this many steps (schedule of --steps)")
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--init-std", type=float, default=0.02)
+    ap.add_argument("--resid-scale", action=argparse.BooleanOptionalAction, default=True,
+                    help="init std of the residual projections (attention out, experts' fc2) / sqrt(2 layers)")
+    ap.add_argument("--pos", choices=("rope", "learned"), default="rope",
+                    help="rotary position embeddings in attention, or learned absolute ones added to the input")
+    ap.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=False,
+                    help="RMSNorm of q and k per head")
     ap.add_argument("--aux-coef", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--warmup-timing", type=int, default=20, help="steps left out of tokens/s")
     ap.add_argument("--smooth", type=int, default=50, help="moving-average window of the train-loss comparison")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--recipes", default=",".join(RECIPES + ("bf16_again",)), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--reference", default=None, help="results JSON of the full comparison, for diagnostic runs")
     ap.add_argument("--max-corpus-bytes", type=int, default=0)
     ap.add_argument("--out", default="bench/results/train_moe_lm.json")
@@ -561,16 +701,21 @@ def main():
     for recipe in a.recipes.split(","):
         if recipe not in VARIANTS:
             raise SystemExit(f"unknown recipe/variant {recipe!r}; one of {VARIANTS}")
-    for recipe in a.recipes.split(","):
-        results["runs"][recipe] = train(recipe, train_data, held_data, a, device)
-        r = results["runs"][recipe]
-        print(f"{recipe}: final held-out {r['final_heldout_loss']:.4f}, {r['tokens_per_s'] or 0:.0f} tokens/s, "
-              f"peak memory {r['peak_memory_gib'] or 0:.2f} GiB, {r['wall_seconds']:.0f} s", flush=True)
+    def save(recipe, run):
+        results["runs"][recipe] = run
         results["comparison"] = compare(results)
         if ref is not None:
             results["vs_reference"] = versus_reference(results, ref)
-        with open(a.out, "w") as f:  # after each run, so a cut-off second run leaves the first
+        with open(a.out, "w") as f:  # after each evaluation, so a run cut off by a timeout leaves its curves
             json.dump(results, f)
+
+    for recipe in a.recipes.split(","):
+        results["runs"][recipe] = train(recipe, train_data, held_data, a, device,
+                                        save=lambda run, recipe=recipe: save(recipe, run))
+        r = results["runs"][recipe]
+        print(f"{recipe}: final held-out {r['final_heldout_loss']:.4f}, {r['tokens_per_s'] or 0:.0f} tokens/s, "
+              f"peak memory {r['peak_memory_gib'] or 0:.2f} GiB, {r['wall_seconds']:.0f} s", flush=True)
+        save(recipe, r)
     print_summary(results)
     if ref is not None:
         print("\n=== against the reference run's curves (relative gap of the smoothed train loss) ===")

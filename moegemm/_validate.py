@@ -31,6 +31,11 @@ def check_recipe(recipe: str) -> str:
     return recipe
 
 
+def check_num_experts(E: int, what: str) -> None:
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"{what} must be in [1, {MAX_EXPERTS}], got {E}")
+
+
 def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
@@ -39,8 +44,7 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
     if weight.dtype not in W_DTYPES:
         raise TypeError(f"{name}.dtype must be one of {W_DTYPES}, got {weight.dtype}")
     E, N, K = weight.shape
-    if not 1 <= E <= MAX_EXPERTS:
-        raise ValueError(f"{name}.shape[0] (number of experts) must be in [1, {MAX_EXPERTS}], got {E}")
+    check_num_experts(E, f"{name}.shape[0] (number of experts)")
     if N <= 0 or N % 16:
         raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of 16, got {N}")
     if K <= 0 or K % 16:
@@ -101,8 +105,6 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
 
     Host input (list, tuple, CPU tensor) is checked on the host and copied asynchronously. A tensor on
     ``device`` is returned as it is (never read on the host) unless the checked mode is on."""
-    if not 1 <= E <= MAX_EXPERTS:
-        raise ValueError(f"len(m_splits) (the number of experts) must be in [1, {MAX_EXPERTS}], got {E}")
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1:
             raise ValueError(f"m_splits must be 1-D, got shape {tuple(m_splits.shape)}")

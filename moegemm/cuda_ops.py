@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ._build import load_extension
-from .layout import (ACT_BF16_COLS, ACTIVATIONS, BLOCK, FP8_BLOCKWISE, GLU_ACTIVATIONS, PLAN_ROWS, block_capacity,
-                     ceil_div, col_capacity)
+from .layout import (ACT_BF16_COLS, ACTIVATIONS, BLOCK, FP8_BLOCKWISE, PLAN_ROWS, act_width, block_capacity, ceil_div,
+                     col_capacity, wgrad_dtype)
 
 load_extension()
 _ops = torch.ops.moegemm
@@ -25,16 +25,11 @@ mlp_fwd = _ops.mlp_fwd.default
 mlp_bwd = _ops.mlp_bwd.default
 
 _F8, _F32, _BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
-_GLU_IDS = tuple(ACTIVATIONS[a] for a in GLU_ACTIVATIONS)
 
 
 def _new(like, shape, dtype, wanted: bool = True):
     """A fake output: ``shape`` when wanted, else the ``[0]`` placeholder of the C++ ops."""
     return like.new_empty(shape if wanted else (0,), dtype=dtype)
-
-
-def _wgrad_dtype(weight):
-    return _BF16 if weight.dtype == _BF16 else _F32
 
 
 def _fake_plan(like, E):
@@ -65,7 +60,7 @@ def _(x, weight, m_splits, bias, recipe, need_dx, need_dw):
 @torch.library.register_fake("moegemm::linear_bwd")
 def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db):
     (E, N, K), T = weight.shape, dy.shape[0]
-    return (_new(dy, (T, K), _BF16, need_dx), _new(dy, (E, N, K), _wgrad_dtype(weight), need_dw and main_grad is None),
+    return (_new(dy, (T, K), _BF16, need_dx), _new(dy, (E, N, K), wgrad_dtype(weight), need_dw and main_grad is None),
             _new(dy, (E, N), _F32, need_db))
 
 
@@ -73,7 +68,7 @@ def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db):
 def _(x, fc1_weight, fc2_weight, m_splits, fc1_bias, fc2_bias, probs, activation, recipe, fp8_weights, save, need_dw1,
       need_dw2):
     (T, H), (E, F1, _) = x.shape, fc1_weight.shape
-    F = F1 // 2 if activation in _GLU_IDS else F1
+    F = act_width(F1, activation)
     saved = []
     if save and recipe == FP8_BLOCKWISE:
         quantize_here = len(fp8_weights) == 0
@@ -90,8 +85,8 @@ def _(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_main_g
       need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dprobs, release_saved):
     (T, H), (E, F1, _), F = dy.shape, fc1_weight.shape, fc2_weight.shape[2]
     return (_new(dy, (T, H), _BF16, need_dx),
-            _new(dy, (E, F1, H), _wgrad_dtype(fc1_weight), need_dw1 and fc1_main_grad is None),
-            _new(dy, (E, H, F), _wgrad_dtype(fc2_weight), need_dw2 and fc2_main_grad is None),
+            _new(dy, (E, F1, H), wgrad_dtype(fc1_weight), need_dw1 and fc1_main_grad is None),
+            _new(dy, (E, H, F), wgrad_dtype(fc2_weight), need_dw2 and fc2_main_grad is None),
             _new(dy, (E, F1), _F32, need_db1), _new(dy, (E, H), _F32, need_db2),
             _new(dy, (T,), _F32, need_dprobs and probs is not None))
 
@@ -138,17 +133,6 @@ def gemm_bf16_wgrad(dy, x, plan, out=None, out_dtype=torch.float32):
         return _ops.gemm_bf16_wgrad(dy, x, plan, out_dtype)
     _ops.gemm_bf16_wgrad_accumulate(dy, x, plan, out)
     return out
-
-
-def add_bias_(y, bias, plan):
-    if bias.dtype not in (torch.float32, torch.bfloat16):
-        bias = bias.float()
-    _ops.add_bias_(y, bias, plan)
-    return y
-
-
-def bias_grad(dy, plan):
-    return _ops.bias_grad(dy, plan)
 
 
 # ------------------------------------------------------------------------------ fake implementations
@@ -244,7 +228,7 @@ def act_backward_quantize(da, h, probs, activation: str, plan, rows: bool = True
 
 @_fake("act_quantize")
 def _(h, probs, activation, plan, rows, cols):
-    F = h.shape[1] // 2 if activation in _GLU_IDS else h.shape[1]
+    F = act_width(h.shape[1], activation)
     return _multicast_like(h, F, plan, rows, cols)
 
 
@@ -266,7 +250,7 @@ def act_backward_bf16(da, h, probs, activation: str):
 
 @_fake("act_bf16")
 def _(h, probs, activation):
-    F = h.shape[1] // 2 if activation in _GLU_IDS else h.shape[1]
+    F = act_width(h.shape[1], activation)
     return h.new_empty((h.shape[0], F))
 
 

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import torch
+
 BLOCK = 128  # FP8 scaling block (csrc/moegemm.h: kBlock)
 COL_ALIGN = 16  # per-expert token padding of the transposed activation copy (kColAlign)
 MAX_EXPERTS = 1024  # the plan kernel runs one thread per expert (kMaxExperts)
@@ -43,6 +45,14 @@ def block_capacity(T: int, E: int) -> int:
     return (T + (BLOCK - 1) * E) // BLOCK
 
 
-def act_width(F1: int, activation: str) -> int:
-    """F, the activation's output width, from fc1's output width F1 (= 2F for GLU activations)."""
-    return F1 // 2 if activation in GLU_ACTIVATIONS else F1
+def act_width(F1: int, activation) -> int:
+    """F, the activation's output width, from fc1's output width F1 (= 2F for GLU activations);
+    ``activation`` by name or by id."""
+    name = activation if isinstance(activation, str) else ACTIVATION_NAMES[int(activation)]
+    return F1 // 2 if name in GLU_ACTIVATIONS else F1
+
+
+def wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
+    """A weight gradient not accumulated into main_grad: bf16 for bf16 weights (the wgrad GEMMs write it
+    directly), fp32 otherwise (csrc/api/layer_inputs.cpp: wgrad_dtype)."""
+    return torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import backend
-from ._validate import SplitsLike, check_weight, splits_to_device
+from ._validate import SplitsLike, check_num_experts, check_weight, splits_to_device
 
 
 def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> torch.Tensor:
@@ -14,6 +14,7 @@ def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> t
     if device is None:
         device = m_splits.device if isinstance(m_splits, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
+    check_num_experts(len(m_splits), "len(m_splits) (the number of experts)")  # the layers check weight.shape[0]
     m = splits_to_device(m_splits, len(m_splits), T, device, check_splits)
     return backend.select(device).make_plan(m, T)
 

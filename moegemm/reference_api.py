@@ -10,17 +10,12 @@ does. Parts not asked for come back as None (the C++ ops return [0] placeholders
 
 from __future__ import annotations
 
-import torch
 
 from . import reference as R
-from .layout import ACTIVATION_NAMES, FP8_BLOCKWISE
-from .reference import (act_backward_bf16, act_backward_quantize, act_bf16, act_quantize, add_bias_,  # noqa: F401
-                        bias_grad, gemm_bf16_dgrad, gemm_bf16_fprop, gemm_bf16_wgrad, gemm_fp8_ragged_k,
-                        gemm_fp8_ragged_m, make_plan, quantize_act, quantize_weight)
-
-
-def _wgrad_dtype(weight) -> torch.dtype:
-    return torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+from .layout import ACTIVATION_NAMES, FP8_BLOCKWISE, wgrad_dtype
+from .reference import (act_backward_bf16, act_backward_quantize, act_bf16, act_quantize,  # noqa: F401
+                        gemm_bf16_dgrad, gemm_bf16_fprop, gemm_bf16_wgrad, gemm_fp8_ragged_k, gemm_fp8_ragged_m,
+                        make_plan, quantize_act, quantize_weight)
 
 
 def _add_bias(y, bias, plan):
@@ -29,7 +24,7 @@ def _add_bias(y, bias, plan):
 
 def _weight_grad(gemm, operands: tuple, plan, weight, main_grad):
     """``gemm(*operands, plan)`` accumulated into main_grad (then None), or a fresh dw."""
-    dw = gemm(*operands, plan, out=main_grad, out_dtype=_wgrad_dtype(weight))
+    dw = gemm(*operands, plan, out=main_grad, out_dtype=wgrad_dtype(weight))
     return None if main_grad is not None else dw
 
 

@@ -21,9 +21,19 @@ from moegemm import _validate, backend  # noqa: E402
 from moegemm.workloads import zipf_splits  # noqa: E402
 
 
+class _Empty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 def us(fn) -> float:
     fn()
-    return host_overhead(fn, reps=7)["host_us"]
+    return host_overhead(fn, reps=11)["host_us"]
 
 
 def profile_cpu(fn, iters=10):
@@ -35,7 +45,7 @@ def profile_cpu(fn, iters=10):
         for _ in range(iters):
             fn()
     torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60))
 
 
 def main():
@@ -76,13 +86,23 @@ def main():
                 "op quantize_weight": lambda: ops.quantize_weight(w1),
                 "op gemm_fp8_ragged_m": lambda: ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan),
                 "op gemm_bf16_fprop": lambda: ops.gemm_bf16_fprop(x, w1, plan),
+                "op linear_fwd fp8 (torch.ops, direct)": lambda: torch.ops.moegemm.linear_fwd(x, w1, m, None, 1, False, False),
+                "op linear_fwd bf16 (torch.ops, direct)": lambda: torch.ops.moegemm.linear_fwd(x, w1, m, None, 0, False, False),
+                "empty autograd.Function.apply": lambda: _Empty.apply(xg),
                 "grouped_linear fp8 (no grad)": lambda: moegemm.grouped_linear(x, w1, m),
                 "grouped_linear bf16 (no grad)": lambda: moegemm.grouped_linear(x, w1, m, recipe="bf16"),
             }
             res = {k: us(f) for k, f in cases.items()}
+        w1g = w1.detach().requires_grad_()
+        res["grouped_linear fp8 fwd (grad)"] = us(lambda: moegemm.grouped_linear(xg, w1g, m))
+        res["GroupedMLP fp8 fwd (grad)"] = us(lambda: mlp(xg, m, p))
+        # the floor of any autograd layer here: one empty Function forward + torch.autograd.grad
+        res["autograd floor: empty Function fwd+bwd"] = us(lambda: torch.autograd.grad(_Empty.apply(xg), [xg], dy))
         res["GroupedMLP fp8 fwd+bwd"] = us(step(mlp))
         res["GroupedMLP bf16 fwd+bwd"] = us(step(mlp_bf16))
         if "--profile" in sys.argv and E == 8:
+            with torch.no_grad():
+                profile_cpu(lambda: moegemm.grouped_linear(x, w1, m))
             profile_cpu(step(mlp))
         rows.append((E, res))
         del mlp, mlp_bf16

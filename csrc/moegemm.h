@@ -75,6 +75,8 @@ void add_bias(void* y_bf16, const void* bias, bool bias_is_f32, const int32_t* p
 inline int64_t bias_grad_workspace_floats(int64_t T, int64_t E, int64_t N) { return block_capacity(T, E) * N; }
 void bias_grad(const void* dy_bf16, const int32_t* plan, int E, int64_t T, int64_t N, float* db, float* partial,
                cudaStream_t stream);
+// out[r] = in[r, 0] + in[r, 1] + ... (left to right), in fp32 [rows, cols]: the dprobs partial sums.
+void sum_rows(const float* in, int64_t rows, int64_t cols, float* out, cudaStream_t stream);
 
 // Writes exact zeros into out[e] (bytes_per_expert bytes each) for every expert with no tokens (wgrad
 // of an empty expert gets no GEMM tiles, see SPEC §5).

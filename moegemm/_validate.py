@@ -39,11 +39,12 @@ def check_num_experts(E: int, what: str) -> None:
 def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dim() != 3:
-        raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(weight.shape)}")
+    shape = weight.shape
+    if len(shape) != 3:
+        raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(shape)}")
     if weight.dtype not in W_DTYPES:
         raise TypeError(f"{name}.dtype must be one of {W_DTYPES}, got {weight.dtype}")
-    E, N, K = weight.shape
+    E, N, K = shape
     check_num_experts(E, f"{name}.shape[0] (number of experts)")
     if N <= 0 or N % 16:
         raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of 16, got {N}")
@@ -55,16 +56,18 @@ def check_x(x: torch.Tensor, K: int, device: torch.device, cuda_path: bool = Fal
     """x [T, K] on ``device``; bf16 on the CUDA path (``cuda_path``), which its kernels take."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
-    if x.dtype not in X_DTYPES:
-        raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {x.dtype}")
-    if cuda_path and x.dtype != torch.bfloat16:
-        raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {x.dtype}")
-    if x.shape[0] > MAX_TOKENS:
-        raise ValueError(f"x.shape[0] (tokens) must be at most {MAX_TOKENS}, got {x.shape[0]}")
-    if x.shape[1] != K:
-        raise ValueError(f"x.shape[1] must equal weight.shape[2] = {K}, got {x.shape[1]}")
+    shape, dtype = x.shape, x.dtype
+    if len(shape) != 2:
+        raise ValueError(f"x must be 2-D [T, K], got shape {tuple(shape)}")
+    if dtype is not torch.bfloat16:
+        if dtype not in X_DTYPES:
+            raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {dtype}")
+        if cuda_path:
+            raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {dtype}")
+    if shape[0] > MAX_TOKENS:
+        raise ValueError(f"x.shape[0] (tokens) must be at most {MAX_TOKENS}, got {shape[0]}")
+    if shape[1] != K:
+        raise ValueError(f"x.shape[1] must equal weight.shape[2] = {K}, got {shape[1]}")
     if x.device != device:
         raise ValueError(f"x is on {x.device} but weight is on {device}")
     if not x.is_contiguous():

@@ -20,6 +20,7 @@ from . import reference_api
 FORCE_REFERENCE = os.environ.get("MOEGEMM_BACKEND", "") == "reference"
 
 _HOPPER: dict = {}  # device index -> is it compute capability 9.0 (a plain dict: torch.compile traces it)
+_CUDA_OPS: list = []  # the cuda_ops module once imported (it builds or loads the extension)
 
 
 def _device_is_hopper(index: int) -> bool:
@@ -31,7 +32,8 @@ def _device_is_hopper(index: int) -> bool:
 def uses_cuda(device: torch.device) -> bool:
     if device.type != "cuda" or FORCE_REFERENCE:
         return False
-    if _device_is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
+    index = device.index
+    if _HOPPER.get(index) or _device_is_hopper(index if index is not None else torch.cuda.current_device()):
         return True
     _warn_not_hopper()
     return False
@@ -43,8 +45,10 @@ def _warn_not_hopper() -> None:
 
 def select(device: torch.device):
     """The backend module for tensors on ``device``: ``cuda_ops`` or ``reference_api``."""
-    if uses_cuda(device):
+    if not uses_cuda(device):
+        return reference_api
+    if not _CUDA_OPS:
         from . import cuda_ops
 
-        return cuda_ops
-    return reference_api
+        _CUDA_OPS.append(cuda_ops)
+    return _CUDA_OPS[0]

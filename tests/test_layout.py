@@ -62,4 +62,4 @@ def test_capacities_agree(name):
 def test_plan_rows_agree():
     assert re.search(r"plan \[" + str(layout.PLAN_ROWS) + r", E\+1\] int32", HEADER)
     launch = (CSRC / "api" / "launch.cpp").read_text()
-    assert re.search(r"at::empty\(\{" + str(layout.PLAN_ROWS) + r", E \+ 1\}", launch)
+    assert re.search(r"empty\(\{" + str(layout.PLAN_ROWS) + r", E \+ 1\}", launch)

@@ -9,7 +9,6 @@
 //   bf16:          [h, a, w1_bf16, w2_bf16] — the bf16 copies only of fp32 weights.
 // The backward entry drops each after its last use, and with release_saved (eager autograd hands the
 // list over) frees its memory right there: peak memory, as the order below is laid out for.
-#include <ATen/ops/sum.h>
 #include <c10/core/DeviceGuard.h>
 
 #include "api/layer_inputs.h"
@@ -60,7 +59,7 @@ Quantized fc2_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Ten
 }
 
 Tensor dprobs_of(const Tensor& partial, bool wanted, const Tensor& like) {
-  return wanted ? at::sum(partial, 1) : none_like(like, at::kFloat);
+  return wanted ? run_sum_rows(partial) : none_like(like, at::kFloat);
 }
 
 }  // namespace

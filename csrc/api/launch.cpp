@@ -1,5 +1,10 @@
 #include "api/launch.h"
 
+#include <ATen/record_function.h>
+
+// Each launch shows in torch.profiler traces as a named range inside its op (no cost when not profiling).
+#define MOEGEMM_RANGE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
+
 namespace moegemm::api {
 
 namespace {
@@ -7,11 +12,11 @@ namespace {
 const int32_t* plan_ptr(const Tensor& plan) { return plan.data_ptr<int32_t>(); }
 
 Quantized multicast_outputs(const Tensor& like, int64_t T, int64_t K, int E, bool rows, bool cols) {
-  auto f8 = like.options().dtype(at::kFloat8_e4m3fn);
-  auto f32 = like.options().dtype(at::kFloat);
-  return {rows ? at::empty({T, K}, f8) : at::empty({0}, f8), rows ? at::empty({T, ceil_div(K, kBlock)}, f32) : at::empty({0}, f32),
-          cols ? at::empty({K, col_capacity(T, E)}, f8) : at::empty({0}, f8),
-          cols ? at::empty({block_capacity(T, E), K}, f32) : at::empty({0}, f32)};
+  auto [q, s] = rows ? empty_pair({T, K}, at::kFloat8_e4m3fn, {T, ceil_div(K, kBlock)}, at::kFloat, like)
+                     : std::pair{empty({0}, at::kFloat8_e4m3fn, like), empty({0}, at::kFloat, like)};
+  auto [qT, sT] = cols ? empty_pair({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, {block_capacity(T, E), K}, at::kFloat, like)
+                       : std::pair{empty({0}, at::kFloat8_e4m3fn, like), empty({0}, at::kFloat, like)};
+  return {q, s, qT, sT};
 }
 
 uint8_t* q_ptr(const Tensor& q, bool wanted) { return wanted ? bytes(q) : nullptr; }
@@ -20,13 +25,15 @@ float* s_ptr(const Tensor& s, bool wanted) { return wanted ? s.data_ptr<float>()
 }  // namespace
 
 Tensor run_make_plan(const Tensor& m_splits, int64_t T) {
+  MOEGEMM_RANGE("moegemm::run_make_plan");
   const int E = static_cast<int>(m_splits.numel());
-  Tensor plan = at::empty({3, E + 1}, m_splits.options().dtype(at::kInt));
+  Tensor plan = empty({3, E + 1}, at::kInt, m_splits);
   make_plan(m_splits.data_ptr(), m_splits.scalar_type() == at::kLong, E, T, plan.data_ptr<int32_t>(), current_stream(m_splits));
   return plan;
 }
 
 Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols) {
+  MOEGEMM_RANGE("moegemm::run_quantize_act");
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1);
   Quantized out = multicast_outputs(x, T, K, E, rows, cols);
@@ -36,17 +43,19 @@ Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, boo
 }
 
 Quantized run_quantize_weight(const Tensor& w, DType dtype) {
+  MOEGEMM_RANGE("moegemm::run_quantize_weight");
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-  auto f8 = w.options().dtype(at::kFloat8_e4m3fn);
-  auto f32 = w.options().dtype(at::kFloat);
   const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
-  Quantized out{at::empty({E, N, K}, f8), at::empty({E, Nb, Kb}, f32), at::empty({E, K, N}, f8), at::empty({E, Kb, Nb}, f32)};
+  auto [q, s] = empty_pair({E, N, K}, at::kFloat8_e4m3fn, {E, Nb, Kb}, at::kFloat, w);
+  auto [qT, sT] = empty_pair({E, K, N}, at::kFloat8_e4m3fn, {E, Kb, Nb}, at::kFloat, w);
+  Quantized out{q, s, qT, sT};
   quantize_weight(w.data_ptr(), dtype, E, N, K, bytes(out.q), out.s.data_ptr<float>(), bytes(out.qT), out.sT.data_ptr<float>(),
                   current_stream(w));
   return out;
 }
 
 Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols) {
+  MOEGEMM_RANGE("moegemm::run_act_quantize");
   const int E = num_experts(plan);
   const int64_t T = h.size(0), F = act_width(h, act);
   Quantized out = multicast_outputs(h, T, F, E, rows, cols);
@@ -57,11 +66,12 @@ Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act,
 
 Quantized run_act_backward_quantize(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act,
                                     const Tensor& plan, bool rows, bool cols, Tensor& dprobs_partial) {
+  MOEGEMM_RANGE("moegemm::run_act_backward_quantize");
   const int E = num_experts(plan);
   const int64_t T = da.size(0), F = act_width(h, act), F1 = h.size(1);
   const float* p = probs_ptr(probs);
   Quantized out = multicast_outputs(da, T, F1, E, rows, cols);
-  dprobs_partial = at::empty({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, da.options().dtype(at::kFloat));
+  dprobs_partial = empty({p != nullptr ? T : 0, ceil_div(F1, kBlock)}, at::kFloat, da);
   act_backward_quantize(da.data_ptr(), h.data_ptr(), p, act, T, F, E, plan_ptr(plan), q_ptr(out.q, rows), s_ptr(out.s, rows),
                         q_ptr(out.qT, cols), s_ptr(out.sT, cols), p != nullptr ? dprobs_partial.data_ptr<float>() : nullptr,
                         current_stream(da));
@@ -69,26 +79,29 @@ Quantized run_act_backward_quantize(const Tensor& da, const Tensor& h, const Ten
 }
 
 Tensor run_act_bf16(const Tensor& h, const Tensor& probs, Activation act) {
+  MOEGEMM_RANGE("moegemm::run_act_bf16");
   const int64_t T = h.size(0), F = act_width(h, act);
-  Tensor a = at::empty({T, F}, h.options());
+  Tensor a = empty({T, F}, h.scalar_type(), h);
   act_bf16(h.data_ptr(), probs_ptr(probs), act, T, F, a.data_ptr(), current_stream(h));
   return a;
 }
 
 Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act, Tensor& dprobs_partial) {
+  MOEGEMM_RANGE("moegemm::run_act_backward_bf16");
   const int64_t T = da.size(0), F = act_width(h, act);
   const float* p = probs_ptr(probs);
-  Tensor dh = at::empty(h.sizes(), h.options());
-  dprobs_partial = at::empty({p != nullptr ? T : 0, ceil_div(F, kActBf16Cols)}, da.options().dtype(at::kFloat));
+  Tensor dh = empty(h.sizes(), h.scalar_type(), h);
+  dprobs_partial = empty({p != nullptr ? T : 0, ceil_div(F, kActBf16Cols)}, at::kFloat, da);
   act_backward_bf16(da.data_ptr(), h.data_ptr(), p, act, T, F, dh.data_ptr(), p != nullptr ? dprobs_partial.data_ptr<float>() : nullptr,
                     current_stream(da));
   return dh;
 }
 
 Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan) {
+  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m");
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
-  Tensor out = at::empty({T, N}, qa.options().dtype(at::kBFloat16));
+  Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
   Tensor ws = workspace(gemm_fp8_ragged_m_workspace_size(E), qa);
   gemm_fp8_ragged_m(cbytes(qa), sa.data_ptr<float>(), cbytes(qb), sb.data_ptr<float>(), plan_ptr(plan), E, T, N, K,
@@ -98,6 +111,7 @@ Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& q
 
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
                            const Tensor& out, bool accumulate) {
+  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_k");
   const int E = num_experts(plan);
   const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
   const auto stream = current_stream(qaT);
@@ -115,9 +129,10 @@ void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& q
 }
 
 Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad) {
+  MOEGEMM_RANGE("moegemm::run_gemm_bf16_ragged_m");
   const int E = num_experts(plan);
   const int64_t T = a.size(0), N = w.size(1), K = w.size(2);
-  Tensor out = at::empty({T, dgrad ? K : N}, a.options());
+  Tensor out = empty({T, dgrad ? K : N}, a.scalar_type(), a);
   if (T == 0) return out;
   Tensor ws = workspace(dgrad ? gemm_bf16_dgrad_workspace_size(E) : gemm_bf16_fprop_workspace_size(E), a);
   auto fn = dgrad ? gemm_bf16_dgrad : gemm_bf16_fprop;
@@ -126,6 +141,7 @@ Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& pl
 }
 
 void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, const Tensor& out, bool accumulate) {
+  MOEGEMM_RANGE("moegemm::run_gemm_bf16_wgrad");
   const int E = num_experts(plan);
   const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
   const auto stream = current_stream(dy);
@@ -142,6 +158,7 @@ void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, 
 }
 
 void run_add_bias(const Tensor& y, const Tensor& bias, const Tensor& plan) {
+  MOEGEMM_RANGE("moegemm::run_add_bias");
   const int E = num_experts(plan);
   const int64_t T = y.size(0), N = y.size(1);
   into_aligned(y, [&](const Tensor& o) {
@@ -150,12 +167,21 @@ void run_add_bias(const Tensor& y, const Tensor& bias, const Tensor& plan) {
 }
 
 Tensor run_bias_grad(const Tensor& dy, const Tensor& plan) {
+  MOEGEMM_RANGE("moegemm::run_bias_grad");
   const int E = num_experts(plan);
   const int64_t T = dy.size(0), N = dy.size(1);
-  Tensor db = at::empty({E, N}, dy.options().dtype(at::kFloat));
-  Tensor partial = at::empty({bias_grad_workspace_floats(T, E, N)}, dy.options().dtype(at::kFloat));
+  Tensor db = empty({E, N}, at::kFloat, dy);
+  Tensor partial = empty({bias_grad_workspace_floats(T, E, N)}, at::kFloat, dy);
   bias_grad(dy.data_ptr(), plan_ptr(plan), E, T, N, db.data_ptr<float>(), partial.data_ptr<float>(), current_stream(dy));
   return db;
+}
+
+Tensor run_sum_rows(const Tensor& partial) {
+  MOEGEMM_RANGE("moegemm::run_sum_rows");
+  const int64_t rows = partial.size(0), cols = partial.size(1);
+  Tensor out = empty({rows}, at::kFloat, partial);
+  sum_rows(partial.data_ptr<float>(), rows, cols, out.data_ptr<float>(), current_stream(partial));
+  return out;
 }
 
 }  // namespace moegemm::api

@@ -11,6 +11,7 @@ namespace moegemm::api {
 // The multi-cast copies of a [T, K] tensor: rows q [T, K] + s [T, ceil(K/128)], columns (per-expert
 // transposed) qT [K, col_capacity] + sT [block_capacity, K]; the parts not asked for have shape [0].
 // Weights use the same four slots: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb].
+// Each copy and its scales share one allocation (empty_pair): freed when both are dropped.
 struct Quantized {
   Tensor q, s, qT, sT;
 };
@@ -42,5 +43,7 @@ void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, 
 void run_add_bias(const Tensor& y, const Tensor& bias, const Tensor& plan);
 // db [E, N] fp32, per-expert sums of dy [T, N] in a fixed order.
 Tensor run_bias_grad(const Tensor& dy, const Tensor& plan);
+// [rows] fp32: each row of partial [rows, cols] fp32 summed left to right (dprobs from its partial sums).
+Tensor run_sum_rows(const Tensor& partial);
 
 }  // namespace moegemm::api

@@ -129,20 +129,76 @@ struct GroupedGemm {
     return a;
   }
 
-  // Per call: CUTLASS's initialize without its cudaFuncSetAttribute (done once per device here), then
-  // the launch. Host work only; nothing waits for the device.
+  // Per call: the kernel's parameters (CUTLASS's to_underlying_arguments, which encodes TMA
+  // descriptors on the host) and the launch. Host work only; nothing waits for the device.
   static void run(const Arrays& a, int E, float alpha, float beta, void* workspace, cudaStream_t stream, const char* name) {
+    const typename Kernel::Params& params = cached_params(a, E, alpha, beta, workspace, name);
+    // No device work for these configurations (CUTLASS 4.2: the group scheduler, the array-TMA
+    // mainloops and the linear-combination epilogue return at once); kept per call in case a
+    // configuration needs it.
+    if (Kernel::initialize_workspace(arguments(a, E, alpha, beta), cutlass_workspace(workspace, E), stream) !=
+        cutlass::Status::kSuccess)
+      throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS workspace initialization failed");
+    launch(params, stream, name);
+  }
+
+ private:
+  static void* cutlass_workspace(void* workspace, int E) { return static_cast<char*>(workspace) + Arrays::carve(nullptr, E, nullptr); }
+
+  // The parameters are a pure function of (workspace, E, alpha, beta, device): the argument arrays
+  // are carved from the workspace at fixed offsets and the problem shapes live on the device. The
+  // last few built on this thread are kept and reused when a key repeats (the caching allocator hands
+  // the same workspaces back step after step; an MLP step runs each configuration two or three
+  // times), so a repeated call skips CUTLASS's host setup (TMA descriptor encoding).
+  struct CachedParams {
+    bool valid = false;
+    void* workspace = nullptr;
+    int E = 0, device = -1;
+    float alpha = 0.f, beta = 0.f;
+    typename Kernel::Params params;
+  };
+  static constexpr int kCachedParams = 4;
+
+  static const typename Kernel::Params& cached_params(const Arrays& a, int E, float alpha, float beta, void* workspace,
+                                                      const char* name) {
+    thread_local std::array<CachedParams, kCachedParams> cache{};
+    thread_local int next = 0;
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    for (const CachedParams& c : cache)
+      if (c.valid && c.workspace == workspace && c.E == E && c.device == device && c.alpha == alpha && c.beta == beta)
+        return c.params;
     auto args = arguments(a, E, alpha, beta);
-    void* cutlass_ws = static_cast<char*>(workspace) + Arrays::carve(nullptr, E, nullptr);
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess)
       throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS cannot implement these arguments");
+    CachedParams& c = cache[next];
+    next = (next + 1) % kCachedParams;
+    c.valid = false;
+    c.params = Kernel::to_underlying_arguments(args, cutlass_workspace(workspace, E));
+    c.workspace = workspace, c.E = E, c.device = device, c.alpha = alpha, c.beta = beta;
+    c.valid = true;
+    return c.params;
+  }
+
+  // What GemmUniversalAdapter::run does for an sm90 cluster kernel, minus its per-call
+  // cudaFuncSetAttribute calls: the shared-memory limit is raised once per device (the cluster sizes
+  // here are portable, so the non-portable-cluster attribute is not needed).
+  static void launch(const typename Kernel::Params& params, cudaStream_t stream, const char* name) {
     allow_shared_memory(name);
-    if (Kernel::initialize_workspace(args, cutlass_ws, stream) != cutlass::Status::kSuccess)
-      throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS workspace initialization failed");
-    typename Kernel::Params params = Kernel::to_underlying_arguments(args, cutlass_ws);
-    if (Gemm::run(params, stream) != cutlass::Status::kSuccess)
-      throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS launch failed");
-    check_launch(name);
+    static_assert(size(typename Kernel::DispatchPolicy::ClusterShape{}) <= 8, "portable cluster sizes only");
+    cudaLaunchConfig_t config{};
+    config.gridDim = Kernel::get_grid_shape(params);
+    config.blockDim = Kernel::get_block_shape();
+    config.dynamicSmemBytes = Kernel::SharedStorageSize;
+    config.stream = stream;
+    cudaLaunchAttribute cluster[1];
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = size<0>(typename Kernel::DispatchPolicy::ClusterShape{});
+    cluster[0].val.clusterDim.y = size<1>(typename Kernel::DispatchPolicy::ClusterShape{});
+    cluster[0].val.clusterDim.z = size<2>(typename Kernel::DispatchPolicy::ClusterShape{});
+    config.attrs = cluster;
+    config.numAttrs = 1;
+    check_cuda(cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params), name);
   }
 
   // The kernel's dynamic shared memory limit, raised once per device.

@@ -7,8 +7,9 @@
 //                  weight from its own arguments.
 // An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fprop reads it as it is, and its column
 // copy for wgrad is made from it (requantize_cols).
-// With defer_wgrad the backward computes dx and db only and returns the weight gradient's operands
-// (wgrad_operands: fp8 [qdyT, sdyT, qxT, sxT], bf16 [dy, x]) for a later linear_wgrad.
+// With defer_wgrad the backward computes dx and db only; the weight gradient is left to linear_wgrad over
+// [qdyT, sdyT, qxT, sxT] (fp8) or [dy, x] (bf16). Of these, backward returns the ones it made (wgrad_operands:
+// fp8 [qdyT, sdyT], bf16 []); the caller keeps the others (outputs of an op never alias its inputs).
 #include <c10/core/DeviceGuard.h>
 
 #include "api/launch_fp8_input.h"
@@ -82,7 +83,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
         check_tensor(saved[0], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);
         check_tensor(saved[1], "saved sxT", at::kFloat, {block_capacity(T, E), K}, dy);
         const Tensor qxT = aligned(saved[0]), sxT = aligned(saved[1]);
-        if (defer) operands = {qdy.qT, qdy.sT, qxT, sxT};
+        if (defer) operands = {qdy.qT, qdy.sT};
         if (!defer) dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qxT, sxT, plan, out, accumulate);
         });
@@ -99,7 +100,6 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
       TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's weight gradient needs x");
       const Tensor x = x_input(*x_in, "x");
       TORCH_CHECK(x.size(0) == T && x.size(1) == K, "moegemm: x must be [", num(T), ", ", num(K), "], got ", shape(x));
-      if (defer) operands = {dy, x};
       if (!defer) dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
         run_gemm_bf16_wgrad(dy, x, plan, out, accumulate);
       });

@@ -11,9 +11,10 @@
 // list over) frees its memory right there: peak memory, as the order below is laid out for.
 // An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fc1 reads it as it is, and its column
 // copy for wgrad is made from it (requantize_cols).
-// With defer_wgrad the backward computes dx, the bias and probs gradients only and returns the weight
-// gradients' operands (wgrad_operands: fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT], bf16 [dy, a, dh, x];
-// fc2's pair first) for a later mlp_wgrad; those saved tensors are handed on, not freed.
+// With defer_wgrad the backward computes dx, the bias and probs gradients only; the weight gradients are
+// left to mlp_wgrad over [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT] (fp8) or [dy, a, dh, x] (bf16). Of
+// these, backward returns the ones it made (wgrad_operands: fp8 [qdyT, sdyT, qdhT, sdhT], bf16 [dh]; [0]
+// where not needed); the caller keeps the saved ones, which this entry then never frees.
 #include <ATen/ops/sum.h>
 #include <c10/core/DeviceGuard.h>
 
@@ -152,18 +153,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   std::vector<Tensor> saved(saved_in.begin(), saved_in.end());
   // Drops a tensor after its last use; frees its memory now if it is one of the saved tensors handed over.
   auto drop_saved = [&](size_t slot) { release(saved[slot], release_saved); };
-  // defer: the wgrad operands, fc2's pair then fc1's, each slot a [0] placeholder until it is known.
+  // defer: the wgrad operands made here, each a [0] placeholder until it is known.
   std::vector<Tensor> operands;
-  if (defer) {
-    const bool fp8 = recipe == Recipe::kFp8Blockwise;
-    for (size_t i = 0; i < (fp8 ? 8u : 4u); ++i)
-      operands.push_back(none_like(dy, fp8 ? (i % 2 ? at::kFloat : at::kFloat8_e4m3fn) : at::kBFloat16));
+  if (defer && recipe == Recipe::kFp8Blockwise) {
+    for (size_t i = 0; i < 4; ++i) operands.push_back(none_like(dy, i % 2 ? at::kFloat : at::kFloat8_e4m3fn));
+  } else if (defer) {
+    operands.push_back(none_like(dy, at::kBFloat16));
   }
-  // A saved tensor that a deferred wgrad needs is handed on to the operands (never freed here).
-  auto hand_on = [&](size_t slot, size_t index) {
-    operands[index] = aligned(saved[slot]);
-    saved[slot].reset();
-  };
+  // A saved tensor that the deferred wgrad needs (the caller keeps it): dropped here, never freed.
+  auto keep = [&](size_t slot) { saved[slot].reset(); };
   Tensor dx = none_like(dy, at::kBFloat16), dw1 = none_like(dy, wgrad_dtype(fc1_weight));
   Tensor dw2 = none_like(dy, wgrad_dtype(fc2_weight)), db1 = none_like(dy, at::kFloat), dprobs = none_like(dy, at::kFloat);
   if (recipe == Recipe::kFp8Blockwise) {
@@ -197,7 +195,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2);
     if (need_dw2 && defer) {
       operands[0] = qdy.qT, operands[1] = qdy.sT;
-      hand_on(kQaT, 2), hand_on(kSaT, 3);
+      keep(kQaT), keep(kSaT);
     } else if (need_dw2) {
       const Tensor qaT = aligned(saved[kQaT]), saT = aligned(saved[kSaT]);
       dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
@@ -220,8 +218,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
       if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, kQw1T), drop_weight(w1T.sT, kSw1T);
       if (need_dw1 && defer) {
-        operands[4] = qdh.qT, operands[5] = qdh.sT;
-        hand_on(kQxT, 6), hand_on(kSxT, 7);
+        operands[2] = qdh.qT, operands[3] = qdh.sT;
+        keep(kQxT), keep(kSxT);
       } else if (need_dw1) {
         const Tensor qxT = aligned(saved[kQxT]), sxT = aligned(saved[kSxT]);
         dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
@@ -235,8 +233,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     if (need_da) check_tensor(saved[kBH], "saved h", at::kBFloat16, {T, s.F1}, dy);
     if (need_dw2) check_tensor(saved[kBA], "saved a", at::kBFloat16, {T, s.F}, dy);
     if (need_dw2 && defer) {
-      operands[0] = dy;
-      hand_on(kBA, 1);
+      keep(kBA);
     } else if (need_dw2) {
       const Tensor a = aligned(saved[kBA]);
       dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
@@ -262,7 +259,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
         TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's fc1 weight gradient needs x");
         const Tensor x = x_input(*x_in, "x");
         TORCH_CHECK(x.size(0) == T && x.size(1) == s.H, "moegemm: x must be [", num(T), ", ", num(s.H), "], got ", shape(x));
-        if (defer) operands[2] = dh, operands[3] = x;
+        if (defer) operands[0] = dh;
         if (!defer) dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_bf16_wgrad(dh, x, plan, out, accumulate);
         });

@@ -45,7 +45,8 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales);
 // weight [E, N, K] at operands[first], [first + 1], ...:
 //   fp8_blockwise: qdyT [N, Wc] e4m3, sdyT [NB, N] fp32, qxT [K, Wc] e4m3, sxT [NB, K] fp32 (column copies);
 //   bf16:          dy [T, N] bf16, x [T, K] bf16.
-// Checked, then the gradient is written or accumulated as by weight_grad.
+// Checked, then the gradient is written or accumulated as by weight_grad. The operands must come from a
+// backward over this plan (its device values cannot be checked against their widths on the host).
 size_t wgrad_operand_count(Recipe recipe);
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
                             const Tensor& main_grad, const Tensor& plan);

@@ -121,8 +121,8 @@ def add_grad(param: torch.Tensor, dw) -> None:
 def _linear_wgrad_job(plan, operands, weight, recipe: int):
     def job():
         target = grad_target(weight)
-        add_grad(weight, None if target is not None else
-                 backend.select(plan.device).linear_wgrad(plan, operands, weight, target, recipe))
+        dw = backend.select(plan.device).linear_wgrad(plan, operands, weight, target, recipe)
+        add_grad(weight, None if target is not None else dw)
     return job
 
 

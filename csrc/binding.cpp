@@ -12,17 +12,22 @@ namespace moegemm::api {
 
 TORCH_LIBRARY(moegemm, m) {
   // layer entries (recipe: 0 bf16, 1 fp8_blockwise; activation: csrc/moegemm.h Activation)
-  m.def("linear_fwd(Tensor x, Tensor weight, Tensor m_splits, Tensor? bias, int recipe, bool need_dx, bool need_dw) "
-        "-> (Tensor y, Tensor plan, Tensor[] saved)");
+  m.def("linear_fwd(Tensor x, Tensor weight, Tensor m_splits, Tensor? bias, int recipe, bool need_dx, bool need_dw, "
+        "Tensor? x_scales=None) -> (Tensor y, Tensor plan, Tensor[] saved)");
   m.def("linear_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, int recipe, "
-        "bool need_dx, bool need_dw, bool need_db) -> (Tensor dx, Tensor dw, Tensor db)");
+        "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False) "
+        "-> (Tensor dx, Tensor dw, Tensor db, Tensor[] wgrad_operands)");
+  m.def("linear_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, int recipe) -> Tensor dw");
   m.def("mlp_fwd(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor m_splits, Tensor? fc1_bias, Tensor? fc2_bias, "
-        "Tensor? probs, int activation, int recipe, Tensor?[] fp8_weights, bool save, bool need_dw1, bool need_dw2) "
-        "-> (Tensor y, Tensor plan, Tensor[] saved)");
+        "Tensor? probs, int activation, int recipe, Tensor?[] fp8_weights, bool save, bool need_dw1, bool need_dw2, "
+        "Tensor? x_scales=None) -> (Tensor y, Tensor plan, Tensor[] saved)");
   m.def("mlp_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor fc1_weight, Tensor fc2_weight, Tensor? probs, "
         "Tensor?[] fp8_weights, Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int activation, int recipe, "
-        "bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved) "
-        "-> (Tensor dx, Tensor dw1, Tensor dw2, Tensor db1, Tensor db2, Tensor dprobs)");
+        "bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, "
+        "bool defer_wgrad=False) -> (Tensor dx, Tensor dw1, Tensor dw2, Tensor db1, Tensor db2, Tensor dprobs, "
+        "Tensor[] wgrad_operands)");
+  m.def("mlp_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor fc1_weight, Tensor fc2_weight, Tensor(a!)? fc1_main_grad, "
+        "Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, bool need_dw2) -> (Tensor dw1, Tensor dw2)");
   // primitives
   m.def("make_plan(Tensor m_splits, int T) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
@@ -47,6 +52,8 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("linear_bwd", &linear_bwd);
   m.impl("mlp_fwd", &mlp_fwd);
   m.impl("mlp_bwd", &mlp_bwd);
+  m.impl("linear_wgrad", &linear_wgrad);
+  m.impl("mlp_wgrad", &mlp_wgrad);
   m.impl("make_plan", &make_plan_op);
   m.impl("quantize_act", &quantize_act_op);
   m.impl("quantize_weight", &quantize_weight_op);

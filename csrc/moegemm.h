@@ -35,6 +35,13 @@ void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t*
 void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const int32_t* plan,
                   uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
 
+// The column copy of an FP8 input given as its row copy (q [T, K] e4m3 with 1x128 scales s [T, ceil(K/128)],
+// quantize_act's row layout, e.g. from an FP8 dispatcher): each value is dequantized (q * s, exact in fp32)
+// and quantized again in per-expert 128x1 blocks, written as quantize_act's cols (qT [K, col_capacity],
+// sT [block_capacity, K]).
+void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
+                     float* sT, cudaStream_t stream);
+
 // Activations of the expert MLP. GLU variants read fc1's output h [T, 2F] as Megatron lays it out:
 // gate = h[:, :F], up = h[:, F:]; the others read h [T, F].
 enum class Activation : int { kSwiglu = 0, kGeglu = 1, kGelu = 2, kRelu = 3, kSquaredRelu = 4 };

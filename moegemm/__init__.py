@@ -5,10 +5,11 @@ Public API: ``grouped_linear``, ``GroupedLinear``, ``grouped_mlp``, ``GroupedMLP
 """
 
 from . import reference
-from .functional import grouped_linear
+from .functional import WgradStore, grouped_linear
 from .mlp import GroupedMLP, grouped_mlp
 from .modules import GroupedLinear
-from .quantize import make_plan, quantize_act, quantize_weight
+from .quantize import Fp8Rows, make_plan, quantize_act, quantize_weight, to_fp8_rows
 
-__all__ = ["grouped_linear", "GroupedLinear", "grouped_mlp", "GroupedMLP", "make_plan", "quantize_act", "quantize_weight", "reference"]
+__all__ = ["grouped_linear", "GroupedLinear", "grouped_mlp", "GroupedMLP", "make_plan", "quantize_act", "quantize_weight", "reference",
+           "Fp8Rows", "to_fp8_rows", "WgradStore"]
 __version__ = "0.1.0"

@@ -23,6 +23,8 @@ linear_fwd = _ops.linear_fwd.default
 linear_bwd = _ops.linear_bwd.default
 mlp_fwd = _ops.mlp_fwd.default
 mlp_bwd = _ops.mlp_bwd.default
+linear_wgrad = _ops.linear_wgrad.default
+mlp_wgrad = _ops.mlp_wgrad.default
 
 _F8, _F32, _BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 
@@ -48,7 +50,7 @@ def _fake_cols(like, T, E, K, wanted: bool):
 
 
 @torch.library.register_fake("moegemm::linear_fwd")
-def _(x, weight, m_splits, bias, recipe, need_dx, need_dw):
+def _(x, weight, m_splits, bias, recipe, need_dx, need_dw, x_scales=None):
     (T, K), (E, N, _) = x.shape, weight.shape
     if recipe == FP8_BLOCKWISE:
         saved = _fake_cols(x, T, E, K, need_dw) + _fake_weight_T(weight, need_dx)
@@ -58,15 +60,23 @@ def _(x, weight, m_splits, bias, recipe, need_dx, need_dw):
 
 
 @torch.library.register_fake("moegemm::linear_bwd")
-def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db):
+def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db, defer_wgrad=False):
     (E, N, K), T = weight.shape, dy.shape[0]
-    return (_new(dy, (T, K), _BF16, need_dx), _new(dy, (E, N, K), wgrad_dtype(weight), need_dw and main_grad is None),
-            _new(dy, (E, N), _F32, need_db))
+    defer = defer_wgrad and need_dw
+    operands = _fake_cols(dy, T, E, N, True) if defer and recipe == FP8_BLOCKWISE else []
+    return (_new(dy, (T, K), _BF16, need_dx),
+            _new(dy, (E, N, K), wgrad_dtype(weight), need_dw and main_grad is None and not defer),
+            _new(dy, (E, N), _F32, need_db), operands)
+
+
+@torch.library.register_fake("moegemm::linear_wgrad")
+def _(plan, wgrad_operands, weight, main_grad, recipe):
+    return _new(plan, tuple(weight.shape), wgrad_dtype(weight), main_grad is None)
 
 
 @torch.library.register_fake("moegemm::mlp_fwd")
 def _(x, fc1_weight, fc2_weight, m_splits, fc1_bias, fc2_bias, probs, activation, recipe, fp8_weights, save, need_dw1,
-      need_dw2):
+      need_dw2, x_scales=None):
     (T, H), (E, F1, _) = x.shape, fc1_weight.shape
     F = act_width(F1, activation)
     saved = []
@@ -82,13 +92,24 @@ def _(x, fc1_weight, fc2_weight, m_splits, fc1_bias, fc2_bias, probs, activation
 
 @torch.library.register_fake("moegemm::mlp_bwd")
 def _(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_main_grad, fc2_main_grad, activation, recipe,
-      need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dprobs, release_saved):
+      need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dprobs, release_saved, defer_wgrad=False):
     (T, H), (E, F1, _), F = dy.shape, fc1_weight.shape, fc2_weight.shape[2]
+    defer = defer_wgrad and (need_dw1 or need_dw2)
+    if defer and recipe == FP8_BLOCKWISE:
+        operands = _fake_cols(dy, T, E, H, need_dw2) + _fake_cols(dy, T, E, F1, need_dw1)
+    else:
+        operands = [_new(dy, (T, F1), _BF16, need_dw1)] if defer else []
     return (_new(dy, (T, H), _BF16, need_dx),
-            _new(dy, (E, F1, H), wgrad_dtype(fc1_weight), need_dw1 and fc1_main_grad is None),
-            _new(dy, (E, H, F), wgrad_dtype(fc2_weight), need_dw2 and fc2_main_grad is None),
+            _new(dy, (E, F1, H), wgrad_dtype(fc1_weight), need_dw1 and fc1_main_grad is None and not defer),
+            _new(dy, (E, H, F), wgrad_dtype(fc2_weight), need_dw2 and fc2_main_grad is None and not defer),
             _new(dy, (E, F1), _F32, need_db1), _new(dy, (E, H), _F32, need_db2),
-            _new(dy, (T,), _F32, need_dprobs and probs is not None))
+            _new(dy, (T,), _F32, need_dprobs and probs is not None), operands)
+
+
+@torch.library.register_fake("moegemm::mlp_wgrad")
+def _(plan, wgrad_operands, fc1_weight, fc2_weight, fc1_main_grad, fc2_main_grad, recipe, need_dw1, need_dw2):
+    return (_new(plan, tuple(fc1_weight.shape), wgrad_dtype(fc1_weight), need_dw1 and fc1_main_grad is None),
+            _new(plan, tuple(fc2_weight.shape), wgrad_dtype(fc2_weight), need_dw2 and fc2_main_grad is None))
 
 
 # ----------------------------------------------------------------------------------------- primitives

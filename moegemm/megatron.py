@@ -47,8 +47,9 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 
 from . import backend
 from ._validate import check_recipe
+from .functional import WgradStore
 from .mlp import grouped_mlp
-from .quantize import quantize_weight
+from .quantize import Fp8Rows, quantize_weight
 from .layout import GLU_ACTIVATIONS
 
 __all__ = ["MoegemmExperts", "experts_builder", "patch_layer_spec", "get_moe_layer_spec", "get_gpt_layer_spec",
@@ -296,6 +297,14 @@ class MoegemmExperts(MegatronModule):
         for p in self.parameters():
             p.allreduce = False
             p.sequence_parallel = False
+        # Split backward (megatron-core's config.delay_wgrad_compute): the weight gradients wait for
+        # backward_dw(); Megatron's DDP then hooks their reduction onto this module, not the parameters.
+        self.delay_wgrad_compute = bool(getattr(config, "delay_wgrad_compute", False))
+        self._wgrad_store = WgradStore()
+        self._wgrad_hooks = []
+        if self.delay_wgrad_compute:
+            for p in (self.linear_fc1.weight, self.linear_fc2.weight):
+                p.skip_backward_post_hook = True
 
         if hasattr(self, "register_state_dict_post_hook"):
             self.register_state_dict_post_hook(_state_dict_to_sequential)
@@ -362,6 +371,8 @@ class MoegemmExperts(MegatronModule):
             raise NotImplementedError("MoegemmExperts does not support the inference routing_map path")
         x = permuted_local_hidden_states
         H = self.hidden_size
+        if isinstance(x, Fp8Rows):  # an FP8 dispatcher's tokens: [T, H] e4m3 rows + 1x128 scales
+            return self._forward_fp8(x, tokens_per_expert, permuted_probs)
         if x.shape[-1] != H:
             raise ValueError(f"permuted_local_hidden_states.shape[-1] must be hidden_size = {H}, got {tuple(x.shape)}")
         shape = x.shape
@@ -385,9 +396,46 @@ class MoegemmExperts(MegatronModule):
         if backend.uses_cuda(x2.device) and compute_dtype != torch.bfloat16:
             compute_dtype = torch.bfloat16  # moegemm's CUDA path takes bf16 activations
         xin = x2.to(compute_dtype).contiguous()
-        w1, w2 = _weight_for_op(self.linear_fc1.weight), _weight_for_op(self.linear_fc2.weight)
-        y = grouped_mlp(xin, w1, w2, splits, probs=probs, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
-                        activation=self.activation, recipe=self.recipe, fp8_weights=self._fp8_weights())
+        y = self._mlp(xin, splits, probs)
+        y = self._add_fc2_bias(y, splits, probs, T)
+        return y.to(x.dtype).reshape(shape), None
+
+    def _mlp(self, x, splits, probs):
+        if self.delay_wgrad_compute:
+            w1, w2 = self._weight_deferred(self.linear_fc1.weight), self._weight_deferred(self.linear_fc2.weight)
+        else:
+            w1, w2 = _weight_for_op(self.linear_fc1.weight), _weight_for_op(self.linear_fc2.weight)
+        return grouped_mlp(x, w1, w2, splits, probs=probs, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
+                           activation=self.activation, recipe=self.recipe, fp8_weights=self._fp8_weights(),
+                           wgrad_store=self._wgrad_store if self.delay_wgrad_compute else None)
+
+    @staticmethod
+    def _weight_deferred(param):
+        """The weight as the split backward takes it: the parameter itself (backward_dw accumulates into its
+        fp32 main_grad, or its grad)."""
+        if hasattr(param, "main_grad") and _fusable_main_grad(param) is None:
+            raise NotImplementedError("moegemm experts with delay_wgrad_compute need an fp32 main_grad "
+                                      "(grad_reduce_in_fp32 / accumulate_allreduce_grads_in_fp32)")
+        return param
+
+    def _forward_fp8(self, x: Fp8Rows, tokens_per_expert, permuted_probs):
+        """The experts of FP8 tokens (``Fp8Rows``: q [T, H] e4m3, s [T, H/128] fp32, grad_target receiving
+        the bf16 input gradient): fc1 reads the rows as they are (fp8_blockwise only)."""
+        if self.recipe != "fp8_blockwise":
+            raise ValueError(f"FP8 tokens (Fp8Rows) need recipe='fp8_blockwise', got {self.recipe!r}")
+        T = x.q.shape[0]
+        probs = None if permuted_probs is None else permuted_probs.reshape(-1)
+        if probs is not None and probs.numel() != T:
+            raise ValueError(f"permuted_probs must hold one value per token ({T}), got shape {tuple(permuted_probs.shape)}")
+        if getattr(self.config, "moe_apply_probs_on_input", False) and probs is not None:
+            raise NotImplementedError("moe_apply_probs_on_input needs the bf16 tokens, not FP8 ones")
+        splits = tokens_per_expert
+        if isinstance(splits, torch.Tensor) and splits.dtype not in (torch.int32, torch.int64):
+            splits = splits.to(torch.int64)
+        y = self._add_fc2_bias(self._mlp(x, splits, probs), splits, probs, T)
+        return y, None
+
+    def _add_fc2_bias(self, y, splits, probs, T):
         b2 = self.linear_fc2.bias
         if b2 is not None:  # Megatron adds fc2's bias scaled by the token's prob
             ids = _expert_ids(splits, self.num_local_experts, T, y.device)
@@ -396,10 +444,26 @@ class MoegemmExperts(MegatronModule):
             if probs is not None:
                 b = b * probs.float().unsqueeze(-1)
             y = (y.float() + b).to(y.dtype)
-        return y.to(x.dtype).reshape(shape), None
+        return y
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook):
+        """Megatron DDP (delay_wgrad_compute): ``hook`` runs after backward_dw has made the weight gradients."""
+        self._wgrad_hooks.append(hook)
 
     def backward_dw(self):
-        """Weight gradients are computed in the regular backward (no delayed wgrad)."""
+        """The delayed weight gradients (config.delay_wgrad_compute; a no-op otherwise): every backward
+        since the last call, into main_grad (or .grad), then Megatron DDP's reduction hooks."""
+        if not self.delay_wgrad_compute:
+            return
+        self._wgrad_store.backward_dw()
+        for p in (self.linear_fc1.weight, self.linear_fc2.weight):
+            if hasattr(p, "grad_added_to_main_grad") and _fusable_main_grad(p) is not None:
+                p.grad_added_to_main_grad = True  # as _MainGradBridge: DDP's hook must see a grad, not add it
+                if p.grad is None:
+                    make = torch.zeros if getattr(p, "zero_out_wgrad", False) else torch.empty
+                    p.grad = make(p.shape, dtype=p.dtype, device=p.device)
+        for hook in self._wgrad_hooks:
+            hook()
 
     def set_is_first_microbatch(self):  # MegatronModule's version only acts when config.fp8 is set
         self.is_first_microbatch = True

@@ -19,9 +19,11 @@ from torch import nn
 from . import backend
 from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
-from .functional import finish_sum, finish_weight_grad, refuse_double_backward, weight_grad_target
+from .functional import (WgradStore, add_grad, finish_sum, finish_weight_grad, grad_target, refuse_double_backward,
+                         split_x, weight_grad_target)
 from .layout import ACTIVATIONS, BF16, GLU_ACTIVATIONS, RECIPE_IDS, act_width
 from .modules import GroupedLinear
+from .quantize import Fp8Rows
 
 _RELEASED = "released"
 
@@ -49,15 +51,30 @@ def _unstash(ctx):
     return tensors, True
 
 
+def _mlp_wgrad_job(plan, operands, w1, w2, recipe: int, need_dw1: bool, need_dw2: bool):
+    def job():
+        t1 = grad_target(w1) if need_dw1 else None
+        t2 = grad_target(w2) if need_dw2 else None
+        dw1, dw2 = backend.select(plan.device).mlp_wgrad(plan, operands, w1, w2, t1, t2, recipe, need_dw1, need_dw2)
+        if need_dw2:
+            add_grad(w2, None if t2 is not None else dw2)
+        if need_dw1:
+            add_grad(w1, None if t1 is not None else dw1)
+    return job
+
+
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, b1, b2, probs, m_splits, activation: int, recipe: int, fp8_weights: list):
+    def forward(ctx, x, w1, w2, b1, b2, probs, m_splits, activation: int, recipe: int, fp8_weights: list, x_fp8,
+                x_scales, store):
+        """x: the bf16 input, or with an FP8 input (x_fp8, x_scales) the tensor that receives dx (or None)."""
         need_dw1, need_dw2 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        y, plan, saved = backend.select(x.device).mlp_fwd(x, w1, w2, m_splits, b1, b2, probs, activation, recipe,
-                                                          fp8_weights, True, need_dw1, need_dw2)
+        x_op = x_fp8 if x_scales is not None else x
+        y, plan, saved = backend.select(x_op.device).mlp_fwd(x_op, w1, w2, m_splits, b1, b2, probs, activation, recipe,
+                                                             fp8_weights, True, need_dw1, need_dw2, x_scales)
         _stash(ctx, (plan, x if recipe == BF16 else None, w1, w2, probs, *fp8_weights, *saved))
         ctx.activation, ctx.recipe, ctx.num_fp8_weights = activation, recipe, len(fp8_weights)
-        ctx.w1, ctx.w2 = w1, w2
+        ctx.w1, ctx.w2, ctx.store = w1, w2, store
         ctx.b1_dtype = b1.dtype if b1 is not None else None
         ctx.b2_dtype = b2.dtype if b2 is not None else None
         ctx.probs_dtype = probs.dtype if probs is not None else None
@@ -67,17 +84,28 @@ class _GroupedMLP(torch.autograd.Function):
     def backward(ctx, dy):
         refuse_double_backward("grouped_mlp")
         need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dp = ctx.needs_input_grad[:6]
-        mg1, mg2 = weight_grad_target(ctx.w1, need_dw1), weight_grad_target(ctx.w2, need_dw2)
+        defer = ctx.store is not None and (need_dw1 or need_dw2)
+        mg1, mg2 = (None, None) if defer else (weight_grad_target(ctx.w1, need_dw1), weight_grad_target(ctx.w2, need_dw2))
         tensors, release = _unstash(ctx)
         (plan, x, w1, w2, probs), rest = tensors[:5], tensors[5:]
         fp8_weights, saved = rest[:ctx.num_fp8_weights], rest[ctx.num_fp8_weights:]
         del tensors, rest  # the op holds the last references to what it frees
-        dx, dw1, dw2, db1, db2, dp = backend.select(dy.device).mlp_bwd(
+        # deferred wgrad: the saved operands it needs stay here (the op does not free them)
+        kept = (saved[3], saved[4], saved[0], saved[1]) if defer and ctx.recipe != BF16 else (saved[1] if defer else None)
+        dx, dw1, dw2, db1, db2, dp, made = backend.select(dy.device).mlp_bwd(
             dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
-            need_dw2, need_db1, need_db2, need_dp, release)
-        return (dx if need_dx else None, finish_weight_grad(dw1, need_dw1, ctx.w1, mg1),
-                finish_weight_grad(dw2, need_dw2, ctx.w2, mg2), finish_sum(db1, need_db1, ctx.b1_dtype),
-                finish_sum(db2, need_db2, ctx.b2_dtype), finish_sum(dp, need_dp, ctx.probs_dtype), None, None, None, None)
+            need_dw2, need_db1, need_db2, need_dp, release, defer)
+        if defer:  # fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT], bf16 [dy, a, dh, x]
+            if ctx.recipe != BF16:
+                operands = [made[0], made[1], kept[0], kept[1], made[2], made[3], kept[2], kept[3]]
+            else:
+                operands = [dy.contiguous(), kept, made[0], x]
+            ctx.store.push(_mlp_wgrad_job(plan, operands, ctx.w1, ctx.w2, ctx.recipe, need_dw1, need_dw2))
+            dw1 = dw2 = None
+        return (dx if need_dx else None, None if defer else finish_weight_grad(dw1, need_dw1, ctx.w1, mg1),
+                None if defer else finish_weight_grad(dw2, need_dw2, ctx.w2, mg2), finish_sum(db1, need_db1, ctx.b1_dtype),
+                finish_sum(db2, need_db2, ctx.b2_dtype), finish_sum(dp, need_dp, ctx.probs_dtype),
+                None, None, None, None, None, None, None)
 
 
 def check_activation(activation: str) -> str:
@@ -89,10 +117,13 @@ def check_activation(activation: str) -> str:
 def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, m_splits: SplitsLike,
                 probs: Optional[torch.Tensor] = None, fc1_bias: Optional[torch.Tensor] = None,
                 fc2_bias: Optional[torch.Tensor] = None, activation: str = "swiglu", recipe: str = "fp8_blockwise",
-                fp8_weights=None, check_splits: Optional[bool] = None) -> torch.Tensor:
+                fp8_weights=None, check_splits: Optional[bool] = None,
+                wgrad_store: Optional[WgradStore] = None) -> torch.Tensor:
     """``fc2(act(fc1(x)) * probs)`` per expert; fc1_weight ``[E, F1, H]`` (F1 = 2F for GLU activations,
     gate rows first), fc2_weight ``[E, H, F]``; probs ``[T]`` (any float dtype) or None.
-    ``fp8_weights``: ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))`` to reuse."""
+    ``fp8_weights``: ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))`` to reuse.
+    ``x`` may be FP8: ``Fp8Rows(q, s, grad_target)`` (fp8_blockwise only; dx goes to grad_target).
+    ``wgrad_store``: split backward, the weight gradients wait there until ``wgrad_store.backward_dw()``."""
     check_recipe(recipe)
     check_activation(activation)
     check_weight(fc1_weight, "fc1_weight")
@@ -106,27 +137,37 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
                          f"got {tuple(fc2_weight.shape)}")
     if fc2_weight.device != fc1_weight.device:
         raise ValueError(f"fc2_weight is on {fc2_weight.device} but fc1_weight is on {fc1_weight.device}")
-    check_x(x, H, fc1_weight.device, cuda_path=backend.uses_cuda(fc1_weight.device))
+    x, x_fp8, x_scales = split_x(x, H, fc1_weight.device, backend.uses_cuda(fc1_weight.device))
+    if x_scales is not None and recipe != "fp8_blockwise":
+        raise ValueError(f"an FP8 x (Fp8Rows) needs recipe='fp8_blockwise', got {recipe!r}")
+    x_dev = x_fp8 if x_scales is not None else x
     check_bias(fc1_bias, E, F1, fc1_weight.device)
     check_bias(fc2_bias, E, H, fc1_weight.device)
     check_main_grad(fc1_weight)
     check_main_grad(fc2_weight)
-    T = x.shape[0]
+    T = x_dev.shape[0]
     if probs is not None:
         if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
             raise TypeError(f"probs must be a floating-point tensor, got {getattr(probs, 'dtype', type(probs))}")
         if tuple(probs.shape) != (T,):
             raise ValueError(f"probs must have shape [T] = {(T,)}, got {tuple(probs.shape)}")
-        if probs.device != x.device:
-            raise ValueError(f"probs is on {probs.device} but x is on {x.device}")
-    m = splits_to_device(m_splits, E, T, x.device, check_splits)  # the first device work
+        if probs.device != x_dev.device:
+            raise ValueError(f"probs is on {probs.device} but x is on {x_dev.device}")
+    m = splits_to_device(m_splits, E, T, x_dev.device, check_splits)  # the first device work
     fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe == "fp8_blockwise" else []
     act_id, recipe_id = ACTIVATIONS[activation], RECIPE_IDS[recipe]
     inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):  # inference
-        return backend.select(x.device).mlp_fwd(x, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id,
-                                                recipe_id, fp8, False, False, False)[0]
-    return _GroupedMLP.apply(*inputs, m, act_id, recipe_id, fp8)
+        return backend.select(x_dev.device).mlp_fwd(x_dev, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id,
+                                                    recipe_id, fp8, False, False, False, x_scales)[0]
+    apply = _GroupedMLP.apply if wgrad_store is None else _apply_deferred
+    return apply(*inputs, m, act_id, recipe_id, fp8, x_fp8, x_scales, wgrad_store)
+
+
+@torch.compiler.disable
+def _apply_deferred(*args):
+    """The split-backward MLP outside torch.compile's graphs (its backward pushes work into a Python store)."""
+    return _GroupedMLP.apply(*args)
 
 
 class GroupedMLP(nn.Module):
@@ -176,13 +217,31 @@ class GroupedMLP(nn.Module):
         self._fp8_only = True
         return self.eval()
 
+    # Split backward (Megatron's delay_wgrad_compute): set True on an instance; backward then leaves the
+    # weight gradients to backward_dw().
+    delay_wgrad_compute = False
+    _wgrad_store = None
+
+    def backward_dw(self) -> None:
+        """The weight gradients of every backward since the last call (delay_wgrad_compute)."""
+        if self._wgrad_store is not None:
+            self._wgrad_store.backward_dw()
+
     def forward(self, x: torch.Tensor, m_splits: SplitsLike, probs: Optional[torch.Tensor] = None,
                 is_first_microbatch: Optional[bool] = None, check_splits: Optional[bool] = None) -> torch.Tensor:
-        if self._fp8_only and torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad)):
+        """x: ``[T, hidden]`` bf16, or an FP8 ``Fp8Rows`` (fp8_blockwise)."""
+        store = None
+        if self.delay_wgrad_compute:
+            if self._wgrad_store is None:
+                self._wgrad_store = WgradStore()
+            store = self._wgrad_store
+        x_grad = x.grad_target if isinstance(x, Fp8Rows) else x
+        if self._fp8_only and torch.is_grad_enabled() and ((x_grad is not None and x_grad.requires_grad)
+                                                           or (probs is not None and probs.requires_grad)):
             raise RuntimeError("GroupedMLP holds only FP8 weights (to_fp8_inference): it cannot compute gradients; "
                                "run it under torch.no_grad() or with inputs that do not require grad")
         return grouped_mlp(x, self.fc1.weight, self.fc2.weight, m_splits, probs, self.fc1.bias, self.fc2.bias,
-                           self.activation, self.recipe, self.fp8_weights(is_first_microbatch), check_splits)
+                           self.activation, self.recipe, self.fp8_weights(is_first_microbatch), check_splits, store)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, recipe={self.recipe!r}"

@@ -3,10 +3,13 @@ device selects. Outputs use the canonical layouts described in ``reference.py``.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from . import backend
 from ._validate import SplitsLike, check_num_experts, check_weight, splits_to_device
+from .layout import BLOCK, MAX_TOKENS, ceil_div
 
 
 def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> torch.Tensor:
@@ -33,3 +36,55 @@ def quantize_weight(weight: torch.Tensor):
     """128×128-block quantization: ``(q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb])``."""
     check_weight(weight)
     return backend.select(weight.device).quantize_weight(weight.contiguous())
+
+
+class Fp8Rows(NamedTuple):
+    """An FP8 activation as an FP8 dispatcher delivers it: ``q [T, K]`` float8_e4m3fn and its 1×128 row
+    scales ``s [T, ceil(K/128)]`` fp32 (quantize_act's row copy, SPEC §3), and ``grad_target``: the
+    differentiable tensor ``[T, K]`` that receives the input gradient dx (bf16, cast to its dtype) in
+    backward, or None (then no dx is computed). Pass it as ``x`` to grouped_linear / grouped_mlp /
+    GroupedLinear / GroupedMLP / MoegemmExperts (fp8_blockwise only)."""
+    q: torch.Tensor
+    s: torch.Tensor
+    grad_target: Optional[torch.Tensor] = None
+
+
+def check_fp8_rows(x: Fp8Rows, K: int, device) -> None:
+    q, s, g = x
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"Fp8Rows.q must be a float8_e4m3fn tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    if q.dim() != 2 or q.shape[1] != K:
+        raise ValueError(f"Fp8Rows.q must be [T, {K}] (K = weight.shape[2]), got shape {tuple(q.shape)}")
+    if q.shape[0] > MAX_TOKENS:
+        raise ValueError(f"Fp8Rows.q.shape[0] (tokens) must be at most {MAX_TOKENS}, got {q.shape[0]}")
+    if q.device != torch.device(device):
+        raise ValueError(f"Fp8Rows.q is on {q.device} but weight is on {device}")
+    if not q.is_contiguous():
+        raise ValueError("Fp8Rows.q must be contiguous")
+    want = (q.shape[0], ceil_div(K, BLOCK))
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != want:
+        raise ValueError(f"Fp8Rows.s must be a float32 tensor of shape {want}, got "
+                         f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
+    if s.device != q.device or not s.is_contiguous():
+        raise ValueError(f"Fp8Rows.s must be contiguous on {q.device}, got one on {s.device}")
+    if g is not None:
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point() or tuple(g.shape) != tuple(q.shape):
+            raise ValueError(f"Fp8Rows.grad_target must be a floating-point tensor of shape {tuple(q.shape)}, got "
+                             f"{getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}")
+        if g.device != q.device:
+            raise ValueError(f"Fp8Rows.grad_target is on {g.device} but Fp8Rows.q is on {q.device}")
+
+
+def to_fp8_rows(x: torch.Tensor, grad_target: Optional[torch.Tensor] = None) -> Fp8Rows:
+    """``x [T, K]`` quantized into its FP8 row copy (1×128 blocks; quantize_act's rows), as an FP8
+    dispatcher would send it. ``grad_target`` defaults to x itself when x requires grad: dx flows back to
+    the unquantized tensor (straight through the quantization), as a dispatcher's backward wants it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % 16:
+        raise ValueError(f"x must be [T, K] with K a positive multiple of 16, got shape {tuple(x.shape)}")
+    with torch.no_grad():
+        q, s, _, _ = quantize_act(x.detach(), [x.shape[0]], rows=True, cols=False)
+    if grad_target is None and x.requires_grad:
+        grad_target = x
+    return Fp8Rows(q, s, grad_target)

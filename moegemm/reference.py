@@ -123,6 +123,15 @@ def quantize_act(x: torch.Tensor, plan: torch.Tensor, rows: bool = True, cols: b
     return q, s, qT, sT
 
 
+def requantize_cols(q: torch.Tensor, s: torch.Tensor, plan: torch.Tensor):
+    """The column copy of an FP8 input given as its row copy (``q [T, K]`` e4m3, ``s [T, ceil(K/128)]``,
+    quantize_act's rows): dequantize (``q * s``, exact in fp32) and quantize again in per-expert 128×1
+    blocks, ``(qT [K, Wc], sT [NB, K])`` as quantize_act's cols (the oracle of the CUDA requantize_cols).
+    Double quantization: each value carries the error of its 1×128 row block and then of its 128×1 column
+    block (tests/test_fp8_input.py states the total against float64)."""
+    return quantize_cols(dequantize_rows(q, s).float(), plan)
+
+
 def quantize_weight(w: torch.Tensor):
     """128×128 blocks per expert: ``(q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb])``."""
     E, N, K = w.shape

@@ -5,6 +5,11 @@
 //   fp8_blockwise: [qxT, sxT, qwT, swT] — x's per-expert column copy (wgrad) and Wᵀ's copy (dgrad);
 //   bf16:          [w_bf16] — the bf16 copy of an fp32 weight (dgrad); backward reads x and a bf16
 //                  weight from its own arguments.
+// An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fprop reads it as it is, and its column
+// copy for wgrad is made from it (requantize_cols).
+// With defer_wgrad the backward computes dx and db only; the weight gradient is left to linear_wgrad over
+// [qdyT, sdyT, qxT, sxT] (fp8) or [dy, x] (bf16). Of these, backward returns the ones it made (wgrad_operands:
+// fp8 [qdyT, sdyT], bf16 []); the caller keeps the others (outputs of an op never alias its inputs).
 #include <c10/core/DeviceGuard.h>
 
 #include "api/layer_inputs.h"
@@ -18,9 +23,13 @@ constexpr size_t kFp8Saved = 4, kBf16Saved = 1;
 
 std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, const Tensor& weight, const Tensor& m_splits,
                                                            const std::optional<Tensor>& bias_in, int64_t recipe_id,
-                                                           bool need_dx, bool need_dw) {
+                                                           bool need_dx, bool need_dw,
+                                                           const std::optional<Tensor>& x_scales) {
   const Recipe recipe = to_recipe(recipe_id);
-  const Tensor x = x_input(x_in, "x");
+  const bool fp8_x = x_scales.has_value();
+  TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
+  const Quantized given = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
+  const Tensor x = fp8_x ? given.q : x_input(x_in, "x");
   check_weight(weight, "weight", x);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = x.size(0);
   TORCH_CHECK(x.size(1) == K, "moegemm: x.shape[1] must equal weight.shape[2] = ", num(K), ", got ", num(x.size(1)));
@@ -30,7 +39,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   Tensor y;
   std::vector<Tensor> saved;
   if (recipe == Recipe::kFp8Blockwise) {
-    Quantized qx = run_quantize_act(x, DType::kBF16, plan, true, need_dw);
+    Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw)
+                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw);
     Quantized qw = run_quantize_weight(weight_input(weight), to_dtype(weight, "weight"));
     y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
     saved = {qx.qT, qx.sT, need_dx ? qw.qT : none_like(x, at::kFloat8_e4m3fn), need_dx ? qw.sT : none_like(x, at::kFloat)};
@@ -43,19 +53,21 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   return {y, plan, saved};
 }
 
-std::tuple<Tensor, Tensor, Tensor> linear_bwd(const Tensor& dy_in, const Tensor& plan, at::TensorList saved,
-                                              const std::optional<Tensor>& x_in, const Tensor& weight,
-                                              const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx,
-                                              bool need_dw, bool need_db) {
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
+    const Tensor& dy_in, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x_in, const Tensor& weight,
+    const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx, bool need_dw, bool need_db,
+    bool defer_wgrad) {
   const Recipe recipe = to_recipe(recipe_id);
   TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
   check_weight(weight, "weight", dy_in);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = dy_in.dim() == 2 ? dy_in.size(0) : -1;
   const Tensor dy = grad_input(dy_in, T, N, dy_in);
   check_plan(plan, E, dy);
-  const Tensor main_grad = need_dw ? main_grad_input(main_grad_in, "main_grad", weight, dy) : Tensor();
+  const bool defer = defer_wgrad && need_dw;
+  const Tensor main_grad = need_dw && !defer ? main_grad_input(main_grad_in, "main_grad", weight, dy) : Tensor();
   c10::DeviceGuard guard(dy.device());
   Tensor dx = none_like(dy, at::kBFloat16), dw = none_like(dy, wgrad_dtype(weight)), db = none_like(dy, at::kFloat);
+  std::vector<Tensor> operands;
   if (recipe == Recipe::kFp8Blockwise) {
     TORCH_CHECK(saved.size() == kFp8Saved, "moegemm: saved must hold ", num(kFp8Saved), " tensors, got ", num(saved.size()));
     if (need_dx || need_dw) {
@@ -70,7 +82,8 @@ std::tuple<Tensor, Tensor, Tensor> linear_bwd(const Tensor& dy_in, const Tensor&
         check_tensor(saved[0], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);
         check_tensor(saved[1], "saved sxT", at::kFloat, {block_capacity(T, E), K}, dy);
         const Tensor qxT = aligned(saved[0]), sxT = aligned(saved[1]);
-        dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
+        if (defer) operands = {qdy.qT, qdy.sT};
+        if (!defer) dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qxT, sxT, plan, out, accumulate);
         });
       }
@@ -86,13 +99,27 @@ std::tuple<Tensor, Tensor, Tensor> linear_bwd(const Tensor& dy_in, const Tensor&
       TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's weight gradient needs x");
       const Tensor x = x_input(*x_in, "x");
       TORCH_CHECK(x.size(0) == T && x.size(1) == K, "moegemm: x must be [", num(T), ", ", num(K), "], got ", shape(x));
-      dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
+      if (!defer) dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
         run_gemm_bf16_wgrad(dy, x, plan, out, accumulate);
       });
     }
   }
   if (need_db) db = run_bias_grad(dy, plan);
-  return {dx, dw, db};
+  return {dx, dw, db, operands};
+}
+
+Tensor linear_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& weight,
+                    const std::optional<Tensor>& main_grad_in, int64_t recipe_id) {
+  const Recipe recipe = to_recipe(recipe_id);
+  TORCH_CHECK(plan.is_cuda(), "moegemm: plan must be a CUDA tensor, got one on ", plan.device().str());
+  check_weight(weight, "weight", plan);
+  check_plan(plan, weight.size(0), plan);
+  TORCH_CHECK(operands.size() == wgrad_operand_count(recipe), "moegemm: wgrad_operands must hold ",
+              num(static_cast<int64_t>(wgrad_operand_count(recipe))), " tensors, got ",
+              num(static_cast<int64_t>(operands.size())));
+  const Tensor main_grad = main_grad_input(main_grad_in, "main_grad", weight, plan);
+  c10::DeviceGuard guard(plan.device());
+  return deferred_weight_grad(recipe, operands, 0, "wgrad_operands", weight, main_grad, plan);
 }
 
 }  // namespace moegemm::api

@@ -9,6 +9,12 @@
 //   bf16:          [h, a, w1_bf16, w2_bf16] — the bf16 copies only of fp32 weights.
 // The backward entry drops each after its last use, and with release_saved (eager autograd hands the
 // list over) frees its memory right there: peak memory, as the order below is laid out for.
+// An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fc1 reads it as it is, and its column
+// copy for wgrad is made from it (requantize_cols).
+// With defer_wgrad the backward computes dx, the bias and probs gradients only; the weight gradients are
+// left to mlp_wgrad over [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT] (fp8) or [dy, a, dh, x] (bf16). Of
+// these, backward returns the ones it made (wgrad_operands: fp8 [qdyT, sdyT, qdhT, sdhT], bf16 [dh]; [0]
+// where not needed); the caller keeps the saved ones, which this entry then never frees.
 #include <c10/core/DeviceGuard.h>
 
 #include "api/layer_inputs.h"
@@ -68,10 +74,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     const Tensor& x_in, const Tensor& fc1_weight, const Tensor& fc2_weight, const Tensor& m_splits,
     const std::optional<Tensor>& fc1_bias, const std::optional<Tensor>& fc2_bias, const std::optional<Tensor>& probs_in,
     int64_t activation, int64_t recipe_id, const c10::List<std::optional<Tensor>>& fp8_weights, bool save, bool need_dw1,
-    bool need_dw2) {
+    bool need_dw2, const std::optional<Tensor>& x_scales) {
   const Recipe recipe = to_recipe(recipe_id);
   const Activation act = to_activation(activation);
-  const Tensor x = x_input(x_in, "x");
+  const bool fp8_x = x_scales.has_value();
+  TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
+  const Quantized given_x = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
+  const Tensor x = fp8_x ? given_x.q : x_input(x_in, "x");
   const MlpShape s = check_mlp_weights(fc1_weight, fc2_weight, act, x.size(0), x);
   TORCH_CHECK(x.size(1) == s.H, "moegemm: x.shape[1] must equal fc1_weight.shape[2] = ", num(s.H), ", got ", num(x.size(1)));
   const Tensor b1 = bias_input(fc1_bias, "fc1_bias", s.E, s.F1, x), b2 = bias_input(fc2_bias, "fc2_bias", s.E, s.H, x);
@@ -86,7 +95,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     // Each weight is quantized just before its GEMM and its row copy dropped right after, so the four
     // FP8 weight copies never coexist.
     Quantized qw1 = fc1_fp8(fp8_weights, fc1_weight, s, save, x);
-    Quantized qx = run_quantize_act(x, DType::kBF16, plan, true, need_dw1);
+    Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1)
+                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw1);
     Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan);
     if (b1.defined()) run_add_bias(h, b1, plan);
     qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();
@@ -117,12 +127,12 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   return {y, plan, saved};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> mlp_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved_in, const std::optional<Tensor>& x_in,
     const Tensor& fc1_weight, const Tensor& fc2_weight, const std::optional<Tensor>& probs_in,
     const c10::List<std::optional<Tensor>>& fp8_weights, const std::optional<Tensor>& fc1_main_grad,
     const std::optional<Tensor>& fc2_main_grad, int64_t activation, int64_t recipe_id, bool need_dx, bool need_dw1,
-    bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved) {
+    bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad) {
   const Recipe recipe = to_recipe(recipe_id);
   const Activation act = to_activation(activation);
   TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
@@ -130,8 +140,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
   const MlpShape s = check_mlp_weights(fc1_weight, fc2_weight, act, T, dy_in);
   const Tensor dy = grad_input(dy_in, T, s.H, dy_in);
   check_plan(plan, s.E, dy);
-  const Tensor mg1 = need_dw1 ? main_grad_input(fc1_main_grad, "fc1_main_grad", fc1_weight, dy) : Tensor();
-  const Tensor mg2 = need_dw2 ? main_grad_input(fc2_main_grad, "fc2_main_grad", fc2_weight, dy) : Tensor();
+  const bool defer = defer_wgrad && (need_dw1 || need_dw2);
+  const Tensor mg1 = need_dw1 && !defer ? main_grad_input(fc1_main_grad, "fc1_main_grad", fc1_weight, dy) : Tensor();
+  const Tensor mg2 = need_dw2 && !defer ? main_grad_input(fc2_main_grad, "fc2_main_grad", fc2_weight, dy) : Tensor();
   const bool given = pre_quantized(fp8_weights);
   const bool need_dh = need_dx || need_dw1 || need_db1, need_da = need_dh || need_dprobs;
   c10::DeviceGuard guard(dy.device());
@@ -140,6 +151,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
   std::vector<Tensor> saved(saved_in.begin(), saved_in.end());
   // Drops a tensor after its last use; frees its memory now if it is one of the saved tensors handed over.
   auto drop_saved = [&](size_t slot) { release(saved[slot], release_saved); };
+  // defer: the wgrad operands made here, each a [0] placeholder until it is known.
+  std::vector<Tensor> operands;
+  if (defer && recipe == Recipe::kFp8Blockwise) {
+    for (size_t i = 0; i < 4; ++i) operands.push_back(none_like(dy, i % 2 ? at::kFloat : at::kFloat8_e4m3fn));
+  } else if (defer) {
+    operands.push_back(none_like(dy, at::kBFloat16));
+  }
+  // A saved tensor that the deferred wgrad needs (the caller keeps it): dropped here, never freed.
+  auto keep = [&](size_t slot) { saved[slot].reset(); };
   Tensor dx = none_like(dy, at::kBFloat16), dw1 = none_like(dy, wgrad_dtype(fc1_weight));
   Tensor dw2 = none_like(dy, wgrad_dtype(fc2_weight)), db1 = none_like(dy, at::kFloat), dprobs = none_like(dy, at::kFloat);
   if (recipe == Recipe::kFp8Blockwise) {
@@ -171,7 +191,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
       if (!given) drop_saved(slot);
     };
     Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2);
-    if (need_dw2) {
+    if (need_dw2 && defer) {
+      operands[0] = qdy.qT, operands[1] = qdy.sT;
+      keep(kQaT), keep(kSaT);
+    } else if (need_dw2) {
       const Tensor qaT = aligned(saved[kQaT]), saT = aligned(saved[kSaT]);
       dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
         run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qaT, saT, plan, out, accumulate);
@@ -192,7 +215,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
       da.reset(), drop_saved(kH);
       if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, kQw1T), drop_weight(w1T.sT, kSw1T);
-      if (need_dw1) {
+      if (need_dw1 && defer) {
+        operands[2] = qdh.qT, operands[3] = qdh.sT;
+        keep(kQxT), keep(kSxT);
+      } else if (need_dw1) {
         const Tensor qxT = aligned(saved[kQxT]), sxT = aligned(saved[kSxT]);
         dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_fp8_ragged_k(qdh.qT, qdh.sT, qxT, sxT, plan, out, accumulate);
@@ -204,7 +230,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
     TORCH_CHECK(saved.size() == kBf16Saved, "moegemm: saved must hold ", num(kBf16Saved), " tensors, got ", num(saved.size()));
     if (need_da) check_tensor(saved[kBH], "saved h", at::kBFloat16, {T, s.F1}, dy);
     if (need_dw2) check_tensor(saved[kBA], "saved a", at::kBFloat16, {T, s.F}, dy);
-    if (need_dw2) {
+    if (need_dw2 && defer) {
+      keep(kBA);
+    } else if (need_dw2) {
       const Tensor a = aligned(saved[kBA]);
       dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
         run_gemm_bf16_wgrad(dy, a, plan, out, accumulate);
@@ -229,7 +257,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
         TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's fc1 weight gradient needs x");
         const Tensor x = x_input(*x_in, "x");
         TORCH_CHECK(x.size(0) == T && x.size(1) == s.H, "moegemm: x must be [", num(T), ", ", num(s.H), "], got ", shape(x));
-        dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
+        if (defer) operands[0] = dh;
+        if (!defer) dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_bf16_wgrad(dh, x, plan, out, accumulate);
         });
       }
@@ -238,7 +267,32 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
     }
   }
   Tensor db2 = need_db2 ? run_bias_grad(dy, plan) : none_like(dy, at::kFloat);
-  return {dx, dw1, dw2, db1, db2, dprobs};
+  return {dx, dw1, dw2, db1, db2, dprobs, operands};
+}
+
+std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& fc1_weight,
+                                     const Tensor& fc2_weight, const std::optional<Tensor>& fc1_main_grad,
+                                     const std::optional<Tensor>& fc2_main_grad, int64_t recipe_id, bool need_dw1,
+                                     bool need_dw2) {
+  const Recipe recipe = to_recipe(recipe_id);
+  TORCH_CHECK(plan.is_cuda(), "moegemm: plan must be a CUDA tensor, got one on ", plan.device().str());
+  check_weight(fc1_weight, "fc1_weight", plan);
+  check_weight(fc2_weight, "fc2_weight", plan);
+  const int64_t E = fc1_weight.size(0);
+  TORCH_CHECK(fc2_weight.size(0) == E && fc2_weight.size(1) == fc1_weight.size(2), "moegemm: fc2_weight ",
+              shape(fc2_weight), " does not match fc1_weight ", shape(fc1_weight));
+  check_plan(plan, E, plan);
+  const size_t n = wgrad_operand_count(recipe);
+  TORCH_CHECK(operands.size() == 2 * n, "moegemm: wgrad_operands must hold ", num(static_cast<int64_t>(2 * n)),
+              " tensors, got ", num(static_cast<int64_t>(operands.size())));
+  const Tensor mg1 = need_dw1 ? main_grad_input(fc1_main_grad, "fc1_main_grad", fc1_weight, plan) : Tensor();
+  const Tensor mg2 = need_dw2 ? main_grad_input(fc2_main_grad, "fc2_main_grad", fc2_weight, plan) : Tensor();
+  c10::DeviceGuard guard(plan.device());
+  Tensor dw2 = need_dw2 ? deferred_weight_grad(recipe, operands, 0, "wgrad_operands (fc2)", fc2_weight, mg2, plan)
+                        : none_like(plan, wgrad_dtype(fc2_weight));
+  Tensor dw1 = need_dw1 ? deferred_weight_grad(recipe, operands, n, "wgrad_operands (fc1)", fc1_weight, mg1, plan)
+                        : none_like(plan, wgrad_dtype(fc1_weight));
+  return {dw1, dw2};
 }
 
 }  // namespace moegemm::api

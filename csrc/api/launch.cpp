@@ -54,6 +54,17 @@ Quantized run_quantize_weight(const Tensor& w, DType dtype) {
   return out;
 }
 
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols) {
+  MOEGEMM_RANGE("moegemm::run_requantize_cols");
+  const int E = num_experts(plan);
+  const int64_t T = q.size(0), K = q.size(1);
+  auto [qT, sT] = cols ? empty_pair({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, {block_capacity(T, E), K}, at::kFloat, q)
+                       : std::pair{empty({0}, at::kFloat8_e4m3fn, q), empty({0}, at::kFloat, q)};
+  if (cols)
+    requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), bytes(qT), sT.data_ptr<float>(), current_stream(q));
+  return {q, s, qT, sT};
+}
+
 Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols) {
   MOEGEMM_RANGE("moegemm::run_act_quantize");
   const int E = num_experts(plan);

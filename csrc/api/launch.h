@@ -19,6 +19,10 @@ struct Quantized {
 Tensor run_make_plan(const Tensor& m_splits, int64_t T);
 Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols);
 Quantized run_quantize_weight(const Tensor& w, DType dtype);
+// An FP8 x given as its row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout, as an
+// FP8 dispatcher delivers it): {q, s, qT, sT} with, if `cols`, the per-expert column copy made from the
+// rows (dequantize, re-quantize in 128x1 blocks; else [0] placeholders).
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols);
 
 // a = act(h) * probs, quantized like quantize_act (probs may be undefined).
 Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols);

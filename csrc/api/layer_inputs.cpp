@@ -97,6 +97,50 @@ Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name,
   return *main_grad;
 }
 
+Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat8_e4m3fn, "moegemm: x given with x_scales must be float8_e4m3fn (the row copy of ",
+              "quantize_act), got ", c10::toString(x.scalar_type()));
+  const Tensor q = input(x, "x", at::kFloat8_e4m3fn, 2, x);
+  const int64_t T = q.size(0), K = q.size(1);
+  check_multiple_of_16(K, "x.shape[1] (K)");
+  check_tensor(x_scales, "x_scales", at::kFloat, {T, ceil_div(K, kBlock)}, q);
+  return {q, aligned(x_scales), Tensor(), Tensor()};
+}
+
+size_t wgrad_operand_count(Recipe recipe) { return recipe == Recipe::kFp8Blockwise ? 4 : 2; }
+
+Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
+                            const Tensor& main_grad, const Tensor& plan) {
+  const int64_t N = weight.size(1), K = weight.size(2);
+  TORCH_CHECK(operands.size() >= first + wgrad_operand_count(recipe), "moegemm: wgrad_operands must hold at least ",
+              num(static_cast<int64_t>(first + wgrad_operand_count(recipe))), " tensors, got ",
+              num(static_cast<int64_t>(operands.size())));
+  const std::string n = name;
+  auto at_ = [&](size_t i) { return operands[first + i]; };
+  if (recipe == Recipe::kFp8Blockwise) {
+    TORCH_CHECK(at_(0).dim() == 2 && at_(1).dim() == 2, "moegemm: ", name, " (qdyT, sdyT) must be 2-d, got ", shape(at_(0)),
+                " and ", shape(at_(1)));
+    const int64_t Wc = at_(0).size(1), NB = at_(1).size(0);
+    TORCH_CHECK(Wc % kColAlign == 0, "moegemm: ", name, " qdyT.shape[1] must be a multiple of 16, got ", num(Wc));
+    check_tensor(at_(0), (n + " (qdyT)").c_str(), at::kFloat8_e4m3fn, {N, Wc}, plan);
+    check_tensor(at_(1), (n + " (sdyT)").c_str(), at::kFloat, {NB, N}, plan);
+    check_tensor(at_(2), (n + " (qxT)").c_str(), at::kFloat8_e4m3fn, {K, Wc}, plan);
+    check_tensor(at_(3), (n + " (sxT)").c_str(), at::kFloat, {NB, K}, plan);
+    const Tensor qaT = aligned(at_(0)), saT = aligned(at_(1)), qbT = aligned(at_(2)), sbT = aligned(at_(3));
+    return weight_grad(weight, main_grad, plan, [&](const Tensor& out, bool accumulate) {
+      run_gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out, accumulate);
+    });
+  }
+  TORCH_CHECK(at_(0).dim() == 2, "moegemm: ", name, " (dy) must be 2-d, got ", shape(at_(0)));
+  const int64_t T = at_(0).size(0);
+  check_tensor(at_(0), (n + " (dy)").c_str(), at::kBFloat16, {T, N}, plan);
+  check_tensor(at_(1), (n + " (x)").c_str(), at::kBFloat16, {T, K}, plan);
+  const Tensor dy = aligned(at_(0)), x = aligned(at_(1));
+  return weight_grad(weight, main_grad, plan, [&](const Tensor& out, bool accumulate) {
+    run_gemm_bf16_wgrad(dy, x, plan, out, accumulate);
+  });
+}
+
 at::ScalarType wgrad_dtype(const Tensor& weight) {
   return weight.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
 }

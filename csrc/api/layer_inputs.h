@@ -37,6 +37,20 @@ Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t 
 // main_grad [E, N, K] fp32 on like's device, contiguous; undefined if absent.
 Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like);
 
+// An FP8 x (issue 16): q [T, K] e4m3 on a CUDA device, contiguous, with its 1x128 row scales x_scales
+// [T, ceil(K/128)] fp32 (quantize_act's row copy); both aligned. -> {q, s, [0], [0]}.
+Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales);
+
+// A deferred weight gradient (defer_wgrad backward, then linear_wgrad / mlp_wgrad): the GEMM operands of
+// weight [E, N, K] at operands[first], [first + 1], ...:
+//   fp8_blockwise: qdyT [N, Wc] e4m3, sdyT [NB, N] fp32, qxT [K, Wc] e4m3, sxT [NB, K] fp32 (column copies);
+//   bf16:          dy [T, N] bf16, x [T, K] bf16.
+// Checked, then the gradient is written or accumulated as by weight_grad. The operands must come from a
+// backward over this plan (its device values cannot be checked against their widths on the host).
+size_t wgrad_operand_count(Recipe recipe);
+Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
+                            const Tensor& main_grad, const Tensor& plan);
+
 // The gradient of a weight [E, N, K]: `gemm(out, accumulate)` accumulates into main_grad when it is
 // defined (then the returned dw is the [0] placeholder), else writes a fresh dw in the wgrad dtype
 // (bf16 for bf16 weights, fp32 otherwise).

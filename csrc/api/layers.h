@@ -14,29 +14,45 @@ namespace moegemm::api {
 
 using at::Tensor;
 
-// -> (y [T, N] bf16, plan [3, E+1] int32, saved); see grouped_linear.cpp for saved.
+// -> (y [T, N] bf16, plan [3, E+1] int32, saved); see grouped_linear.cpp for saved. With x_scales, x is
+// FP8: the row copy q [T, K] e4m3 with x_scales [T, ceil(K/128)] fp32 (fp8_blockwise only).
 std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x, const Tensor& weight, const Tensor& m_splits,
                                                            const std::optional<Tensor>& bias, int64_t recipe, bool need_dx,
-                                                           bool need_dw);
-// -> (dx [T, K] bf16, dw [E, N, K] bf16 for bf16 weights else fp32 ([0] when accumulated into main_grad),
-//     db [E, N] fp32).
-std::tuple<Tensor, Tensor, Tensor> linear_bwd(const Tensor& dy, const Tensor& plan, at::TensorList saved,
-                                              const std::optional<Tensor>& x, const Tensor& weight,
-                                              const std::optional<Tensor>& main_grad, int64_t recipe, bool need_dx,
-                                              bool need_dw, bool need_db);
+                                                           bool need_dw, const std::optional<Tensor>& x_scales);
+// -> (dx [T, K] bf16, dw [E, N, K] bf16 for bf16 weights else fp32 ([0] when accumulated into main_grad or
+//     deferred), db [E, N] fp32, wgrad_operands). defer_wgrad (with need_dw): no weight gradient here; it is
+//     left to linear_wgrad, and wgrad_operands holds the operands made here (fp8 [qdyT, sdyT], bf16 []).
+//     Otherwise wgrad_operands is empty.
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
+    const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& weight,
+    const std::optional<Tensor>& main_grad, int64_t recipe, bool need_dx, bool need_dw, bool need_db, bool defer_wgrad);
+// The deferred weight gradient: dw as linear_bwd's (written, or accumulated into main_grad) from
+// wgrad_operands fp8 [qdyT, sdyT, qxT, sxT] / bf16 [dy, x] (a defer_wgrad linear_bwd's with the saved or
+// given rest) over the same plan.
+Tensor linear_wgrad(const Tensor& plan, at::TensorList wgrad_operands, const Tensor& weight,
+                    const std::optional<Tensor>& main_grad, int64_t recipe);
 
 // -> (y [T, H] bf16, plan, saved (empty unless `save`)); see grouped_mlp.cpp for saved.
 std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     const Tensor& x, const Tensor& fc1_weight, const Tensor& fc2_weight, const Tensor& m_splits,
     const std::optional<Tensor>& fc1_bias, const std::optional<Tensor>& fc2_bias, const std::optional<Tensor>& probs,
     int64_t activation, int64_t recipe, const c10::List<std::optional<Tensor>>& fp8_weights, bool save, bool need_dw1,
-    bool need_dw2);
-// -> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs [T] fp32), [0] for what is not needed.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
+    bool need_dw2, const std::optional<Tensor>& x_scales);
+// -> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs [T] fp32, wgrad_operands), [0] for what is not needed;
+// with defer_wgrad dw1/dw2 are [0] and wgrad_operands holds the operands of mlp_wgrad made here (fp8
+// [qdyT, sdyT, qdhT, sdhT], bf16 [dh]); else it is empty.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> mlp_bwd(
     const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& fc1_weight,
     const Tensor& fc2_weight, const std::optional<Tensor>& probs, const c10::List<std::optional<Tensor>>& fp8_weights,
     const std::optional<Tensor>& fc1_main_grad, const std::optional<Tensor>& fc2_main_grad, int64_t activation,
     int64_t recipe, bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs,
-    bool release_saved);
+    bool release_saved, bool defer_wgrad);
+// The deferred weight gradients (dw1, dw2) of a defer_wgrad mlp_bwd over the same plan, [0] where not needed
+// or accumulated into a main_grad; wgrad_operands fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT], bf16
+// [dy, a, dh, x] (fc2's pair first).
+std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList wgrad_operands, const Tensor& fc1_weight,
+                                     const Tensor& fc2_weight, const std::optional<Tensor>& fc1_main_grad,
+                                     const std::optional<Tensor>& fc2_main_grad, int64_t recipe, bool need_dw1,
+                                     bool need_dw2);
 
 }  // namespace moegemm::api

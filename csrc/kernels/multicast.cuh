@@ -5,6 +5,7 @@
 // per-expert transposed 128x1 column-block copy qT [K, col_cap] + sT [NB, K] (either pair may be
 // skipped). Loaders:
 //   PlainLoader<T>        x itself (quantize_act)
+//   Fp8RowsLoader         an FP8 row copy, dequantized (requantize_cols: the column copy of an FP8 input)
 //   activation loaders    act(h) (* up) * probs and its gradient (activation.cu), so the activation
 //                         between the two GEMMs of an expert MLP never goes through memory in bf16.
 // A loader names the type its values are staged in for the column pass (Stage) and the CTAs per SM
@@ -98,6 +99,30 @@ struct PlainLoader {
   int64_t K;
   __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[kVec]) const {
     multicast::load8(x + row * K + k, v);
+    return 0.f;
+  }
+};
+
+// Values of an FP8 row copy q [T, K] (e4m3) with its 1x128 row scales s [T, Kb] (quantize_act's rows),
+// dequantized: q * s is exact in fp32 (4 significant bits times a power of two), so the column copy is
+// the one quantize_act would make of the fp32 tensor of dequantized values. Staged as fp32 (exact).
+struct Fp8RowsLoader {
+  using Stage = float;
+  static constexpr bool kExtra = false;
+  static constexpr int kMinBlocks = 3;  // 64 KB fp32 stage
+  const uint8_t* q;
+  const float* s;
+  int64_t K, Kb;
+  __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[kVec]) const {
+    const uint2 raw = *reinterpret_cast<const uint2*>(q + row * K + k);  // k is a multiple of 8, K of 16
+    const float scale = s[row * Kb + k / kBlock];
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));  // exact
+      v[2 * i] = f.x * scale;
+      v[2 * i + 1] = f.y * scale;
+    }
     return 0.f;
   }
 };

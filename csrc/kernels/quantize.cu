@@ -1,5 +1,6 @@
 // FP8 blockwise quantization kernels (SPEC §3).
 //   quantize_act: the multi-cast kernel (multicast.cuh) reading x as it is.
+//   requantize_cols: the same kernel reading an FP8 row copy (dequantized), writing only the column copy.
 //   quantize_weight_kernel: one CTA per 128x128 block of one expert; writes W and Wᵀ copies.
 #include <algorithm>
 
@@ -116,6 +117,13 @@ void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const
     case DType::kF16: return launch_act<__half>(x, T, K, E, plan, q, s, qT, sT, stream);
     case DType::kF32: return launch_act<float>(x, T, K, E, plan, q, s, qT, sT, stream);
   }
+}
+
+void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
+                     float* sT, cudaStream_t stream) {
+  if (qT == nullptr) return;
+  multicast::launch(multicast::Fp8RowsLoader{q, s, K, ceil_div(K, kBlock)}, T, K, E, plan, nullptr, nullptr, qT, sT,
+                    nullptr, stream, "requantize_cols");
 }
 
 void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K, uint8_t* q, float* s, uint8_t* qT,

@@ -16,7 +16,9 @@ class GroupedLinear(nn.Module):
     """Per-expert ``Linear(in_features, out_features)``; ``weight`` is ``[E, out, in]``.
 
     ``forward(x, m_splits)`` with ``x [T, in_features]`` sorted by expert and ``m_splits`` the tokens
-    per expert (a device tensor is never read on the host)."""
+    per expert (a device tensor is never read on the host). With ``fp8_blockwise`` the weight is quantized
+    inside every call: the layer op (``linear_fwd``) takes no pre-quantized weights, so ``GroupedLinear``
+    has no FP8 weight cache (``GroupedMLP`` has one, ``weight_cache.py``)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
                  recipe: str = "fp8_blockwise", device=None, dtype=None):

@@ -15,8 +15,8 @@ When is a cached copy used? A copy of weight ``w`` is valid only while all of th
   optimizers, which write without bumping ``_version``, and Megatron's optimizers, whose inner
   torch optimizer steps before they copy the main parameters into the model's through ``.data`` or the
   parameter buffers) and by ``moegemm.weights_changed()``;
-- the module's own epoch is unchanged: ``load_state_dict`` (a post-hook) and ``refresh_fp8_weights()``
-  bump it.
+- the module's own epoch is unchanged: ``load_state_dict`` bumps it (a module post-hook, also when a
+  parent module loads).
 
 What no counter can see, and the one explicit call: writes through ``param.data`` (``.data`` has its own
 version counter), through another tensor sharing the storage (Megatron's parameter buffers, an EMA or
@@ -53,7 +53,8 @@ the call (traced into the graph), whatever ``is_first_microbatch`` says.
 Memory: per cached weight ``[E, N, K]``, the four tensors of ``quantize_weight``: ``q`` and ``qᵀ`` (one
 byte per element each, i.e. as much as the bf16 weight itself) and two fp32 scale tensors of
 ``E·⌈N/128⌉·⌈K/128⌉`` values each. The copies live until the next re-quantization replaces them (the
-old ones are freed then, unless a pending backward still holds them), ``clear()``, or the module.
+old ones are freed then, unless a pending backward still holds them: for a moment both exist),
+``clear()`` (``fp8_weight_cache = False``, ``to_fp8_inference()``), or the module.
 """
 
 from __future__ import annotations

@@ -210,6 +210,12 @@ class _GroupedWeights(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(E, out_features, device=device, dtype=dtype)) if bias else None
 
+    def forward(self):
+        """``(weight, bias)``. MoegemmExperts calls this module before reading its parameters so that the
+        forward pre-hooks registered on it run: Megatron DDP's ``overlap_param_gather`` waits there for
+        the parameters' all-gather (it looks at each module's own parameters only)."""
+        return self.weight, self.bias
+
     def extra_repr(self) -> str:
         E, N, K = self.weight.shape
         return f"num_experts={E}, in_features={K}, out_features={N}, bias={self.bias is not None}"
@@ -235,8 +241,9 @@ class MoegemmExperts(MegatronModule):
     through ``.data`` or the DDP parameter buffers, which no version counter sees. The copy follows the
     inner torch optimizer's ``step()`` within ``optimizer.step()``, and that step bumps the global weights
     generation (a ``torch.optim`` step post-hook), so the next forward re-quantizes; with
-    ``overlap_param_gather`` the parameters' all-gather completes in DDP's forward pre-hook, before this
-    module's forward. Megatron's schedule also raises ``is_first_microbatch`` on the first micro-batch of
+    ``overlap_param_gather`` the parameters' all-gather completes in DDP's forward pre-hooks of
+    ``linear_fc1`` / ``linear_fc2``, which this module's forward calls before it reads (and quantizes) the
+    parameters. Megatron's schedule also raises ``is_first_microbatch`` on the first micro-batch of
     each step (``set_is_first_microbatch``, when ``config.fp8`` is set), which forces the re-quantization
     as before. What remains invisible: writes into the model's parameters outside an optimizer step
     (e.g. restoring the distributed optimizer's parameter state into the model, or EMA swaps): follow them
@@ -399,10 +406,13 @@ class MoegemmExperts(MegatronModule):
         if backend.uses_cuda(x2.device) and compute_dtype != torch.bfloat16:
             compute_dtype = torch.bfloat16  # moegemm's CUDA path takes bf16 activations
         xin = x2.to(compute_dtype).contiguous()
-        w1, w2 = _weight_for_op(self.linear_fc1.weight), _weight_for_op(self.linear_fc2.weight)
-        y = grouped_mlp(xin, w1, w2, splits, probs=probs, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
-                        activation=self.activation, recipe=self.recipe, fp8_weights=self._fp8_weights())
-        b2 = self.linear_fc2.bias
+        # the parameter holders' forward pre-hooks first (Megatron's param all-gather completes there),
+        # then the FP8 weights of the parameters as they are now
+        (p1, b1), (p2, b2) = self.linear_fc1(), self.linear_fc2()
+        fp8_weights = self._fp8_weights()
+        w1, w2 = _weight_for_op(p1), _weight_for_op(p2)
+        y = grouped_mlp(xin, w1, w2, splits, probs=probs, fc1_bias=b1, fc2_bias=None,
+                        activation=self.activation, recipe=self.recipe, fp8_weights=fp8_weights)
         if b2 is not None:  # Megatron adds fc2's bias scaled by the token's prob
             ids = _expert_ids(splits, self.num_local_experts, T, y.device)
             b2 = torch.cat([b2, b2.new_zeros(1, b2.shape[1])])  # row E: the tokens past the covered ones

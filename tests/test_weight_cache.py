@@ -578,6 +578,38 @@ def test_megatron_experts_data_writes(mdev, quant):
 
 
 @requires_megatron
+def test_megatron_experts_param_gather_pre_hooks(mdev):
+    """Megatron DDP's overlap_param_gather waits for the parameters' all-gather in forward pre-hooks of
+    the modules owning them (linear_fc1 / linear_fc2 here), and the all-gather then writes the buffers in
+    place. Simulated: pre-hooks that write new values through ``.data``, after an optimizer step (the
+    generation bump): the forward must quantize what the hooks left, not what was there before."""
+    ex, _ = megatron_experts(mdev)
+    x, s, p = experts_batch(ex, mdev)
+    with torch.no_grad():
+        ex(x, s, p)  # copies of the current weights
+    gathered = {mod: torch.randn_like(mod.weight) * 0.05 for mod in (ex.linear_fc1, ex.linear_fc2)}
+    order = []
+
+    def all_gather_done(module, args):
+        order.append(module)
+        module.weight.data.copy_(gathered[module])
+
+    handles = [mod.register_forward_pre_hook(all_gather_done) for mod in gathered]
+    q = torch.nn.Parameter(torch.zeros(1, device=mdev))
+    q.grad = torch.ones_like(q)
+    torch.optim.SGD([q], lr=1.0).step()  # the step (of the main params) before the copy / all-gather
+    with torch.no_grad():
+        y = ex(x, s, p)[0]
+    for h in handles:
+        h.remove()
+    assert order == [ex.linear_fc1, ex.linear_fc2]
+    with torch.no_grad():
+        assert torch.equal(y, experts_fresh(ex, mdev)(x, s, p)[0])
+    for kept, w in zip(ex._fp8_cache.copies(), (ex.linear_fc1.weight, ex.linear_fc2.weight)):
+        assert is_quantization_of(kept, w)
+
+
+@requires_megatron
 def test_megatron_experts_flag_load_and_opt_out(mdev, quant):
     ex, _ = megatron_experts(mdev)
     x, s, p = experts_batch(ex, mdev)

@@ -633,10 +633,12 @@ def test_megatron_experts_flag_load_and_opt_out(mdev, quant):
 
 @requires_megatron
 @requires_cuda
-def test_megatron_distributed_optimizer_never_stale(gpu):
-    """GPTModel + Megatron DDP + the distributed optimizer (parameters written through the DDP buffers),
-    config.fp8 unset (so Megatron's schedule never raises is_first_microbatch) and the flag never set:
-    after every step the experts' next forward uses the FP8 copies of the current weights."""
+@pytest.mark.parametrize("overlap_param_gather", [False, True])
+def test_megatron_distributed_optimizer_never_stale(gpu, overlap_param_gather):
+    """GPTModel + Megatron DDP + the distributed optimizer (parameters written through the DDP buffers;
+    with overlap_param_gather, all-gathered in the next forward's pre-hooks), config.fp8 unset (so
+    Megatron's schedule never raises is_first_microbatch) and the flag never set: after every step the
+    experts' next forward uses the FP8 copies of the current weights."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
@@ -650,7 +652,8 @@ def test_megatron_distributed_optimizer_never_stale(gpu):
                             bias_activation_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)
     model = Float16Module(cfg, build_gpt(cfg, "moegemm", recipe="fp8_blockwise").cuda())
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True,
-                                                                     use_distributed_optimizer=True), model)
+                                                                     use_distributed_optimizer=True,
+                                                                     overlap_param_gather=overlap_param_gather), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, bf16=True, use_distributed_optimizer=True),
                                  [ddp])
     ex = [mod for mod in model.modules() if isinstance(mod, MoegemmExperts)][0]

@@ -61,7 +61,7 @@ def main():
         qx, sx = ops.quantize_act(x, plan, True, False)[:2]
         qw, sw = ops.quantize_weight(w1)[:2]
         offs = torch.cumsum(m, 0, dtype=torch.int32)
-        mlp = moegemm.GroupedMLP(E, H, F, device=dev, dtype=torch.bfloat16)
+        mlp = moegemm.GroupedMLP(E, H, F, device=dev, dtype=torch.bfloat16, fp8_weight_cache=False)  # every call
         mlp_bf16 = moegemm.GroupedMLP(E, H, F, recipe="bf16", device=dev, dtype=torch.bfloat16)
         xg = x.detach().requires_grad_()
         p = torch.rand(T, device=dev, requires_grad=True)

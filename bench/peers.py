@@ -149,8 +149,10 @@ def build_mlp(key, c: Case) -> MLPImpl:
     E, H, F, dev = c.E, c.H, c.F, c.x.device
     if key in ("moegemm_fp8", "moegemm_bf16"):
         moe = MOD["moegemm"]
+        # fp8_weight_cache=False: the weights are quantized in every call, as in a step's first micro-batch
         mlp = moe.GroupedMLP(E, H, F, activation="swiglu", bias=False,
-                             recipe="fp8_blockwise" if key == "moegemm_fp8" else "bf16", device=dev, dtype=BF16)
+                             recipe="fp8_blockwise" if key == "moegemm_fp8" else "bf16", device=dev, dtype=BF16,
+                             fp8_weight_cache=False)
         with torch.no_grad():
             mlp.fc1.weight.copy_(c.W1)
             mlp.fc2.weight.copy_(c.W2)

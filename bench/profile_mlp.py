@@ -31,7 +31,7 @@ def family(name: str) -> str:
 
 def profile(shape, recipe, iters=5):
     E, H, F, T = SHAPES[shape]
-    mlp = moegemm.GroupedMLP(E, H, F, recipe=recipe, device="cuda")
+    mlp = moegemm.GroupedMLP(E, H, F, recipe=recipe, device="cuda", fp8_weight_cache=False)  # quantize every step
     m = torch.tensor(zipf_splits(E, T), device="cuda")
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(T, device="cuda", requires_grad=True)

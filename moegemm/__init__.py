@@ -1,7 +1,8 @@
 """moegemm: FP8 grouped GEMMs for Mixture-of-Experts layers on NVIDIA Hopper.
 
 Public API: ``grouped_linear``, ``GroupedLinear``, ``grouped_mlp``, ``GroupedMLP``, the quantizers ``quantize_act`` / ``quantize_weight``
-/ ``make_plan``, and the oracle ``moegemm.reference``.
+/ ``make_plan``, ``weights_changed`` (the one explicit call of the FP8 weight cache, ``weight_cache.py``), and the
+oracle ``moegemm.reference``.
 """
 
 from . import reference
@@ -9,7 +10,8 @@ from .functional import WgradStore, grouped_linear
 from .mlp import GroupedMLP, grouped_mlp
 from .modules import GroupedLinear
 from .quantize import Fp8Rows, make_plan, quantize_act, quantize_weight, to_fp8_rows
+from .weight_cache import weights_changed
 
 __all__ = ["grouped_linear", "GroupedLinear", "grouped_mlp", "GroupedMLP", "make_plan", "quantize_act", "quantize_weight", "reference",
-           "Fp8Rows", "to_fp8_rows", "WgradStore"]
+           "Fp8Rows", "to_fp8_rows", "WgradStore", "weights_changed"]
 __version__ = "0.1.0"

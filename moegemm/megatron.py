@@ -49,7 +49,8 @@ from . import backend
 from ._validate import check_recipe
 from .functional import WgradStore
 from .mlp import grouped_mlp
-from .quantize import Fp8Rows, quantize_weight
+from .quantize import Fp8Rows
+from .weight_cache import FP8WeightCache
 from .layout import GLU_ACTIVATIONS
 
 __all__ = ["MoegemmExperts", "experts_builder", "patch_layer_spec", "get_moe_layer_spec", "get_gpt_layer_spec",
@@ -211,6 +212,12 @@ class _GroupedWeights(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(E, out_features, device=device, dtype=dtype)) if bias else None
 
+    def forward(self):
+        """``(weight, bias)``. MoegemmExperts calls this module before reading its parameters so that the
+        forward pre-hooks registered on it run: Megatron DDP's ``overlap_param_gather`` waits there for
+        the parameters' all-gather (it looks at each module's own parameters only)."""
+        return self.weight, self.bias
+
     def extra_repr(self) -> str:
         E, N, K = self.weight.shape
         return f"num_experts={E}, in_features={K}, out_features={N}, bias={self.bias is not None}"
@@ -228,9 +235,23 @@ class MoegemmExperts(MegatronModule):
     ``submodules`` (accepted and ignored), ``pg_collection`` (``ep``, ``expt_tp``, ``expt_dp``; default:
     megatron's ``parallel_state``), ``name``. Own keyword arguments: ``recipe`` (``'bf16'`` or
     ``'fp8_blockwise'``; default from ``$MOEGEMM_MEGATRON_RECIPE`` or ``config.fp8``),
-    ``fp8_weight_cache`` (reuse the FP8 weights across the micro-batches of a step, requantizing on the
-    first micro-batch as Megatron's schedule flags it; default: when ``config.fp8`` is set, the only case
-    in which Megatron's schedule raises that flag).
+    ``fp8_weight_cache`` (default True; False quantizes the weights inside every call): keep the FP8
+    weights and re-quantize them only when they changed (``moegemm/weight_cache.py``).
+
+    FP8 weights and Megatron's optimizers: Megatron's optimizers (``DistributedOptimizer`` included) run
+    a torch optimizer on the main (fp32) parameters and then copy them into the model's parameters
+    through ``.data`` or the DDP parameter buffers, which no version counter sees. The copy follows the
+    inner torch optimizer's ``step()`` within ``optimizer.step()``, and that step bumps the global weights
+    generation (a ``torch.optim`` step post-hook), so the next forward re-quantizes; with
+    ``overlap_param_gather`` the parameters' all-gather completes in DDP's forward pre-hooks of
+    ``linear_fc1`` / ``linear_fc2``, which this module's forward calls before it reads (and quantizes) the
+    parameters. Megatron's schedule also raises ``is_first_microbatch`` on the first micro-batch of
+    each step (``set_is_first_microbatch``, when ``config.fp8`` is set), which forces the re-quantization
+    as before. What remains invisible: writes into the model's parameters outside an optimizer step
+    (e.g. restoring the distributed optimizer's parameter state into the model, or EMA swaps): follow them
+    with ``moegemm.weights_changed()`` (or ``refresh_fp8_weights()``). Inside a CUDA graph capture
+    (Megatron's ``cuda_graph_impl``) every call quantizes the weights inside the graph: replays re-read
+    the current weights, never a stale copy.
 
     Parameters: ``linear_fc1.weight [E, F1, H]`` (F1 = 2·moe_ffn_hidden_size with gated_linear_unit,
     gate rows first like Megatron), ``linear_fc2.weight [E, H, F]`` and ``bias`` ``[E, F1]`` / ``[E, H]``
@@ -271,12 +292,9 @@ class MoegemmExperts(MegatronModule):
         for what, size in (("hidden_size", self.hidden_size), ("moe_ffn_hidden_size", ffn)):
             if size % 16:
                 raise ValueError(f"moegemm experts need {what} to be a multiple of 16, got {size}")
-        if fp8_weight_cache is None:
-            fp8_weight_cache = bool(getattr(config, "fp8", None))
-        self.fp8_weight_cache = bool(fp8_weight_cache)
+        self.fp8_weight_cache = True if fp8_weight_cache is None else bool(fp8_weight_cache)
         self.is_first_microbatch = True  # Megatron's schedule sets it at each step's first micro-batch
-        self._fp8 = None
-        self._fp8_key = None
+        self._fp8_cache = FP8WeightCache()
 
         E, H = self.num_local_experts, self.hidden_size
         F1 = 2 * ffn if self.glu else ffn
@@ -314,6 +332,7 @@ class MoegemmExperts(MegatronModule):
             self.register_load_state_dict_pre_hook(_load_from_any)
         else:  # pragma: no cover - older torch
             self._register_load_state_dict_pre_hook(_load_from_any, with_module=True)
+        self.register_load_state_dict_post_hook(_invalidate_fp8_after_load)
 
     # --------------------------------------------------------------------------------- init
     def _init_weight(self, weight: torch.Tensor, init_method, use_cpu: bool) -> None:
@@ -341,20 +360,23 @@ class MoegemmExperts(MegatronModule):
 
     # --------------------------------------------------------------------------------- forward
     def _fp8_weights(self):
+        """The FP8 weights for this call (None: quantized inside it), from the FP8 weight cache
+        (``moegemm/weight_cache.py``): re-quantized when the weights changed (a torch optimizer step,
+        Megatron's included, a load, an in-place write) or when Megatron's schedule raised
+        ``is_first_microbatch``."""
         if self.recipe != "fp8_blockwise":
             return None
         first, self.is_first_microbatch = self.is_first_microbatch, False
         if not self.fp8_weight_cache or getattr(self.config, "disable_parameter_transpose_cache", False):
             return None
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        # also requantize when the parameters' version counters moved (a torch optimizer step, a load);
-        # updates through ``.data`` (Megatron's distributed optimizer) rely on the first-micro-batch flag
-        key = (w1._version, w2._version, w1.data_ptr(), w2.data_ptr())
-        if first or self._fp8 is None or key != self._fp8_key:
-            with torch.no_grad():
-                self._fp8 = (quantize_weight(w1.detach()), quantize_weight(w2.detach()))
-            self._fp8_key = key
-        return self._fp8
+        return self._fp8_cache.get((self.linear_fc1.weight, self.linear_fc2.weight), True if first else None)
+
+    def refresh_fp8_weights(self) -> None:
+        """Quantize the current weights into the FP8 cache now (after writes no check sees: through
+        ``.data`` or a buffer sharing the weights' storage outside an optimizer step; or call
+        ``moegemm.weights_changed()``, which reaches every cache)."""
+        if self.recipe == "fp8_blockwise" and self.fp8_weight_cache:
+            self._fp8_cache.refresh((self.linear_fc1.weight, self.linear_fc2.weight))
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert, permuted_probs=None,
                 output_buffer=None, grad_input_buffer=None, **kwargs):
@@ -401,12 +423,16 @@ class MoegemmExperts(MegatronModule):
         return y.to(x.dtype).reshape(shape), None
 
     def _mlp(self, x, splits, probs):
+        # the parameter holders' forward pre-hooks first (Megatron's param all-gather completes there),
+        # then the FP8 weights of the parameters as they are now
+        (p1, b1), (p2, _) = self.linear_fc1(), self.linear_fc2()
+        fp8_weights = self._fp8_weights()
         if self.delay_wgrad_compute:
-            w1, w2 = self._weight_deferred(self.linear_fc1.weight), self._weight_deferred(self.linear_fc2.weight)
+            w1, w2 = self._weight_deferred(p1), self._weight_deferred(p2)
         else:
-            w1, w2 = _weight_for_op(self.linear_fc1.weight), _weight_for_op(self.linear_fc2.weight)
-        return grouped_mlp(x, w1, w2, splits, probs=probs, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
-                           activation=self.activation, recipe=self.recipe, fp8_weights=self._fp8_weights(),
+            w1, w2 = _weight_for_op(p1), _weight_for_op(p2)
+        return grouped_mlp(x, w1, w2, splits, probs=probs, fc1_bias=b1, fc2_bias=None, activation=self.activation,
+                           recipe=self.recipe, fp8_weights=fp8_weights,
                            wgrad_store=self._wgrad_store if self.delay_wgrad_compute else None)
 
     @staticmethod
@@ -522,6 +548,10 @@ def _state_dict_to_sequential(module, state_dict, prefix, local_metadata=None):
     for e in range(module.num_local_experts):
         for lin in ("linear_fc1", "linear_fc2"):
             state_dict[f"{prefix}local_experts.{e}.{lin}._extra_state"] = None
+
+
+def _invalidate_fp8_after_load(module, incompatible_keys) -> None:
+    module._fp8_cache.invalidate()
 
 
 def _load_from_any(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

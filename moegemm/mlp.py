@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from . import backend
-from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
+from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight,
                         splits_to_device)
 from .functional import (WgradStore, add_grad, finish_sum, finish_weight_grad, grad_target, refuse_double_backward,
                          split_x, weight_grad_target)
 from .layout import ACTIVATIONS, BF16, GLU_ACTIVATIONS, RECIPE_IDS, act_width
 from .modules import GroupedLinear
 from .quantize import Fp8Rows
+from .weight_cache import FP8WeightCache
 
 _RELEASED = "released"
 
@@ -170,17 +171,32 @@ def _apply_deferred(*args):
     return _GroupedMLP.apply(*args)
 
 
+def _invalidate_fp8_after_load(module, incompatible_keys) -> None:
+    """load_state_dict post-hook: the loaded weights are quantized at the next use."""
+    module._fp8_cache.invalidate()
+
+
 class GroupedMLP(nn.Module):
     """E expert MLPs ``fc2(act(fc1(x)) * probs)`` over tokens packed by expert.
 
     ``fc1.weight`` is ``[E, 2·ffn, hidden]`` for GLU activations (gate rows first, as Megatron lays out
     fc1's output) or ``[E, ffn, hidden]``; ``fc2.weight`` is ``[E, hidden, ffn]``. Parameters are ordinary
-    bf16/fp32 ``nn.Parameter``s; with ``fp8_blockwise``, ``forward(..., is_first_microbatch=True)``
-    quantizes the weights and keeps the FP8 copies, ``False`` reuses them (TransformerEngine's
-    convention: once per optimizer step), ``None`` quantizes on every call."""
+    bf16/fp32 ``nn.Parameter``s.
+
+    FP8 weights (``fp8_blockwise``): the module keeps the FP8 copies of both weights (``W`` and ``Wᵀ``,
+    ``quantize_weight``) and re-quantizes them only when the weights changed: after an optimizer step,
+    ``load_state_dict`` or an in-place write (``weight_cache.py`` has the rules). After a write through
+    ``.data`` or a buffer sharing the weights' storage, call ``moegemm.weights_changed()`` or
+    ``refresh_fp8_weights()``. ``forward(..., is_first_microbatch=True)`` forces the re-quantization,
+    ``False`` reuses the copies unchecked (TransformerEngine's convention), ``None`` (default) decides
+    automatically. ``fp8_weight_cache=False``: ``None`` quantizes inside every call and keeps nothing.
+    The copies take as much memory as the bf16 weights (two bytes per element: ``W`` and ``Wᵀ`` in FP8),
+    plus the scales. Inside a CUDA graph capture, ``None`` quantizes inside the call; under
+    ``torch.compile`` the weights are always quantized inside the call."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
-                 bias: bool = False, recipe: str = "fp8_blockwise", device=None, dtype=None):
+                 bias: bool = False, recipe: str = "fp8_blockwise", device=None, dtype=None,
+                 fp8_weight_cache: bool = True):
         super().__init__()
         self.activation = check_activation(activation)
         self.recipe = check_recipe(recipe)
@@ -188,33 +204,52 @@ class GroupedMLP(nn.Module):
         fc1_out = 2 * ffn_hidden_size if activation in GLU_ACTIVATIONS else ffn_hidden_size
         self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, bias, recipe, device, dtype)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias, recipe, device, dtype)
-        self._fp8_weights = None
-        self._fp8_only = False
+        self._fp8_cache = FP8WeightCache(auto=fp8_weight_cache)
+        self._fp8_inference = None  # to_fp8_inference: the W copies, the only weights left
+        self.register_load_state_dict_post_hook(_invalidate_fp8_after_load)
 
-    def fp8_weights(self, is_first_microbatch: Optional[bool]):
+    @property
+    def fp8_weight_cache(self) -> bool:
+        """Whether ``is_first_microbatch=None`` reuses the FP8 weights while they are valid (else it
+        quantizes inside every call). Setting it to False frees the kept copies."""
+        return self._fp8_cache.auto
+
+    @fp8_weight_cache.setter
+    def fp8_weight_cache(self, on: bool) -> None:
+        self._fp8_cache.auto = bool(on)
+        if not on:
+            self._fp8_cache.clear()
+
+    def fp8_weights(self, is_first_microbatch: Optional[bool] = None):
         """The FP8 copies of both weights for this call (None: quantize inside the call)."""
-        if self.recipe != "fp8_blockwise" or (is_first_microbatch is None and not self._fp8_only):
+        if self.recipe != "fp8_blockwise":
             return None
-        if self._fp8_weights is None or (is_first_microbatch and not self._fp8_only):
-            ops = backend.select(self.fc1.weight.device)
-            with torch.no_grad():
-                self._fp8_weights = (ops.quantize_weight(self.fc1.weight.detach().contiguous()),
-                                     ops.quantize_weight(self.fc2.weight.detach().contiguous()))
-        return self._fp8_weights
+        if self._fp8_inference is not None:
+            return self._fp8_inference
+        return self._fp8_cache.get((self.fc1.weight, self.fc2.weight), is_first_microbatch)
+
+    def refresh_fp8_weights(self) -> None:
+        """Quantize the current weights into the FP8 cache now: the explicit call after writes no check
+        can see (through ``.data``, or a buffer sharing the weights' storage), and between replays of a
+        CUDA graph that reads the cached copies (``is_first_microbatch=False`` during capture): copies
+        a graph reads are overwritten in place. No-op for ``bf16`` and after ``to_fp8_inference``."""
+        if self.recipe == "fp8_blockwise" and self._fp8_inference is None:
+            self._fp8_cache.refresh((self.fc1.weight, self.fc2.weight))
 
     @torch.no_grad()
     def to_fp8_inference(self) -> "GroupedMLP":
         """Inference mode: keep only the FP8 weights (W copies and scales) and free the bf16 ones."""
         if self.recipe != "fp8_blockwise":
             raise ValueError(f"to_fp8_inference needs recipe='fp8_blockwise', got {self.recipe!r}")
-        (q1, s1, _, _), (q2, s2, _, _) = self.fp8_weights(True)
-        self._fp8_weights = ((q1, s1, None, None), (q2, s2, None, None))
+        if self._fp8_inference is None:
+            (q1, s1, _, _), (q2, s2, _, _) = self._fp8_cache.refresh((self.fc1.weight, self.fc2.weight))
+            self._fp8_inference = ((q1, s1, None, None), (q2, s2, None, None))
+            self._fp8_cache.clear()  # the transposed copies go too
         for lin in (self.fc1, self.fc2):  # one element, expanded: shape, dtype and device stay for validation
             w = lin.weight
             lin.weight = nn.Parameter(torch.zeros(1, device=w.device, dtype=w.dtype).expand(w.shape), requires_grad=False)
             if lin.bias is not None:
                 lin.bias.requires_grad_(False)
-        self._fp8_only = True
         return self.eval()
 
     # Split backward (Megatron's delay_wgrad_compute): set True on an instance; backward then leaves the
@@ -236,7 +271,7 @@ class GroupedMLP(nn.Module):
                 self._wgrad_store = WgradStore()
             store = self._wgrad_store
         x_grad = x.grad_target if isinstance(x, Fp8Rows) else x
-        if self._fp8_only and torch.is_grad_enabled() and ((x_grad is not None and x_grad.requires_grad)
+        if self._fp8_inference is not None and torch.is_grad_enabled() and ((x_grad is not None and x_grad.requires_grad)
                                                            or (probs is not None and probs.requires_grad)):
             raise RuntimeError("GroupedMLP holds only FP8 weights (to_fp8_inference): it cannot compute gradients; "
                                "run it under torch.no_grad() or with inputs that do not require grad")

@@ -17,7 +17,10 @@ class GroupedLinear(nn.Module):
 
     ``forward(x, m_splits)`` with ``x [T, in_features]`` sorted by expert (bf16, or an FP8 ``Fp8Rows``) and
     ``m_splits`` the tokens per expert (a device tensor is never read on the host).
-    ``delay_wgrad_compute=True``: split backward; the weight gradient waits for ``backward_dw()``."""
+    ``delay_wgrad_compute=True``: split backward; the weight gradient waits for ``backward_dw()``.
+    With ``fp8_blockwise`` the weight is quantized inside every call: the layer op (``linear_fwd``) takes
+    no pre-quantized weights, so ``GroupedLinear`` has no FP8 weight cache (``GroupedMLP`` has one,
+    ``weight_cache.py``)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
                  recipe: str = "fp8_blockwise", device=None, dtype=None, delay_wgrad_compute: bool = False):

@@ -534,13 +534,14 @@ def test_fp8_weight_cache_never_stale(cpu, zipf):
     splits = torch.tensor(zipf(E, 64))
     x, probs = torch.randn(64, H), torch.rand(64)
     y = cached(x, splits, probs)[0]
-    first = cached._fp8
-    assert torch.equal(cached(x, splits, probs)[0], y) and cached._fp8 is first  # reused within a step
+    first = cached._fp8_cache.copies()
+    assert torch.equal(cached(x, splits, probs)[0], y) and cached._fp8_cache.copies() is not None
+    assert all(a is b for a, b in zip(cached._fp8_cache.copies(), first))  # reused within a step
     y.sum().backward()
     torch.optim.SGD(cached.parameters(), lr=1.0).step()  # in-place update: the cache must notice
     fresh.load_state_dict(cached.state_dict())
     assert torch.equal(cached(x, splits, probs)[0], fresh(x, splits, probs)[0])
-    assert cached._fp8 is not first
+    assert all(a is not b for a, b in zip(cached._fp8_cache.copies(), first))
 
 
 # ----------------------------------------------------------------------------------------- CPU: config, specs, errors
@@ -558,7 +559,8 @@ def test_resolve_recipe(cpu, monkeypatch):
     cfg.fp8 = None
     monkeypatch.setenv("MOEGEMM_MEGATRON_RECIPE", "fp8_blockwise")
     ex = MoegemmExperts(4, cfg)
-    assert ex.recipe == "fp8_blockwise" and ex.fp8_weight_cache is False
+    assert ex.recipe == "fp8_blockwise" and ex.fp8_weight_cache is True  # automatic, whatever config.fp8 says
+    assert MoegemmExperts(4, cfg, fp8_weight_cache=False).fp8_weight_cache is False
 
 
 def test_resolve_activation(cpu):

@@ -1,0 +1,226 @@
+"""The FP8 weight cache: the FP8 copies of expert weights (``quantize_weight``: ``W`` and ``Wᵀ`` with their
+scales), made once per change of the weights and reused by every call in between (the micro-batches of a
+gradient-accumulation step, evaluation, activation recomputation). Used by ``GroupedMLP`` and by
+``moegemm.megatron.MoegemmExperts``.
+
+When is a cached copy used? A copy of weight ``w`` is valid only while all of these still hold:
+
+- it was made from this very tensor (identity, held by a weak reference), with the same ``data_ptr``,
+  shape, dtype and device (``module.to(...)``, a new ``Parameter``, ``.data = ...`` onto a new buffer);
+- ``w._version`` is unchanged: every in-place write through autograd-visible tensors bumps it
+  (``w.mul_(...)``, ``w[0].zero_()``, ``torch.no_grad(): w.copy_(...)``, the ``load_state_dict`` copy,
+  the foreach and for-loop implementations of torch.optim's optimizers);
+- the global *weights generation* is unchanged. It is bumped by every ``torch.optim.Optimizer.step()``
+  (a global step post-hook, registered when the first cache is created; it also covers the *fused*
+  optimizers, which write without bumping ``_version``, and Megatron's optimizers, whose inner
+  torch optimizer steps before they copy the main parameters into the model's through ``.data`` or the
+  parameter buffers) and by ``moegemm.weights_changed()``;
+- the module's own epoch is unchanged: ``load_state_dict`` bumps it (a module post-hook, also when a
+  parent module loads).
+
+What no counter can see, and the one explicit call: writes through ``param.data`` (``.data`` has its own
+version counter), through another tensor sharing the storage (Megatron's parameter buffers, an EMA or
+weight-averaging tool writing the model's weights) or from C++/NCCL outside a torch optimizer step.
+After such a write, and before the next forward, call ``moegemm.weights_changed()`` (every cache) or the
+module's ``refresh_fp8_weights()``. Optimizer steps need nothing: they bump the generation themselves.
+
+``is_first_microbatch`` (the layers' argument; TransformerEngine's convention) still decides when given:
+
+- ``True``: quantize now and keep the copies, whatever the checks say;
+- ``False``: reuse the kept copies without any check (the caller vouches that the weights did not
+  change); quantize only when there are none for these tensors;
+- ``None`` (default): automatic, as above; with ``auto=False`` (the layers' ``fp8_weight_cache=False``)
+  it quantizes inside every call instead and keeps nothing (what the benchmarks time as a step's first
+  micro-batch).
+
+CUDA graphs. A captured graph reads the cache's tensors at fixed addresses and runs no Python on
+replay, so no check can run then. While the current stream is capturing:
+
+- ``None`` quantizes inside the call (the quantization is part of the graph and re-reads the weights on
+  every replay: never stale);
+- ``True`` quantizes inside the graph into fresh (graph-pool) memory and keeps those copies for the
+  ``False`` calls of the same capture (a captured step "``True``, then ``False``, ``False``"); such copies
+  are never reused automatically outside the capture, since replays change the weights without any
+  counter moving;
+- ``False`` reuses the kept copies: the graph then reads them at their addresses, so from then on they
+  are re-quantized *in place* (a graph-read copy is "pinned"). Re-quantizing them is the caller's job
+  between replays that change the weights: ``refresh_fp8_weights()`` (eagerly, outside the graph).
+
+The checks read only host-side metadata (``_version``, ``data_ptr``, Python counters): no device sync,
+legal during capture. Under ``torch.compile`` the cache is bypassed: the weights are quantized inside
+the call (traced into the graph), whatever ``is_first_microbatch`` says.
+
+Memory: per cached weight ``[E, N, K]``, the four tensors of ``quantize_weight``: ``q`` and ``qᵀ`` (one
+byte per element each, i.e. as much as the bf16 weight itself) and two fp32 scale tensors of
+``E·⌈N/128⌉·⌈K/128⌉`` values each. The copies live until the next re-quantization replaces them (the
+old ones are freed then, unless a pending backward still holds them: for a moment both exist),
+``clear()`` (``fp8_weight_cache = False``, ``to_fp8_inference()``), or the module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import backend
+
+__all__ = ["FP8WeightCache", "weights_changed", "generation"]
+
+_generation = 0
+_hook = None
+
+
+def weights_changed() -> None:
+    """Declare that weights may have changed in a way moegemm cannot detect (writes through ``.data`` or
+    through a buffer sharing their storage, outside a torch optimizer step): every FP8 weight cache
+    re-quantizes at its next use. Cheap (a counter); optimizer steps do it by themselves."""
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    """The global weights generation (bumped by optimizer steps and ``weights_changed()``)."""
+    return _generation
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    weights_changed()
+
+
+def install_optimizer_hook() -> None:
+    """Register the global ``torch.optim.Optimizer`` step post-hook once per process."""
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def capturing(device: torch.device) -> bool:
+    """Is the current CUDA stream capturing a graph (for tensors on ``device``)?"""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _version(w: torch.Tensor) -> Optional[int]:
+    try:
+        return w._version
+    except RuntimeError:  # inference tensors have no version counter: never trusted automatically
+        return None
+
+
+def quantize(w: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``quantize_weight(w)`` of the backend of w's device, as ordinary (non-inference) tensors."""
+    ops = backend.select(w.device)
+    with torch.no_grad(), torch.inference_mode(False):
+        return tuple(ops.quantize_weight(w.detach().contiguous()))
+
+
+class _Entry:
+    __slots__ = ("ref", "ptr", "shape", "dtype", "device", "version", "stamp", "fp8", "captured", "pinned")
+
+    def __init__(self, w: torch.Tensor, version, stamp, fp8, captured: bool):
+        self.ref = weakref.ref(w)
+        self.ptr, self.shape, self.dtype, self.device = w.data_ptr(), tuple(w.shape), w.dtype, w.device
+        self.version, self.stamp, self.fp8 = version, stamp, fp8
+        self.captured = captured  # made during a capture: graph-pool memory that replays rewrite
+        self.pinned = False  # read by a captured graph: re-quantize in place from now on
+
+    def holds(self, w: torch.Tensor) -> bool:
+        """Made from this tensor, at its current address, shape, dtype and device."""
+        return (self.ref() is w and self.ptr == w.data_ptr() and self.shape == tuple(w.shape)
+                and self.dtype == w.dtype and self.device == w.device)
+
+    def fresh(self, w: torch.Tensor, stamp) -> bool:
+        return (not self.captured and self.version is not None and self.stamp == stamp
+                and self.version == _version(w))
+
+
+class FP8WeightCache:
+    """The FP8 copies of a fixed list of weights (one entry per position), valid as described in this
+    module's docstring. ``auto``: whether ``is_first_microbatch=None`` uses the cache (else it quantizes
+    inside the call). Not saved with the module: ``state_dict``, pickling and ``copy.deepcopy`` see
+    an empty cache."""
+
+    def __init__(self, auto: bool = True):
+        install_optimizer_hook()
+        self.auto = bool(auto)
+        self._entries: list = []
+        self._epoch = 0
+
+    # ------------------------------------------------------------------------------- state
+    def __getstate__(self):
+        return {"auto": self.auto}
+
+    def __setstate__(self, state):
+        install_optimizer_hook()
+        self.auto, self._entries, self._epoch = state["auto"], [], 0
+
+    def __repr__(self) -> str:
+        return f"FP8WeightCache(auto={self.auto}, entries={sum(e is not None for e in self._entries)})"
+
+    def invalidate(self) -> None:
+        """Re-quantize every weight at its next (automatic) use."""
+        self._epoch += 1
+
+    def clear(self) -> None:
+        """Drop every copy (frees their memory once no pending backward holds them)."""
+        self._entries = []
+        self._epoch += 1
+
+    def copies(self) -> Optional[tuple]:
+        """The kept copies, one 4-tuple (or None) per weight; None when nothing is kept."""
+        if not any(e is not None for e in self._entries):
+            return None
+        return tuple(e.fp8 if e is not None else None for e in self._entries)
+
+    # ------------------------------------------------------------------------------- use
+    def get(self, weights: Sequence[torch.Tensor], is_first_microbatch: Optional[bool] = None):
+        """One ``quantize_weight`` 4-tuple per weight, for this call; None: quantize inside the call."""
+        if torch.compiler.is_compiling():
+            return None
+        capture = capturing(weights[0].device)
+        if is_first_microbatch is None and (capture or not self.auto):
+            return None
+        stamp = (_generation, self._epoch)
+        if len(self._entries) != len(weights):
+            self._entries = [None] * len(weights)
+        out = []
+        for i, w in enumerate(weights):
+            e = self._entries[i]
+            if e is not None and not e.holds(w):
+                e = None
+            if e is not None and (is_first_microbatch is False
+                                  or (is_first_microbatch is None and e.fresh(w, stamp))):
+                if capture and not e.captured:
+                    e.pinned = True
+            else:
+                e = self._quantize(i, w, e, stamp, capture)
+            out.append(e.fp8)
+        return tuple(out)
+
+    def refresh(self, weights: Sequence[torch.Tensor]) -> tuple:
+        """Quantize every weight now (in place for copies a captured graph reads); the copies."""
+        stamp = (_generation, self._epoch)
+        capture = capturing(weights[0].device)
+        if len(self._entries) != len(weights):
+            self._entries = [None] * len(weights)
+        out = []
+        for i, w in enumerate(weights):
+            e = self._entries[i]
+            out.append(self._quantize(i, w, e if e is not None and e.holds(w) else None, stamp, capture).fp8)
+        return tuple(out)
+
+    def _quantize(self, i: int, w: torch.Tensor, e: Optional[_Entry], stamp, capture: bool) -> _Entry:
+        version = _version(w)  # before quantizing: a write racing with it must not be taken as seen
+        fp8 = quantize(w)
+        if e is not None and e.pinned:  # a captured graph reads these addresses: write there
+            with torch.no_grad():
+                for dst, src in zip(e.fp8, fp8):
+                    dst.copy_(src)
+            e.version, e.stamp = version, stamp
+            return e
+        e = _Entry(w, version, stamp, fp8, captured=capture)
+        self._entries[i] = e
+        return e

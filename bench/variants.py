@@ -22,7 +22,7 @@ VARIANTS = [
     Variant("te_fp8", "TE GroupedLinear fp8", "fp8"),
     Variant("moegemm_fp8_gemm", "moegemm fp8 GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
     Variant("torch_fp8_gemm", "torch fp8 rowwise GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
-    Variant("moegemm_fp8_wcache", "moegemm fp8_blockwise, FP8 weights cached (is_first_microbatch=False)", "fp8",
+    Variant("moegemm_fp8_wcache", "moegemm fp8_blockwise, automatic FP8 weight cache (once per step)", "fp8",
             ops=("mlp",), aux=True),
 ]
 VBY = {v.key: v for v in VARIANTS}

@@ -35,6 +35,13 @@ for activation, recipe in [(a, r) for a in moegemm.reference.ACTIVATIONS for r i
     ym = mlp(xm, m, probs)
     ym.backward(torch.randn_like(ym))
     assert torch.isfinite(xm.grad).all() and torch.isfinite(probs.grad).all()
+# FP8 input (the column copy re-quantized from the rows) and the split backward (wgrad later)
+xs = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+lin = moegemm.GroupedLinear(E, K, N, bias=True, device="cuda", delay_wgrad_compute=True)
+yl = lin(moegemm.to_fp8_rows(xs), m)
+yl.backward(torch.randn_like(yl))
+lin.backward_dw()
+assert torch.isfinite(xs.grad).all() and torch.isfinite(lin.weight.grad).all()
 xf = torch.randn(T, K, device="cuda")  # fp32 activations through the multi-cast kernel
 q, s, qT, sT = cuda_ops.quantize_act(xf, plan, True, True)
 rq, rs, _, _ = ref.quantize_act(xf, ref.make_plan(m, T), True, False)

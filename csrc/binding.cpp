@@ -16,7 +16,7 @@ TORCH_LIBRARY(moegemm, m) {
         "Tensor? x_scales=None) -> (Tensor y, Tensor plan, Tensor[] saved)");
   m.def("linear_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, int recipe, "
         "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False) "
-        "-> (Tensor dx, Tensor dw, Tensor db, Tensor[] wgrad_operands)");
+        "-> (Tensor dx, Tensor dw, Tensor db, Tensor made0, Tensor made1)");
   m.def("linear_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, int recipe) -> Tensor dw");
   m.def("mlp_fwd(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor m_splits, Tensor? fc1_bias, Tensor? fc2_bias, "
         "Tensor? probs, int activation, int recipe, Tensor?[] fp8_weights, bool save, bool need_dw1, bool need_dw2, "
@@ -25,7 +25,7 @@ TORCH_LIBRARY(moegemm, m) {
         "Tensor?[] fp8_weights, Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int activation, int recipe, "
         "bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, "
         "bool defer_wgrad=False) -> (Tensor dx, Tensor dw1, Tensor dw2, Tensor db1, Tensor db2, Tensor dprobs, "
-        "Tensor[] wgrad_operands)");
+        "Tensor made0, Tensor made1, Tensor made2, Tensor made3)");
   m.def("mlp_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor fc1_weight, Tensor fc2_weight, Tensor(a!)? fc1_main_grad, "
         "Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, bool need_dw2) -> (Tensor dw1, Tensor dw2)");
   // primitives

@@ -63,10 +63,13 @@ def _(x, weight, m_splits, bias, recipe, need_dx, need_dw, x_scales=None):
 def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db, defer_wgrad=False):
     (E, N, K), T = weight.shape, dy.shape[0]
     defer = defer_wgrad and need_dw
-    operands = _fake_cols(dy, T, E, N, True) if defer and recipe == FP8_BLOCKWISE else []
+    if recipe == FP8_BLOCKWISE:
+        made = _fake_cols(dy, T, E, N, defer)
+    else:
+        made = [_new(dy, (0,), _BF16), _new(dy, (0,), _BF16)]
     return (_new(dy, (T, K), _BF16, need_dx),
             _new(dy, (E, N, K), wgrad_dtype(weight), need_dw and main_grad is None and not defer),
-            _new(dy, (E, N), _F32, need_db), operands)
+            _new(dy, (E, N), _F32, need_db), *made)
 
 
 @torch.library.register_fake("moegemm::linear_wgrad")
@@ -95,15 +98,15 @@ def _(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_main_g
       need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dprobs, release_saved, defer_wgrad=False):
     (T, H), (E, F1, _), F = dy.shape, fc1_weight.shape, fc2_weight.shape[2]
     defer = defer_wgrad and (need_dw1 or need_dw2)
-    if defer and recipe == FP8_BLOCKWISE:
-        operands = _fake_cols(dy, T, E, H, need_dw2) + _fake_cols(dy, T, E, F1, need_dw1)
+    if recipe == FP8_BLOCKWISE:
+        made = _fake_cols(dy, T, E, H, defer and need_dw2) + _fake_cols(dy, T, E, F1, defer and need_dw1)
     else:
-        operands = [_new(dy, (T, F1), _BF16, need_dw1)] if defer else []
+        made = [_new(dy, (T, F1), _BF16, defer and need_dw1)] + [_new(dy, (0,), _BF16) for _ in range(3)]
     return (_new(dy, (T, H), _BF16, need_dx),
             _new(dy, (E, F1, H), wgrad_dtype(fc1_weight), need_dw1 and fc1_main_grad is None and not defer),
             _new(dy, (E, H, F), wgrad_dtype(fc2_weight), need_dw2 and fc2_main_grad is None and not defer),
             _new(dy, (E, F1), _F32, need_db1), _new(dy, (E, H), _F32, need_db2),
-            _new(dy, (T,), _F32, need_dprobs and probs is not None), operands)
+            _new(dy, (T,), _F32, need_dprobs and probs is not None), *made)
 
 
 @torch.library.register_fake("moegemm::mlp_wgrad")

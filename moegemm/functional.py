@@ -146,7 +146,7 @@ class _GroupedLinear(torch.autograd.Function):
         plan, x, weight, *saved = ctx.saved_tensors
         defer = ctx.store is not None and need_dw
         main_grad = None if defer else weight_grad_target(ctx.weight, need_dw)
-        dx, dw, db, made = backend.select(dy.device).linear_bwd(dy, plan, saved, x, weight, main_grad, ctx.recipe,
+        dx, dw, db, *made = backend.select(dy.device).linear_bwd(dy, plan, saved, x, weight, main_grad, ctx.recipe,
                                                                 need_dx, need_dw, need_db, defer)
         if defer:  # the wgrad GEMM's operands: fp8 [qdyT, sdyT] made here + x's column copy; bf16 [dy, x]
             operands = [*made, saved[0], saved[1]] if ctx.recipe != BF16 else [dy.contiguous(), x]

@@ -93,7 +93,7 @@ class _GroupedMLP(torch.autograd.Function):
         del tensors, rest  # the op holds the last references to what it frees
         # deferred wgrad: the saved operands it needs stay here (the op does not free them)
         kept = (saved[3], saved[4], saved[0], saved[1]) if defer and ctx.recipe != BF16 else (saved[1] if defer else None)
-        dx, dw1, dw2, db1, db2, dp, made = backend.select(dy.device).mlp_bwd(
+        dx, dw1, dw2, db1, db2, dp, *made = backend.select(dy.device).mlp_bwd(
             dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
             need_dw2, need_db1, need_db2, need_dp, release, defer)
         if defer:  # fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT], bf16 [dy, a, dh, x]

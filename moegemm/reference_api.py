@@ -65,14 +65,14 @@ def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: b
 
 def linear_bwd(dy, plan, saved, x, weight, main_grad, recipe: int, need_dx: bool, need_dw: bool, need_db: bool,
                defer_wgrad: bool = False):
-    """-> (dx, dw (None when accumulated into main_grad or deferred), db fp32, wgrad_operands): with
+    """-> (dx, dw (None when accumulated into main_grad or deferred), db fp32, made0, made1): with
     defer_wgrad (and need_dw) the weight gradient is left to linear_wgrad over fp8 [qdyT, sdyT, qxT, sxT] /
-    bf16 [dy, x]; wgrad_operands holds the ones made here (fp8 [qdyT, sdyT], bf16 []), the caller keeps the
-    rest. Else wgrad_operands is empty."""
+    bf16 [dy, x]; made0, made1 are the ones made here (fp8 qdyT, sdyT; bf16 none), the caller keeps the
+    rest. Else (and for bf16) they are None."""
     dy = dy.contiguous()
     dx = dw = db = None
     defer = defer_wgrad and need_dw
-    operands = []
+    operands = [None, None]
     if recipe == FP8_BLOCKWISE:
         qxT, sxT, qwT, swT = saved
         if need_dx or need_dw:
@@ -93,7 +93,7 @@ def linear_bwd(dy, plan, saved, x, weight, main_grad, recipe: int, need_dx: bool
             dw = _weight_grad(R.gemm_bf16_wgrad, (dy, x), plan, weight, main_grad)
     if need_db:
         db = R.bias_grad(dy, plan)
-    return dx, dw, db, operands
+    return dx, dw, db, *operands
 
 
 def _deferred_weight_grad(operands, plan, weight, main_grad, recipe: int):
@@ -142,11 +142,10 @@ def mlp_fwd(x, fc1_weight, fc2_weight, m_splits, fc1_bias, fc2_bias, probs, acti
 def mlp_bwd(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_main_grad, fc2_main_grad,
             activation: int, recipe: int, need_dx: bool, need_dw1: bool, need_dw2: bool, need_db1: bool, need_db2: bool,
             need_dprobs: bool, release_saved: bool, defer_wgrad: bool = False):
-    """-> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs fp32, wgrad_operands); ``release_saved`` is for the C++ op
-    only. With defer_wgrad (and a weight gradient needed) dw1/dw2 are None and mlp_wgrad takes fp8
-    [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT] / bf16 [dy, a, dh, x]; wgrad_operands holds the ones made
-    here (fp8 [qdyT, sdyT, qdhT, sdhT], bf16 [dh]; None where not needed), the caller keeps the saved rest.
-    Else it is empty."""
+    """-> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs fp32, made0, made1, made2, made3); ``release_saved`` is
+    for the C++ op only. With defer_wgrad (and a weight gradient needed) dw1/dw2 are None and mlp_wgrad takes
+    fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT] / bf16 [dy, a, dh, x]; made0..3 are the ones made here
+    (fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh), the caller keeps the saved rest; None where not made."""
     act = ACTIVATION_NAMES[activation]
     dy = dy.contiguous()
     p32 = probs.float() if probs is not None else None
@@ -154,7 +153,7 @@ def mlp_bwd(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_
     dx = dw1 = dw2 = db1 = dprobs = None
     defer = defer_wgrad and (need_dw1 or need_dw2)
     fp8 = recipe == FP8_BLOCKWISE
-    operands = [None] * (4 if fp8 else 1) if defer else []
+    operands = [None] * 4
     if fp8:
         qxT, sxT, h, qaT, saT, qw1T, sw1T, qw2T, sw2T = saved
         if fp8_weights:
@@ -193,7 +192,7 @@ def mlp_bwd(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_
             if need_db1:
                 db1 = R.bias_grad(dh, plan)
     db2 = R.bias_grad(dy, plan) if need_db2 else None
-    return dx, dw1, dw2, db1, db2, dprobs if need_dprobs else None, operands
+    return dx, dw1, dw2, db1, db2, dprobs if need_dprobs else None, *operands
 
 
 def mlp_wgrad(plan, wgrad_operands, fc1_weight, fc2_weight, fc1_main_grad, fc2_main_grad, recipe: int, need_dw1: bool,

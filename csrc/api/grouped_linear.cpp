@@ -8,8 +8,8 @@
 // An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fprop reads it as it is, and its column
 // copy for wgrad is made from it (requantize_cols).
 // With defer_wgrad the backward computes dx and db only; the weight gradient is left to linear_wgrad over
-// [qdyT, sdyT, qxT, sxT] (fp8) or [dy, x] (bf16). Of these, backward returns the ones it made (wgrad_operands:
-// fp8 [qdyT, sdyT], bf16 []); the caller keeps the others (outputs of an op never alias its inputs).
+// [qdyT, sdyT, qxT, sxT] (fp8) or [dy, x] (bf16). Of these, backward returns the ones it made (made0, made1:
+// fp8 qdyT, sdyT; bf16 none); the caller keeps the others (outputs of an op never alias its inputs).
 #include <c10/core/DeviceGuard.h>
 
 #include "api/layer_inputs.h"
@@ -53,7 +53,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   return {y, plan, saved};
 }
 
-std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x_in, const Tensor& weight,
     const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx, bool need_dw, bool need_db,
     bool defer_wgrad) {
@@ -67,8 +67,9 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
   const Tensor main_grad = need_dw && !defer ? main_grad_input(main_grad_in, "main_grad", weight, dy) : Tensor();
   c10::DeviceGuard guard(dy.device());
   Tensor dx = none_like(dy, at::kBFloat16), dw = none_like(dy, wgrad_dtype(weight)), db = none_like(dy, at::kFloat);
-  std::vector<Tensor> operands;
-  if (recipe == Recipe::kFp8Blockwise) {
+  const bool fp8 = recipe == Recipe::kFp8Blockwise;
+  Tensor made0 = none_like(dy, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16), made1 = none_like(dy, fp8 ? at::kFloat : at::kBFloat16);
+  if (fp8) {
     TORCH_CHECK(saved.size() == kFp8Saved, "moegemm: saved must hold ", num(kFp8Saved), " tensors, got ", num(saved.size()));
     if (need_dx || need_dw) {
       Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_dx, need_dw);
@@ -82,7 +83,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
         check_tensor(saved[0], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);
         check_tensor(saved[1], "saved sxT", at::kFloat, {block_capacity(T, E), K}, dy);
         const Tensor qxT = aligned(saved[0]), sxT = aligned(saved[1]);
-        if (defer) operands = {qdy.qT, qdy.sT};
+        if (defer) made0 = qdy.qT, made1 = qdy.sT;
         if (!defer) dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qxT, sxT, plan, out, accumulate);
         });
@@ -105,7 +106,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
     }
   }
   if (need_db) db = run_bias_grad(dy, plan);
-  return {dx, dw, db, operands};
+  return {dx, dw, db, made0, made1};
 }
 
 Tensor linear_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& weight,

@@ -13,9 +13,11 @@
 // copy for wgrad is made from it (requantize_cols).
 // With defer_wgrad the backward computes dx, the bias and probs gradients only; the weight gradients are
 // left to mlp_wgrad over [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT] (fp8) or [dy, a, dh, x] (bf16). Of
-// these, backward returns the ones it made (wgrad_operands: fp8 [qdyT, sdyT, qdhT, sdhT], bf16 [dh]; [0]
+// these, backward returns the ones it made (made0..3: fp8 qdyT, sdyT, qdhT, sdhT, bf16 dh; [0]
 // where not needed); the caller keeps the saved ones, which this entry then never frees.
 #include <c10/core/DeviceGuard.h>
+
+#include <array>
 
 #include "api/layer_inputs.h"
 #include "api/layers.h"
@@ -127,7 +129,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   return {y, plan, saved};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> mlp_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved_in, const std::optional<Tensor>& x_in,
     const Tensor& fc1_weight, const Tensor& fc2_weight, const std::optional<Tensor>& probs_in,
     const c10::List<std::optional<Tensor>>& fp8_weights, const std::optional<Tensor>& fc1_main_grad,
@@ -151,13 +153,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
   std::vector<Tensor> saved(saved_in.begin(), saved_in.end());
   // Drops a tensor after its last use; frees its memory now if it is one of the saved tensors handed over.
   auto drop_saved = [&](size_t slot) { release(saved[slot], release_saved); };
-  // defer: the wgrad operands made here, each a [0] placeholder until it is known.
-  std::vector<Tensor> operands;
-  if (defer && recipe == Recipe::kFp8Blockwise) {
-    for (size_t i = 0; i < 4; ++i) operands.push_back(none_like(dy, i % 2 ? at::kFloat : at::kFloat8_e4m3fn));
-  } else if (defer) {
-    operands.push_back(none_like(dy, at::kBFloat16));
-  }
+  // defer: the wgrad operands made here (fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh), each a [0] placeholder until
+  // it is known; four slots whatever the mode.
+  std::array<Tensor, 4> operands;
+  for (size_t i = 0; i < 4; ++i)
+    operands[i] = none_like(dy, recipe == Recipe::kBf16 ? at::kBFloat16 : (i % 2 ? at::kFloat : at::kFloat8_e4m3fn));
   // A saved tensor that the deferred wgrad needs (the caller keeps it): dropped here, never freed.
   auto keep = [&](size_t slot) { saved[slot].reset(); };
   Tensor dx = none_like(dy, at::kBFloat16), dw1 = none_like(dy, wgrad_dtype(fc1_weight));
@@ -267,7 +267,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> 
     }
   }
   Tensor db2 = need_db2 ? run_bias_grad(dy, plan) : none_like(dy, at::kFloat);
-  return {dx, dw1, dw2, db1, db2, dprobs, operands};
+  return {dx, dw1, dw2, db1, db2, dprobs, operands[0], operands[1], operands[2], operands[3]};
 }
 
 std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& fc1_weight,

@@ -20,10 +20,11 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x, cons
                                                            const std::optional<Tensor>& bias, int64_t recipe, bool need_dx,
                                                            bool need_dw, const std::optional<Tensor>& x_scales);
 // -> (dx [T, K] bf16, dw [E, N, K] bf16 for bf16 weights else fp32 ([0] when accumulated into main_grad or
-//     deferred), db [E, N] fp32, wgrad_operands). defer_wgrad (with need_dw): no weight gradient here; it is
-//     left to linear_wgrad, and wgrad_operands holds the operands made here (fp8 [qdyT, sdyT], bf16 []).
-//     Otherwise wgrad_operands is empty.
-std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> linear_bwd(
+//     deferred), db [E, N] fp32, made0, made1). defer_wgrad (with need_dw): no weight gradient here; it is
+//     left to linear_wgrad, and made0/made1 are the operands made here (fp8 qdyT, sdyT). Otherwise (and for
+//     bf16, which makes none) they are [0] placeholders (fp8: e4m3 and fp32; bf16: bf16). A fixed number of
+//     outputs, not a list: torch.compile functionalizes an op with mutable arguments only then.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& weight,
     const std::optional<Tensor>& main_grad, int64_t recipe, bool need_dx, bool need_dw, bool need_db, bool defer_wgrad);
 // The deferred weight gradient: dw as linear_bwd's (written, or accumulated into main_grad) from
@@ -38,10 +39,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     const std::optional<Tensor>& fc1_bias, const std::optional<Tensor>& fc2_bias, const std::optional<Tensor>& probs,
     int64_t activation, int64_t recipe, const c10::List<std::optional<Tensor>>& fp8_weights, bool save, bool need_dw1,
     bool need_dw2, const std::optional<Tensor>& x_scales);
-// -> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs [T] fp32, wgrad_operands), [0] for what is not needed;
-// with defer_wgrad dw1/dw2 are [0] and wgrad_operands holds the operands of mlp_wgrad made here (fp8
-// [qdyT, sdyT, qdhT, sdhT], bf16 [dh]); else it is empty.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> mlp_bwd(
+// -> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs [T] fp32, made0..made3), [0] for what is not needed;
+// with defer_wgrad dw1/dw2 are [0] and made0..3 are the operands of mlp_wgrad made here (fp8 qdyT, sdyT,
+// qdhT, sdhT; bf16 dh and three [0]); else [0] placeholders (fp8: e4m3, fp32, e4m3, fp32; bf16: bf16).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
     const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& fc1_weight,
     const Tensor& fc2_weight, const std::optional<Tensor>& probs, const c10::List<std::optional<Tensor>>& fp8_weights,
     const std::optional<Tensor>& fc1_main_grad, const std::optional<Tensor>& fc2_main_grad, int64_t activation,

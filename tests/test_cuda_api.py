@@ -62,7 +62,8 @@ def test_grouped_linear_one_op_per_direction(recipe, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_mlp_one_op_per_direction(recipe, bias):
     E, T, H, F = 8, 1000, 256, 384
-    mlp = moegemm.GroupedMLP(E, H, F, bias=bias, recipe=recipe, device=DEV)
+    # weights quantized inside the op in every call (fp8_weight_cache=False)
+    mlp = moegemm.GroupedMLP(E, H, F, bias=bias, recipe=recipe, device=DEV, fp8_weight_cache=False)
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(T, device=DEV, requires_grad=True)
     m = torch.tensor(zipf_splits(E, T), device=DEV)
@@ -70,7 +71,15 @@ def test_grouped_mlp_one_op_per_direction(recipe, bias):
     _, bwd = ops_of(lambda: y.sum().backward())
     assert fwd == ["moegemm::mlp_fwd"] and bwd == ["moegemm::mlp_bwd"]
     assert x.grad is not None and probs.grad is not None and mlp.fc1.weight.grad is not None
-    if recipe == "fp8_blockwise":  # reused FP8 weights: still one op per direction
+    if recipe == "fp8_blockwise":  # the automatic FP8 weight cache: quantize_weight twice, then one op per direction
+        cached = moegemm.GroupedMLP(E, H, F, bias=bias, recipe=recipe, device=DEV)
+        y, fwd = ops_of(lambda: cached(x, m, probs))
+        assert fwd == ["moegemm::quantize_weight", "moegemm::quantize_weight", "moegemm::mlp_fwd"]
+        _, bwd = ops_of(lambda: y.sum().backward())
+        y, fwd = ops_of(lambda: cached(x, m, probs))
+        _, bwd = ops_of(lambda: y.sum().backward())
+        assert fwd == ["moegemm::mlp_fwd"] and bwd == ["moegemm::mlp_bwd"]
+    if recipe == "fp8_blockwise":  # reused FP8 weights (is_first_microbatch): still one op per direction
         mlp(x, m, probs, is_first_microbatch=True)
         y, fwd = ops_of(lambda: mlp(x, m, probs, is_first_microbatch=False))
         _, bwd = ops_of(lambda: y.sum().backward())

@@ -63,28 +63,33 @@ void check_tensor(const Tensor& t, const char* name, at::ScalarType dtype, std::
   check(t, name, dtype, static_cast<int64_t>(sizes.size()), like);
   int64_t i = 0;
   bool same = true;
-  std::string want = "[";
-  for (int64_t s : sizes) {
-    same = same && t.size(i) == s;
-    want += (i++ ? ", " : "") + num(s);
-  }
-  TORCH_CHECK(same, "moegemm: ", name, " must have shape ", want, "], got ", shape(t));
+  for (int64_t s : sizes) same = same && t.size(i++) == s;
+  if (same) return;
+  std::string want = "[";  // the message only when the check fails (this runs on every call)
+  i = 0;
+  for (int64_t s : sizes) want += (i++ ? ", " : "") + num(s);
+  TORCH_CHECK(false, "moegemm: ", name, " must have shape ", want, "], got ", shape(t));
 }
 
-Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t first, const char* name, int64_t E, int64_t N,
-                           int64_t K, bool transposed, const Tensor& like) {
+Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t which, int64_t E, int64_t N, int64_t K,
+                           bool transposed, const Tensor& like) {
+  static const char* const kNames[2][4] = {
+      {"fp8_weights[0] (q)", "fp8_weights[0] (s)", "fp8_weights[0] (qT)", "fp8_weights[0] (sT)"},
+      {"fp8_weights[1] (q)", "fp8_weights[1] (s)", "fp8_weights[1] (qT)", "fp8_weights[1] (sT)"}};
+  TORCH_CHECK(which < 2, "moegemm: fp8_weight_input: weight index must be 0 or 1");
+  const size_t first = 4 * which;
+  const char* const* names = kNames[which];
   auto at_ = [&](size_t i) -> Tensor {
     std::optional<Tensor> t = list.get(first + i);
     return t.has_value() ? *t : Tensor();
   };
   Quantized w{at_(0), at_(1), at_(2), at_(3)};
   const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
-  const std::string n = name;
-  check_tensor(w.q, (n + " (q)").c_str(), at::kFloat8_e4m3fn, {E, N, K}, like);
-  check_tensor(w.s, (n + " (s)").c_str(), at::kFloat, {E, Nb, Kb}, like);
+  check_tensor(w.q, names[0], at::kFloat8_e4m3fn, {E, N, K}, like);
+  check_tensor(w.s, names[1], at::kFloat, {E, Nb, Kb}, like);
   if (transposed) {
-    check_tensor(w.qT, (n + " (qT)").c_str(), at::kFloat8_e4m3fn, {E, K, N}, like);
-    check_tensor(w.sT, (n + " (sT)").c_str(), at::kFloat, {E, Kb, Nb}, like);
+    check_tensor(w.qT, names[2], at::kFloat8_e4m3fn, {E, K, N}, like);
+    check_tensor(w.sT, names[3], at::kFloat, {E, Kb, Nb}, like);
   }
   w.q = aligned(w.q), w.s = aligned(w.s);
   if (transposed) w.qT = aligned(w.qT), w.sT = aligned(w.sT);

@@ -46,6 +46,7 @@ def profile_cpu(fn, iters=10):
             fn()
     torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
 def main():

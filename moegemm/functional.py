@@ -48,12 +48,16 @@ def weight_grad_target(weight, need_dw: bool):
 
 def finish_weight_grad(dw, need_dw: bool, weight, main_grad):
     """The gradient autograd returns for ``weight``: None when not needed or when it went into main_grad."""
-    return None if not need_dw or main_grad is not None else dw.to(weight.dtype)
+    if not need_dw or main_grad is not None:
+        return None
+    return dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
 
 
 def finish_sum(total, needed: bool, dtype):
     """A bias or probs gradient (an fp32 sum from the op) in its parameter's dtype, or None."""
-    return total.to(dtype) if needed else None
+    if not needed:
+        return None
+    return total if total.dtype == dtype else total.to(dtype)
 
 
 class WgradStore:

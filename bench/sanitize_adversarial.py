@@ -181,6 +181,23 @@ for fn in [lambda: o.quantize_act(off(x), plan, True, True), lambda: o.quantize_
         assert "aligned" in str(err), err
         stats["expected_errors"] += 1
 
+# a plan made for more tokens than the inputs hold, and a forged plan: every plan-consuming kernel takes
+# them as the plan of no tokens (zeros), never reading or writing past its buffers
+big_plan = o.make_plan(m_good * 2, 2 * T)
+forged = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, E + 1), dtype=torch.int32, device=DEV)
+dyf = torch.randn(T, N, device=DEV, dtype=torch.bfloat16)
+qdf, sdf, qdfT, sdfT = o.quantize_act(dyf, plan, True, True)
+for foreign in (big_plan, forged):
+    outs = [o.quantize_act(x, foreign, True, True)[0].view(torch.uint8), o.gemm_fp8_ragged_m(qx, sx, qw, sw, foreign),
+            o.gemm_fp8_ragged_k(qdfT, sdfT, qxT, sxT, foreign, torch.float32), o.gemm_bf16_fprop(x, w, foreign),
+            o.gemm_bf16_wgrad(dyf, x, foreign, torch.float32), o.bias_grad(dyf, foreign),
+            o.act_quantize(h, p, 0, foreign, True, True)[0].view(torch.uint8)]
+    y0 = torch.zeros(T, N, device=DEV, dtype=torch.bfloat16)
+    o.add_bias_(y0, torch.ones(E, N, device=DEV), foreign)
+    outs.append(y0)
+    assert all(int(t.count_nonzero()) == 0 for t in outs), "a foreign plan must give zeros"
+    stats["cases"] += len(outs)
+
 torch.cuda.synchronize()
 print(f"sanitize_adversarial: {stats['cases']} runs, {stats['expected_errors']} expected errors raised, "
       f"CUDA context alive: {(torch.ones(4, device=DEV) * 2).sum().item() == 8.0}")

@@ -23,6 +23,13 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t col_capacity(int64_t T, int64_t E) { return ceil_div(T + (kColAlign - 1) * E, kColAlign) * kColAlign; }
 inline int64_t block_capacity(int64_t T, int64_t E) { return (T + (kBlock - 1) * E) / kBlock; }
 
+// What a plan may address (the device-side check plan_fits, csrc/kernels/plan.cuh): tok[E] <= tok,
+// col[E] <= col, blk[E] <= blk; kNoLimit where the caller's buffers set no bound of that kind.
+constexpr int64_t kNoLimit = 0x7fffffffffffffffLL;
+struct PlanLimits {
+  int64_t tok, col, blk;
+};
+
 // plan [3, E+1] int32: token starts, padded column starts, 128-token scale-block starts.
 // Each count is clamped to [0, T] before the prefix sum, and the running total to T (whatever the
 // device values). Tokens past the covered ones (plan[0][E] <= T) belong to no expert: the ragged-row
@@ -87,7 +94,9 @@ void sum_rows(const float* in, int64_t rows, int64_t cols, float* out, cudaStrea
 
 // Writes exact zeros into out[e] (bytes_per_expert bytes each) for every expert with no tokens (wgrad
 // of an empty expert gets no GEMM tiles, see SPEC §5).
-void zero_empty_experts(const int32_t* plan, int E, int64_t bytes_per_expert, void* out, cudaStream_t stream);
+// A plan that does not fit `limits` counts as the plan of no tokens: every out[e] is zeroed.
+void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t bytes_per_expert, void* out,
+                        cudaStream_t stream);
 
 // ---- grouped GEMMs (CUTLASS sm90 ptr-array). `workspace` holds the device-built arguments and
 // CUTLASS's own workspace; its size comes from the matching *_workspace_size(E).
@@ -101,15 +110,15 @@ void gemm_fp8_ragged_m(const uint8_t* qa, const float* sa, const uint8_t* qb, co
                        void* workspace, cudaStream_t stream);
 
 // out[e] ([E,N,K]) (+)= Σ over the expert's 128-token blocks: qaT [N, Wc], saT [NB, N],
-// qbT [K, Wc], sbT [NB, K] (column-quantized dy and x; Wc = col_cap). fp32 output, written or
-// accumulated (out += instead of out =), or bf16 output.
+// qbT [K, Wc], sbT [NB, K] (column-quantized dy and x; Wc = col_cap, NB = blk_cap). fp32 output,
+// written or accumulated (out += instead of out =), or bf16 output.
 size_t gemm_fp8_ragged_k_f32_workspace_size(int E);
 void gemm_fp8_ragged_k_f32(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
-                           const int32_t* plan, int E, int64_t col_cap, int64_t N, int64_t K, float* out,
+                           const int32_t* plan, int E, int64_t col_cap, int64_t blk_cap, int64_t N, int64_t K, float* out,
                            bool accumulate, void* workspace, cudaStream_t stream);
 size_t gemm_fp8_ragged_k_bf16_workspace_size(int E);
 void gemm_fp8_ragged_k_bf16(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
-                            const int32_t* plan, int E, int64_t col_cap, int64_t N, int64_t K, void* out,
+                            const int32_t* plan, int E, int64_t col_cap, int64_t blk_cap, int64_t N, int64_t K, void* out,
                             void* workspace, cudaStream_t stream);
 
 // bf16 recipe. fprop: y[T,N] = x[T,K] w[e]ᵀ (w [E,N,K]); dgrad: dx[T,K] = dy[T,N] w[e] (w [E,N,K]);

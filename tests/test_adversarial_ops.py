@@ -394,3 +394,38 @@ def test_aliasing_and_mutation(a, cid, name, build):
         outs = _storages(res)
         assert not ins & set(outs), "an output aliases an input"
         assert len(outs) == len(set(outs)), "two outputs share storage"
+
+
+# ------------------------------------------------------------------------ a plan made for other tensors
+@pytest.mark.parametrize("which", ["more_tokens", "forged"])
+def test_foreign_plan_gives_zeros(a, which):
+    """A plan is device data the host cannot check against T. One made for more tokens than the inputs
+    hold, or not by make_plan at all, is taken by every plan-consuming kernel as the plan of no tokens:
+    zeros (no reads or writes past the buffers: bench/sanitize_adversarial.py runs this under memcheck)."""
+    o = ops()
+    if which == "more_tokens":
+        foreign = o.make_plan(a.m * 2, 2 * T)
+    else:
+        gen = torch.Generator(device=DEV).manual_seed(7)
+        foreign = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, E + 1), dtype=torch.int32, device=DEV, generator=gen)
+    outs = {
+        "quantize_act rows": o.quantize_act(a.x, foreign, True, True)[0].view(torch.uint8),
+        "quantize_act scales": o.quantize_act(a.x, foreign, True, True)[1],
+        "gemm_fp8_ragged_m": o.gemm_fp8_ragged_m(a.qx, a.sx, a.qw, a.sw, foreign),
+        "gemm_fp8_ragged_k": o.gemm_fp8_ragged_k(a.qdyT, a.sdyT, a.qxT, a.sxT, foreign, torch.float32),
+        "gemm_bf16_fprop": o.gemm_bf16_fprop(a.x, a.w, foreign),
+        "gemm_bf16_dgrad": o.gemm_bf16_dgrad(a.dy, a.w, foreign),
+        "gemm_bf16_wgrad": o.gemm_bf16_wgrad(a.dy, a.x, foreign, torch.float32),
+        "bias_grad": o.bias_grad(a.dy, foreign),
+        "act_quantize": o.act_quantize(a.h, a.p, 0, foreign, True, True)[0].view(torch.uint8),
+        "act_backward_quantize": o.act_backward_quantize(a.da, a.h, a.p, 0, foreign, True, True)[0].view(torch.uint8),
+    }
+    y = torch.zeros(T, N, device=DEV, dtype=torch.bfloat16)
+    o.add_bias_(y, torch.ones(E, N, device=DEV), foreign)
+    outs["add_bias_"] = y
+    acc = a.out.clone()
+    o.gemm_fp8_ragged_k_accumulate(a.qdyT, a.sdyT, a.qxT, a.sxT, foreign, acc)
+    outs["gemm_fp8_ragged_k_accumulate (unchanged)"] = acc - a.out
+    for name, t in outs.items():
+        assert int(t.count_nonzero()) == 0, name
+    assert cuda_alive()

@@ -124,16 +124,16 @@ void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& q
                            const Tensor& out, bool accumulate) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_k");
   const int E = num_experts(plan);
-  const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
+  const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1), NB = saT.size(0);
   const auto stream = current_stream(qaT);
   into_aligned(out, [&](const Tensor& o) {
     if (o.scalar_type() == at::kFloat) {
       Tensor ws = workspace(gemm_fp8_ragged_k_f32_workspace_size(E), qaT);
-      gemm_fp8_ragged_k_f32(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, N, K,
+      gemm_fp8_ragged_k_f32(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, NB, N, K,
                             o.data_ptr<float>(), accumulate, ws.data_ptr(), stream);
     } else {
       Tensor ws = workspace(gemm_fp8_ragged_k_bf16_workspace_size(E), qaT);
-      gemm_fp8_ragged_k_bf16(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, N, K,
+      gemm_fp8_ragged_k_bf16(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, NB, N, K,
                              o.data_ptr(), ws.data_ptr(), stream);
     }
   });

@@ -38,9 +38,9 @@ __device__ __forceinline__ float2 load_bias(const __nv_bfloat16* bias, int64_t i
 
 template <class Bias>
 __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, const Bias* bias, const int32_t* plan, int E,
-                                                            int64_t N) {
+                                                            int64_t T, int64_t N) {
   const int64_t b = blockIdx.x, n = (int64_t(blockIdx.y) * kThreads + threadIdx.x) * 2;
-  if (b >= plan[2 * (E + 1) + E] || n >= N) return;
+  if (!plan_fits(plan, E, token_limit(T)) || b >= plan[2 * (E + 1) + E] || n >= N) return;  // foreign plan: no tokens
   const BlockRows r = block_rows(plan, E, b);
   const float2 bv = load_bias(bias, r.e * N + n);
   for (int64_t t = r.row0; t < r.row1; ++t) {
@@ -51,9 +51,9 @@ __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, co
 }
 
 __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat16* dy, const int32_t* plan, int E,
-                                                              int64_t N, float* partial) {
+                                                              int64_t T, int64_t N, float* partial) {
   const int64_t b = blockIdx.x, n = (int64_t(blockIdx.y) * kThreads + threadIdx.x) * 2;
-  if (b >= plan[2 * (E + 1) + E] || n >= N) return;
+  if (!plan_fits(plan, E, token_limit(T)) || b >= plan[2 * (E + 1) + E] || n >= N) return;
   const BlockRows r = block_rows(plan, E, b);
   float2 acc = make_float2(0.f, 0.f);
   for (int64_t t = r.row0; t < r.row1; ++t) {
@@ -64,14 +64,15 @@ __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat1
   *reinterpret_cast<float2*>(partial + b * N + n) = acc;
 }
 
-__global__ void __launch_bounds__(kThreads) expert_sums_kernel(const float* partial, const int32_t* plan, int E, int64_t N,
-                                                               float* db) {
+__global__ void __launch_bounds__(kThreads) expert_sums_kernel(const float* partial, const int32_t* plan, int E, int64_t T,
+                                                               int64_t N, float* db) {
   const int e = blockIdx.y;
   const int64_t n = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 2;
+  const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: no tokens, zeros
   if (n >= N) return;
   const int32_t* blk = plan + 2 * (E + 1);
   float2 acc = make_float2(0.f, 0.f);
-  for (int64_t b = blk[e]; b < blk[e + 1]; ++b) {
+  for (int64_t b = fits ? blk[e] : 0, end = fits ? blk[e + 1] : 0; b < end; ++b) {
     const float2 v = *reinterpret_cast<const float2*>(partial + b * N + n);
     acc.x += v.x;
     acc.y += v.y;
@@ -105,9 +106,9 @@ void add_bias(void* y_bf16, const void* bias, bool bias_is_f32, const int32_t* p
   if (T == 0 || N == 0) return;
   auto* y = static_cast<__nv_bfloat16*>(y_bf16);
   if (bias_is_f32)
-    add_bias_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(y, static_cast<const float*>(bias), plan, E, N);
+    add_bias_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(y, static_cast<const float*>(bias), plan, E, T, N);
   else
-    add_bias_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(y, static_cast<const __nv_bfloat16*>(bias), plan, E, N);
+    add_bias_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(y, static_cast<const __nv_bfloat16*>(bias), plan, E, T, N);
   check_launch("add_bias");
 }
 
@@ -116,10 +117,10 @@ void bias_grad(const void* dy_bf16, const int32_t* plan, int E, int64_t T, int64
   if (N == 0) return;
   if (T > 0) {
     block_sums_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(dy_bf16), plan, E,
-                                                                    N, partial);
+                                                                    T, N, partial);
     check_launch("bias_grad block sums");
   }
-  expert_sums_kernel<<<dim3(static_cast<unsigned>(ceil_div(N, kCols)), E), kThreads, 0, stream>>>(partial, plan, E, N, db);
+  expert_sums_kernel<<<dim3(static_cast<unsigned>(ceil_div(N, kCols)), E), kThreads, 0, stream>>>(partial, plan, E, T, N, db);
   check_launch("bias_grad expert sums");
 }
 

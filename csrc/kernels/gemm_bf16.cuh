@@ -15,18 +15,20 @@ enum class Ragged { kRows, kReduction };
 // Per expert e with token start s and count m:
 //   kRows:      A = a + s*lda ([m, Kg]),  B = b + e*N*K, D = d + s*ldd ([m, Ng]); shape (m, Ng, Kg)
 //   kReduction: A = a + s*lda, B = b + s*ldb, C = D = d + e*Ng*Kg; shape (Mg, Ng, m), or no tiles if m = 0
-// kRows also zeroes D's rows [plan[E], T) (grouped::zero_uncovered_rows).
+// kRows also zeroes D's rows [plan[E], T) (grouped::zero_uncovered_rows). A plan that does not fit T
+// tokens (plan_fits) is taken as the plan of no tokens.
 template <class Arrays, Ragged kRagged>
 __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t T, int Mg, int Ng, int Kg,
                            const typename Arrays::ElementA* A, int64_t lda, const typename Arrays::ElementB* B,
                            int64_t ldb, typename Arrays::ElementD* D, int64_t ldd) {
+  const bool fits = plan_fits(plan, E, token_limit(T));
   if constexpr (kRagged == Ragged::kRows) {
-    if (grouped::zero_uncovered_rows(plan, E, T, ldd * int64_t(sizeof(typename Arrays::ElementD)), D)) return;
+    if (grouped::zero_uncovered_rows(fits ? plan[E] : 0, T, ldd * int64_t(sizeof(typename Arrays::ElementD)), D)) return;
   }
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
-  const int64_t start = plan[e];
-  const int m = plan[e + 1] - plan[e];
+  const int64_t start = fits ? plan[e] : 0;
+  const int m = fits ? plan[e + 1] - plan[e] : 0;
   a.A[e] = A + start * lda;
   if constexpr (kRagged == Ragged::kRows) {
     a.shape[e] = grouped::GroupShape{m, Ng, Kg};
@@ -66,10 +68,10 @@ using WgradConfig = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::lay
                                       std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
 
 template <class ElementD>
-void wgrad(const void* dy, const void* x, const int32_t* plan, int E, int64_t N, int64_t K, ElementD* dw,
+void wgrad(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N, int64_t K, ElementD* dw,
            bool accumulate, void* workspace, cudaStream_t stream, const char* name) {
-  if (!accumulate) zero_empty_experts(plan, E, N * K * int64_t(sizeof(ElementD)), dw, stream);
-  run<WgradConfig<ElementD>, Ragged::kReduction>(plan, E, 0, int(N), int(K), 0, dy, N, x, K, dw, K,
+  if (!accumulate) zero_empty_experts(plan, E, token_limit(T), N * K * int64_t(sizeof(ElementD)), dw, stream);
+  run<WgradConfig<ElementD>, Ragged::kReduction>(plan, E, T, int(N), int(K), 0, dy, N, x, K, dw, K,
                                                  accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 

@@ -10,7 +10,7 @@ size_t gemm_bf16_wgrad_f32_workspace_size(int E) { return bf16::WgradConfig<floa
 
 void gemm_bf16_wgrad_f32(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N, int64_t K,
                          float* dw, bool accumulate, void* workspace, cudaStream_t stream) {
-  bf16::wgrad<float>(dy, x, plan, E, N, K, dw, accumulate, workspace, stream, "gemm_bf16_wgrad_f32");
+  bf16::wgrad<float>(dy, x, plan, E, T, N, K, dw, accumulate, workspace, stream, "gemm_bf16_wgrad_f32");
 }
 
 }  // namespace moegemm

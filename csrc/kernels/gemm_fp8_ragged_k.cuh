@@ -22,15 +22,18 @@ template <class ElementD>
 using Config = grouped::Fp8BlockwiseGemm<ScaleConfig, std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
 
 template <class Arrays>
-__global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t col_cap, int64_t N, int64_t K,
+__global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t col_cap, int64_t blk_cap, int64_t N,
+                           int64_t K,
                            const typename Arrays::ElementA* qaT, const float* saT, const typename Arrays::ElementB* qbT,
                            const float* sbT, typename Arrays::ElementD* out) {
+  // columns and scale blocks within the operands' capacities (a foreign plan: no tiles)
+  const bool fits = plan_fits(plan, E, PlanLimits{kNoLimit, col_cap, blk_cap});
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int32_t* tok = plan;
   const int32_t* col = plan + (E + 1);
   const int32_t* blk = plan + 2 * (E + 1);
-  const int m = tok[e + 1] - tok[e];
+  const int m = fits ? tok[e + 1] - tok[e] : 0;
   a.shape[e] = m > 0 ? grouped::GroupShape{static_cast<int>(N), static_cast<int>(K), m} : grouped::GroupShape{0, 0, 0};
   a.A[e] = qaT + col[e];
   a.SFA[e] = saT + int64_t(blk[e]) * N;
@@ -50,14 +53,15 @@ size_t workspace_size(int E) { return Config<ElementD>::Runner::workspace_size(E
 
 template <class ElementD>
 void run(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT, const int32_t* plan, int E,
-         int64_t col_cap, int64_t N, int64_t K, ElementD* out, bool accumulate, void* workspace, cudaStream_t stream,
-         const char* name) {
+         int64_t col_cap, int64_t blk_cap, int64_t N, int64_t K, ElementD* out, bool accumulate, void* workspace,
+         cudaStream_t stream, const char* name) {
   using Runner = typename Config<ElementD>::Runner;
   using Arrays = typename Runner::Arrays;
-  if (!accumulate) zero_empty_experts(plan, E, N * K * int64_t(sizeof(ElementD)), out, stream);
+  if (!accumulate) zero_empty_experts(plan, E, PlanLimits{kNoLimit, col_cap, blk_cap}, N * K * int64_t(sizeof(ElementD)), out,
+                                     stream);
   Arrays a = Runner::arrays(workspace, E);
   build_args<Arrays><<<grouped::prep_grid(E), grouped::kPrepThreads, 0, stream>>>(
-      a, plan, E, col_cap, N, K, reinterpret_cast<const typename Arrays::ElementA*>(qaT), saT,
+      a, plan, E, col_cap, blk_cap, N, K, reinterpret_cast<const typename Arrays::ElementA*>(qaT), saT,
       reinterpret_cast<const typename Arrays::ElementB*>(qbT), sbT, out);
   check_launch(name);
   Runner::run(a, E, 1.f, accumulate ? 1.f : 0.f, workspace, stream, name);

@@ -16,10 +16,11 @@ using Arrays = Runner::Arrays;
 __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t T, int64_t N, int64_t K,
                            const Arrays::ElementA* qa, const float* sa, const Arrays::ElementB* qb, const float* sb,
                            Arrays::ElementD* out) {
-  if (grouped::zero_uncovered_rows(plan, E, T, N * int64_t(sizeof(Arrays::ElementD)), out)) return;
+  const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
+  if (grouped::zero_uncovered_rows(fits ? plan[E] : 0, T, N * int64_t(sizeof(Arrays::ElementD)), out)) return;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
-  const int64_t start = plan[e], m = plan[e + 1] - plan[e];
+  const int64_t start = fits ? plan[e] : 0, m = fits ? plan[e + 1] - plan[e] : 0;
   const int64_t Kb = (K + kBlock - 1) / kBlock, Nb = (N + kBlock - 1) / kBlock;
   a.shape[e] = grouped::GroupShape{static_cast<int>(m), static_cast<int>(N), static_cast<int>(K)};  // m = 0: no tiles
   a.A[e] = qa + start * K;

@@ -24,6 +24,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "cuda_check.h"
+#include "plan.cuh"
 
 namespace moegemm::grouped {
 
@@ -222,14 +223,14 @@ inline dim3 prep_grid(int E) { return dim3((E + kPrepThreads - 1) / kPrepThreads
 constexpr int kZeroBlocks = 32;
 inline dim3 prep_grid_zeroing_rows(int E) { return dim3(prep_grid(E).x + kZeroBlocks); }
 
-// True for the zeroing blocks, after they have cleared rows [tok[E], T) of out (row_bytes each, a
+// True for the zeroing blocks, after they have cleared rows [covered, T) of out (row_bytes each, a
 // multiple of 16); the other blocks build the arguments.
-__device__ inline bool zero_uncovered_rows(const int32_t* tok, int E, int64_t T, int64_t row_bytes, void* out) {
+__device__ inline bool zero_uncovered_rows(int64_t covered, int64_t T, int64_t row_bytes, void* out) {
   const int zero_block = static_cast<int>(blockIdx.x) - static_cast<int>(gridDim.x - kZeroBlocks);
   if (zero_block < 0) return false;
   const int64_t end = T * row_bytes / 16;
   uint4* dst = static_cast<uint4*>(out);
-  for (int64_t i = int64_t(tok[E]) * row_bytes / 16 + int64_t(zero_block) * blockDim.x + threadIdx.x; i < end;
+  for (int64_t i = covered * row_bytes / 16 + int64_t(zero_block) * blockDim.x + threadIdx.x; i < end;
        i += int64_t(kZeroBlocks) * blockDim.x)
     dst[i] = make_uint4(0, 0, 0, 0);
   return true;

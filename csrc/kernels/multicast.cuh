@@ -188,13 +188,15 @@ __global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader sr
   const int32_t* col = plan_s + (E + 1);
   const int32_t* blk = plan_s + 2 * (E + 1);
   const int64_t Kb = (K + kBlock - 1) / kBlock;
-  const int64_t n_tiles = int64_t(blk[E]) * Kb;
+  const bool fits = plan_fits(plan_s, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
+  const int64_t covered = fits ? tok[E] : 0;
+  const int64_t n_tiles = fits ? int64_t(blk[E]) * Kb : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int half = lane / kLanesPerRow, hl = lane % kLanesPerRow;
 
   // Persistent CTAs: tile t = (scale block b, column block kb); a CTA's tiles share nothing, so the
   // next tile's loads are in flight while other CTAs of the SM run their column passes.
-  if (tok[E] < T) zero_uncovered_rows(tok[E], T, K, Kb, q, s, row_extra);
+  if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra);
   for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
     const int64_t b = t / Kb, kb = t % Kb;
     const int e = find_expert(blk, E, b);

@@ -5,6 +5,7 @@
 
 #include "../moegemm.h"
 #include "cuda_check.h"
+#include "plan.cuh"
 
 namespace moegemm {
 namespace {
@@ -42,9 +43,9 @@ __global__ void __launch_bounds__(kMaxExperts) make_plan_kernel(const Count* m_s
   }
 }
 
-__global__ void zero_empty_experts_kernel(const int32_t* plan, int64_t bytes, void* out) {
+__global__ void zero_empty_experts_kernel(const int32_t* plan, int E, PlanLimits limits, int64_t bytes, void* out) {
   const int e = blockIdx.y;
-  if (plan[e + 1] != plan[e]) return;
+  if (plan_fits(plan, E, limits) && plan[e + 1] != plan[e]) return;
   uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(out) + e * bytes);
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < bytes / 16; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = make_uint4(0, 0, 0, 0);
@@ -62,10 +63,11 @@ void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t*
   check_launch("make_plan");
 }
 
-void zero_empty_experts(const int32_t* plan, int E, int64_t bytes_per_expert, void* out, cudaStream_t stream) {
+void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t bytes_per_expert, void* out,
+                        cudaStream_t stream) {
   // bytes_per_expert = N*K*element size is a multiple of 512 (N, K multiples of 16): 16-byte stores cover it.
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(bytes_per_expert / 16, 256), 64));
-  zero_empty_experts_kernel<<<dim3(blocks, E), 256, 0, stream>>>(plan, bytes_per_expert, out);
+  zero_empty_experts_kernel<<<dim3(blocks, E), 256, 0, stream>>>(plan, E, limits, bytes_per_expert, out);
   check_launch("zero_empty_experts");
 }
 

@@ -3,7 +3,34 @@
 
 #include <cstdint>
 
+#include "../moegemm.h"
+
 namespace moegemm {
+
+// The limits of buffers sized for T tokens (a plan with the make_plan structure and tok[E] <= T keeps
+// col[E] <= col_capacity(T, E) and blk[E] <= block_capacity(T, E) by construction).
+__host__ __device__ inline PlanLimits token_limit(int64_t T) { return {T, kNoLimit, kNoLimit}; }
+
+// Block-wide: every thread of the block calls it, before any early return. True when `plan` has the
+// structure make_plan writes (offsets from 0; per expert a non-negative token count, its columns rounded
+// up to 16, its 128-token blocks) and keeps within `limits`, so that every offset it yields lies inside
+// the caller's buffers. Callers treat a plan that does not fit (made for more tokens, or not by
+// make_plan: only a raw op can be handed one) as the plan of no tokens, so such input gives zeros and
+// never an out-of-bounds access.
+__device__ __forceinline__ bool plan_fits(const int32_t* plan, int E, PlanLimits limits) {
+  const int32_t* tok = plan;
+  const int32_t* col = plan + (E + 1);
+  const int32_t* blk = plan + 2 * (E + 1);
+  int bad = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int64_t m = int64_t(tok[e + 1]) - tok[e];
+    bad |= m < 0 || int64_t(col[e + 1]) - col[e] != (m + kColAlign - 1) / kColAlign * kColAlign ||
+           int64_t(blk[e + 1]) - blk[e] != (m + kBlock - 1) / kBlock;
+  }
+  if (threadIdx.x == 0)
+    bad |= tok[0] != 0 || col[0] != 0 || blk[0] != 0 || tok[E] > limits.tok || col[E] > limits.col || blk[E] > limits.blk;
+  return !__syncthreads_or(bad);
+}
 
 // Expert owning 128-token block b: the last e with blk[e] <= b (blk, the plan's third row, is
 // non-decreasing; experts without tokens own no block). Needs b < blk[E].

@@ -132,14 +132,15 @@ def _linear_wgrad_job(plan, operands, weight, recipe: int):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, m_splits, recipe: int, x_fp8, x_scales, store):
-        """x: the bf16 input, or with an FP8 input (x_fp8, x_scales) the tensor that receives dx (or None)."""
+    def forward(ctx, x, weight, bias, m_splits, recipe: int, x_fp8, x_scales, store, fp8_weight: list):
+        """x: the bf16 input, or with an FP8 input (x_fp8, x_scales) the tensor that receives dx (or None).
+        fp8_weight: [] or the weight's kept FP8 copies (quantize_weight), also handed to backward."""
         need_dx, need_dw = ctx.needs_input_grad[:2]
         x_op = x_fp8 if x_scales is not None else x
         y, plan, saved = backend.select(x_op.device).linear_fwd(x_op, weight, m_splits, bias, recipe, need_dx, need_dw,
-                                                                x_scales)
-        ctx.save_for_backward(plan, x if recipe == BF16 and need_dw else None, weight, *saved)
-        ctx.recipe, ctx.weight, ctx.store = recipe, weight, store
+                                                                x_scales, fp8_weight)
+        ctx.save_for_backward(plan, x if recipe == BF16 and need_dw else None, weight, *fp8_weight, *saved)
+        ctx.recipe, ctx.weight, ctx.store, ctx.num_fp8 = recipe, weight, store, len(fp8_weight)
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -147,16 +148,17 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         refuse_double_backward("grouped_linear")
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        plan, x, weight, *saved = ctx.saved_tensors
+        plan, x, weight, *rest = ctx.saved_tensors
+        fp8_weight, saved = rest[:ctx.num_fp8], rest[ctx.num_fp8:]
         defer = ctx.store is not None and need_dw
         main_grad = None if defer else weight_grad_target(ctx.weight, need_dw)
         dx, dw, db, *made = backend.select(dy.device).linear_bwd(dy, plan, saved, x, weight, main_grad, ctx.recipe,
-                                                                need_dx, need_dw, need_db, defer)
+                                                                need_dx, need_dw, need_db, defer, fp8_weight)
         if defer:  # the wgrad GEMM's operands: fp8 [qdyT, sdyT] made here + x's column copy; bf16 [dy, x]
             operands = [*made, saved[0], saved[1]] if ctx.recipe != BF16 else [dy.contiguous(), x]
             ctx.store.push(_linear_wgrad_job(plan, operands, ctx.weight, ctx.recipe))
         return (dx if need_dx else None, None if defer else finish_weight_grad(dw, need_dw, ctx.weight, main_grad),
-                finish_sum(db, need_db, ctx.bias_dtype), None, None, None, None, None)
+                finish_sum(db, need_db, ctx.bias_dtype), None, None, None, None, None, None)
 
 
 def split_x(x, K: int, device, cuda_path: bool):
@@ -177,6 +179,7 @@ def grouped_linear(
     recipe: str = "fp8_blockwise",
     check_splits: Optional[bool] = None,
     wgrad_store: Optional[WgradStore] = None,
+    fp8_weight=None,
 ) -> torch.Tensor:
     """``y[t] = x[t] @ weight[e(t)]ᵀ (+ bias[e(t)])`` for tokens packed by expert.
 
@@ -189,6 +192,7 @@ def grouped_linear(
     ``x`` may be FP8: ``Fp8Rows(q, s, grad_target)`` (see ``moegemm.to_fp8_rows``), fp8_blockwise only; y is
     bf16 and dx (bf16) goes to ``grad_target`` (none computed without one).
     ``wgrad_store``: split backward; the weight gradient waits in the store until ``wgrad_store.backward_dw()``.
+    ``fp8_weight``: ``quantize_weight(weight)`` to reuse (fp8_blockwise; ``GroupedLinear`` keeps it).
     """
     check_recipe(recipe)
     check_weight(weight)
@@ -200,11 +204,12 @@ def grouped_linear(
     check_bias(bias, E, N, weight.device)
     check_main_grad(weight)
     m = splits_to_device(m_splits, E, x_dev.shape[0], x_dev.device, check_splits)  # the first device work
+    fp8 = list(fp8_weight) if fp8_weight is not None and recipe == "fp8_blockwise" else []
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return backend.select(x_dev.device).linear_fwd(x_dev, weight, m, bias, RECIPE_IDS[recipe], False, False,
-                                                       x_scales)[0]  # inference
+                                                       x_scales, fp8)[0]  # inference
     apply = _GroupedLinear.apply if wgrad_store is None else _apply_deferred
-    return apply(x, weight, bias, m, RECIPE_IDS[recipe], x_fp8, x_scales, wgrad_store)
+    return apply(x, weight, bias, m, RECIPE_IDS[recipe], x_fp8, x_scales, wgrad_store, fp8)
 
 
 @torch.compiler.disable

@@ -10,6 +10,12 @@ from torch import nn
 
 from ._validate import SplitsLike, check_recipe
 from .functional import WgradStore, grouped_linear
+from .weight_cache import FP8WeightCache
+
+
+def _invalidate_fp8_after_load(module, incompatible_keys) -> None:
+    """load_state_dict post-hook: the loaded weight is quantized at its next use."""
+    module._fp8_cache.invalidate()
 
 
 class GroupedLinear(nn.Module):
@@ -18,13 +24,18 @@ class GroupedLinear(nn.Module):
     ``forward(x, m_splits)`` with ``x [T, in_features]`` sorted by expert (bf16, or an FP8 ``Fp8Rows``) and
     ``m_splits`` the tokens per expert (a device tensor is never read on the host).
     ``delay_wgrad_compute=True``: split backward; the weight gradient waits for ``backward_dw()``.
-    With ``fp8_blockwise`` the weight is quantized inside every call: the layer op (``linear_fwd``) takes
-    no pre-quantized weights, so ``GroupedLinear`` has no FP8 weight cache (``GroupedMLP`` has one,
-    ``weight_cache.py``)."""
+    FP8 weights (``fp8_blockwise``): the layer keeps the weight's FP8 copies (``W`` and ``Wᵀ``) and
+    re-quantizes them only when the weight changed, with GroupedMLP's rules (``weight_cache.py``):
+    ``forward(..., is_first_microbatch=True)`` forces it, ``False`` reuses the copies unchecked, ``None``
+    decides automatically; after a write through ``.data`` call ``moegemm.weights_changed()`` or
+    ``refresh_fp8_weights()``. ``fp8_weight_cache=False``: quantize inside every call."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
-                 recipe: str = "fp8_blockwise", device=None, dtype=None, delay_wgrad_compute: bool = False):
+                 recipe: str = "fp8_blockwise", device=None, dtype=None, delay_wgrad_compute: bool = False,
+                 fp8_weight_cache: bool = True):
         super().__init__()
+        self._fp8_cache = FP8WeightCache(auto=fp8_weight_cache)
+        self.register_load_state_dict_post_hook(_invalidate_fp8_after_load)
         self.delay_wgrad_compute = delay_wgrad_compute
         self._wgrad_store = WgradStore()
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
@@ -41,9 +52,35 @@ class GroupedLinear(nn.Module):
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
 
-    def forward(self, x: torch.Tensor, m_splits: SplitsLike, check_splits: Optional[bool] = None) -> torch.Tensor:
+    @property
+    def fp8_weight_cache(self) -> bool:
+        """Whether ``is_first_microbatch=None`` reuses the FP8 weight while it is valid (else it quantizes
+        inside every call). Setting it to False frees the kept copies."""
+        return self._fp8_cache.auto
+
+    @fp8_weight_cache.setter
+    def fp8_weight_cache(self, on: bool) -> None:
+        self._fp8_cache.auto = bool(on)
+        if not on:
+            self._fp8_cache.clear()
+
+    def fp8_weight(self, is_first_microbatch: Optional[bool] = None):
+        """The weight's FP8 copies for this call (None: quantize inside the call)."""
+        if self.recipe != "fp8_blockwise":
+            return None
+        copies = self._fp8_cache.get((self.weight,), is_first_microbatch)
+        return copies[0] if copies is not None else None
+
+    def refresh_fp8_weights(self) -> None:
+        """Quantize the current weight into the FP8 cache now (after writes no check can see)."""
+        if self.recipe == "fp8_blockwise":
+            self._fp8_cache.refresh((self.weight,))
+
+    def forward(self, x: torch.Tensor, m_splits: SplitsLike, check_splits: Optional[bool] = None,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return grouped_linear(x, self.weight, m_splits, self.bias, self.recipe, check_splits,
-                              self._wgrad_store if self.delay_wgrad_compute else None)
+                              self._wgrad_store if self.delay_wgrad_compute else None,
+                              self.fp8_weight(is_first_microbatch))
 
     def backward_dw(self) -> None:
         """The weight gradients of every backward since the last call (delay_wgrad_compute)."""

@@ -45,17 +45,20 @@ def _out_dtype(x):
     return torch.bfloat16 if x.dtype == R.FP8 else x.dtype
 
 
-def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: bool, x_scales=None):
+def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: bool, x_scales=None, fp8_weight=()):
     """-> (y, plan, saved): fp8 saved [qxT, sxT, qwT, swT]; bf16 saved [w in x's dtype]. With x_scales, x is
-    FP8 (the row copy of quantize_act; fp8_blockwise only) and y is bf16."""
+    FP8 (the row copy of quantize_act; fp8_blockwise only) and y is bf16. fp8_weight: empty, or
+    quantize_weight(weight) kept by the caller (then saved has None for qwT, swT: linear_bwd gets them)."""
     plan = R.make_plan(m_splits, x.shape[0])
     if x_scales is not None and recipe != FP8_BLOCKWISE:
         raise ValueError("an FP8 x (x_scales given) needs the fp8_blockwise recipe")
     if recipe == FP8_BLOCKWISE:
         qx, sx, qxT, sxT = _x_fp8(x, x_scales, plan, need_dw)
-        qw, sw, qwT, swT = R.quantize_weight(weight.contiguous())
+        given = len(fp8_weight) == 4
+        qw, sw, qwT, swT = fp8_weight if given else R.quantize_weight(weight.contiguous())
         y = R.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, _out_dtype(x))
-        saved = [qxT, sxT, qwT if need_dx else None, swT if need_dx else None]
+        keep = need_dx and not given
+        saved = [qxT, sxT, qwT if keep else None, swT if keep else None]
     else:
         w = weight.to(x.dtype).contiguous()
         y = R.gemm_bf16_fprop(x, w, plan)
@@ -64,7 +67,7 @@ def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: b
 
 
 def linear_bwd(dy, plan, saved, x, weight, main_grad, recipe: int, need_dx: bool, need_dw: bool, need_db: bool,
-               defer_wgrad: bool = False):
+               defer_wgrad: bool = False, fp8_weight=()):
     """-> (dx, dw (None when accumulated into main_grad or deferred), db fp32, made0, made1): with
     defer_wgrad (and need_dw) the weight gradient is left to linear_wgrad over fp8 [qdyT, sdyT, qxT, sxT] /
     bf16 [dy, x]; made0, made1 are the ones made here (fp8 qdyT, sdyT; bf16 none), the caller keeps the
@@ -75,6 +78,8 @@ def linear_bwd(dy, plan, saved, x, weight, main_grad, recipe: int, need_dx: bool
     operands = [None, None]
     if recipe == FP8_BLOCKWISE:
         qxT, sxT, qwT, swT = saved
+        if len(fp8_weight) == 4:  # the caller's kept copies (linear_fwd saved no Wᵀ)
+            qwT, swT = fp8_weight[2], fp8_weight[3]
         if need_dx or need_dw:
             qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=need_dx, cols=need_dw)
         if need_dx:

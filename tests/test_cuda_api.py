@@ -46,7 +46,8 @@ def ops_of(fn):
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_linear_one_op_per_direction(recipe, bias):
     E, T, K, N = 8, 1000, 256, 384
-    layer = moegemm.GroupedLinear(E, K, N, bias=bias, recipe=recipe, device=DEV)
+    # the weight quantized inside the op in every call (fp8_weight_cache=False)
+    layer = moegemm.GroupedLinear(E, K, N, bias=bias, recipe=recipe, device=DEV, fp8_weight_cache=False)
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     m = torch.tensor(zipf_splits(E, T), device=DEV)
     y, fwd = ops_of(lambda: layer(x, m))
@@ -56,6 +57,14 @@ def test_grouped_linear_one_op_per_direction(recipe, bias):
     with torch.no_grad():
         _, inference = ops_of(lambda: layer(x, m))
     assert inference == ["moegemm::linear_fwd"]
+    if recipe == "fp8_blockwise":  # the automatic FP8 weight cache: quantize_weight once, then one op per direction
+        cached = moegemm.GroupedLinear(E, K, N, bias=bias, recipe=recipe, device=DEV)
+        y, fwd = ops_of(lambda: cached(x, m))
+        assert fwd == ["moegemm::quantize_weight", "moegemm::linear_fwd"]
+        y.sum().backward()
+        y, fwd = ops_of(lambda: cached(x, m))
+        _, bwd = ops_of(lambda: y.sum().backward())
+        assert fwd == ["moegemm::linear_fwd"] and bwd == ["moegemm::linear_bwd"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

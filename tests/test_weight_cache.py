@@ -670,3 +670,73 @@ def test_megatron_distributed_optimizer_never_stale(gpu, overlap_param_gather):
         ddp.finish_grad_sync()
         ok, _, _ = opt.step()
         assert ok
+
+
+# ------------------------------------------------------------------------------------ GroupedLinear
+def _linear_pair(device):
+    """Two GroupedLinear layers with the same weights: with and without the FP8 weight cache."""
+    cached = moegemm.GroupedLinear(E, H, FFN, bias=True, device=device)
+    plain = moegemm.GroupedLinear(E, H, FFN, bias=True, device=device, fp8_weight_cache=False)
+    plain.load_state_dict(cached.state_dict())
+    return cached, plain
+
+
+def _linear_step(layer, x, splits, dy):
+    x = x.detach().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, splits)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_cache_once_per_step_never_stale(device, quant):
+    """GroupedLinear keeps its FP8 weight: quantized once per optimizer step over several micro-batches,
+    again after a step, a load_state_dict and an in-place edit; every output and gradient bitwise the
+    no-cache layer's."""
+    torch.manual_seed(11)
+    cached, plain = _linear_pair(device)
+    opt_c = torch.optim.SGD(cached.parameters(), lr=0.1)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
+    splits = torch.tensor(zipf_splits(E, T), device=device)
+    for step in range(2):
+        before = quant["cache"]
+        for _ in range(3):  # micro-batches
+            x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+            dy = torch.randn(T, FFN, device=device, dtype=torch.bfloat16)
+            for a, b in zip(_linear_step(cached, x, splits, dy), _linear_step(plain, x, splits, dy)):
+                assert torch.equal(a, b)
+        assert quant["cache"] - before == 1, f"step {step}: quantized {quant['cache'] - before} times"
+        opt_c.step()
+        opt_p.step()
+    for change in ("load", "in_place"):
+        if change == "load":
+            state = {k: v + 0.01 for k, v in plain.state_dict().items()}
+            plain.load_state_dict(state)
+            cached.load_state_dict(state)
+        else:
+            with torch.no_grad():
+                for layer in (cached, plain):
+                    layer.weight[0].mul_(-1)
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        dy = torch.randn(T, FFN, device=device, dtype=torch.bfloat16)
+        for a, b in zip(_linear_step(cached, x, splits, dy), _linear_step(plain, x, splits, dy)):
+            assert torch.equal(a, b), change
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_cache_flags(device, quant):
+    """is_first_microbatch True re-quantizes, False reuses unchecked; fp8_weight_cache=False keeps nothing."""
+    torch.manual_seed(12)
+    cached, plain = _linear_pair(device)
+    splits = torch.tensor(zipf_splits(E, T), device=device)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        cached(x, splits, is_first_microbatch=True)
+        cached(x, splits, is_first_microbatch=True)
+        assert quant["cache"] == 2
+        cached(x, splits, is_first_microbatch=False)
+        cached(x, splits)
+        assert quant["cache"] == 2
+        plain(x, splits)
+        assert quant["cache"] == 2 and plain._fp8_cache.copies() is None

@@ -18,14 +18,25 @@
 namespace moegemm::api {
 
 namespace {
-constexpr size_t kFp8Saved = 4, kBf16Saved = 1;
+constexpr size_t kFp8Saved = 4, kBf16Saved = 1, kFp8Weight = 4;
+
+// The weight's FP8 copies given by the caller (quantize_weight's four tensors, kept across calls), or
+// none: then the forward quantizes the weight itself.
+bool fp8_weight_given(const c10::List<std::optional<Tensor>>& fp8_weight, Recipe recipe) {
+  TORCH_CHECK(fp8_weight.size() == 0 || fp8_weight.size() == kFp8Weight, "moegemm: fp8_weight must hold 0 or ",
+              num(kFp8Weight), " tensors (quantize_weight of weight), got ", num(static_cast<int64_t>(fp8_weight.size())));
+  TORCH_CHECK(fp8_weight.size() == 0 || recipe == Recipe::kFp8Blockwise, "moegemm: fp8_weight needs the fp8_blockwise recipe");
+  return fp8_weight.size() == kFp8Weight;
 }
+}  // namespace
 
 std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, const Tensor& weight, const Tensor& m_splits,
                                                            const std::optional<Tensor>& bias_in, int64_t recipe_id,
                                                            bool need_dx, bool need_dw,
-                                                           const std::optional<Tensor>& x_scales) {
+                                                           const std::optional<Tensor>& x_scales,
+                                                           const c10::List<std::optional<Tensor>>& fp8_weight) {
   const Recipe recipe = to_recipe(recipe_id);
+  const bool weight_given = fp8_weight_given(fp8_weight, recipe);
   const bool fp8_x = x_scales.has_value();
   TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
   const Quantized given = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
@@ -41,9 +52,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   if (recipe == Recipe::kFp8Blockwise) {
     Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw)
                          : run_quantize_act(x, DType::kBF16, plan, true, need_dw);
-    Quantized qw = run_quantize_weight(weight_input(weight), to_dtype(weight, "weight"));
+    Quantized qw = weight_given ? fp8_weight_input(fp8_weight, 0, kLinearFp8Names, E, N, K, need_dx, x)
+                                : run_quantize_weight(weight_input(weight), to_dtype(weight, "weight"));
     y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
-    saved = {qx.qT, qx.sT, need_dx ? qw.qT : none_like(x, at::kFloat8_e4m3fn), need_dx ? qw.sT : none_like(x, at::kFloat)};
+    // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
+    // output may not alias an input)
+    const bool keep_wT = need_dx && !weight_given;
+    saved = {qx.qT, qx.sT, keep_wT ? qw.qT : none_like(x, at::kFloat8_e4m3fn), keep_wT ? qw.sT : none_like(x, at::kFloat)};
   } else {
     const Tensor w = weight_bf16(weight);
     y = run_gemm_bf16_ragged_m(x, w, plan, false);
@@ -56,8 +71,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x_in, const Tensor& weight,
     const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx, bool need_dw, bool need_db,
-    bool defer_wgrad) {
+    bool defer_wgrad, const c10::List<std::optional<Tensor>>& fp8_weight) {
   const Recipe recipe = to_recipe(recipe_id);
+  const bool weight_given = fp8_weight_given(fp8_weight, recipe);
   TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
   check_weight(weight, "weight", dy_in);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = dy_in.dim() == 2 ? dy_in.size(0) : -1;
@@ -74,10 +90,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     if (need_dx || need_dw) {
       Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_dx, need_dw);
       if (need_dx) {
-        const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
-        check_tensor(saved[2], "saved qwT", at::kFloat8_e4m3fn, {E, K, N}, dy);
-        check_tensor(saved[3], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
-        dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, aligned(saved[2]), aligned(saved[3]), plan);
+        Quantized wT;
+        if (weight_given) {
+          wT = fp8_weight_input(fp8_weight, 0, kLinearFp8Names, E, N, K, true, dy);
+        } else {
+          const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
+          check_tensor(saved[2], "saved qwT", at::kFloat8_e4m3fn, {E, K, N}, dy);
+          check_tensor(saved[3], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
+          wT.qT = aligned(saved[2]), wT.sT = aligned(saved[3]);
+        }
+        dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, wT.qT, wT.sT, plan);
       }
       if (need_dw) {
         check_tensor(saved[0], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);

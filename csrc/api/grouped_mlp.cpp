@@ -57,13 +57,13 @@ bool pre_quantized(const c10::List<std::optional<Tensor>>& fp8_weights) {
 Quantized fc1_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
                   const Tensor& like) {
   if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc1_weight"));
-  return fp8_weight_input(fp8_weights, 0, s.E, s.F1, s.H, transposed, like);
+  return fp8_weight_input(fp8_weights, 0, kFc1Fp8Names, s.E, s.F1, s.H, transposed, like);
 }
 
 Quantized fc2_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
                   const Tensor& like) {
   if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc2_weight"));
-  return fp8_weight_input(fp8_weights, 1, s.E, s.H, s.F, transposed, like);
+  return fp8_weight_input(fp8_weights, 4, kFc2Fp8Names, s.E, s.H, s.F, transposed, like);
 }
 
 Tensor dprobs_of(const Tensor& partial, bool wanted, const Tensor& like) {
@@ -176,8 +176,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     // Wᵀ copies: saved when quantized in forward, else the pre-quantized ones (never freed here).
     Quantized w1T, w2T;
     if (given) {
-      if (need_dx) w1T = fp8_weight_input(fp8_weights, 0, s.E, s.F1, s.H, true, dy);
-      if (need_da) w2T = fp8_weight_input(fp8_weights, 1, s.E, s.H, s.F, true, dy);
+      if (need_dx) w1T = fp8_weight_input(fp8_weights, 0, kFc1Fp8Names, s.E, s.F1, s.H, true, dy);
+      if (need_da) w2T = fp8_weight_input(fp8_weights, 4, kFc2Fp8Names, s.E, s.H, s.F, true, dy);
     } else {
       const int64_t Hb = ceil_div(s.H, kBlock), Fb = ceil_div(s.F, kBlock), F1b = ceil_div(s.F1, kBlock);
       if (need_dx) check_tensor(saved[kQw1T], "saved qw1T", at::kFloat8_e4m3fn, {s.E, s.H, s.F1}, dy);

@@ -71,14 +71,12 @@ void check_tensor(const Tensor& t, const char* name, at::ScalarType dtype, std::
   TORCH_CHECK(false, "moegemm: ", name, " must have shape ", want, "], got ", shape(t));
 }
 
-Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t which, int64_t E, int64_t N, int64_t K,
-                           bool transposed, const Tensor& like) {
-  static const char* const kNames[2][4] = {
-      {"fp8_weights[0] (q)", "fp8_weights[0] (s)", "fp8_weights[0] (qT)", "fp8_weights[0] (sT)"},
-      {"fp8_weights[1] (q)", "fp8_weights[1] (s)", "fp8_weights[1] (qT)", "fp8_weights[1] (sT)"}};
-  TORCH_CHECK(which < 2, "moegemm: fp8_weight_input: weight index must be 0 or 1");
-  const size_t first = 4 * which;
-  const char* const* names = kNames[which];
+const Fp8WeightNames kFc1Fp8Names = {"fp8_weights[0] (q)", "fp8_weights[0] (s)", "fp8_weights[0] (qT)", "fp8_weights[0] (sT)"};
+const Fp8WeightNames kFc2Fp8Names = {"fp8_weights[1] (q)", "fp8_weights[1] (s)", "fp8_weights[1] (qT)", "fp8_weights[1] (sT)"};
+const Fp8WeightNames kLinearFp8Names = {"fp8_weight (q)", "fp8_weight (s)", "fp8_weight (qT)", "fp8_weight (sT)"};
+
+Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t first, const Fp8WeightNames& names, int64_t E,
+                           int64_t N, int64_t K, bool transposed, const Tensor& like) {
   auto at_ = [&](size_t i) -> Tensor {
     std::optional<Tensor> t = list.get(first + i);
     return t.has_value() ? *t : Tensor();

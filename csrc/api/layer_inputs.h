@@ -3,6 +3,7 @@
 // two targets (a fresh tensor, or accumulation into main_grad).
 #pragma once
 
+#include <array>
 #include <initializer_list>
 
 #include "api/launch.h"
@@ -30,10 +31,13 @@ void check_plan(const Tensor& plan, int64_t E, const Tensor& like);
 // t is dtype with exactly these sizes on like's device, contiguous (saved tensors, FP8 weight copies).
 void check_tensor(const Tensor& t, const char* name, at::ScalarType dtype, std::initializer_list<int64_t> sizes,
                   const Tensor& like);
-// A pre-quantized weight (q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb]): fp8_weights[which] (0: fc1,
-// 1: fc2), i.e. the Tensor?[] list's entries 4 which .. 4 which + 3; the transposed parts are checked only if `transposed` (they may be None for inference).
-Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t which, int64_t E, int64_t N, int64_t K,
-                           bool transposed, const Tensor& like);
+// A pre-quantized weight (q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb]): the Tensor?[] list's entries
+// first .. first + 3 (what quantize_weight returns), named in errors by `names`; the transposed parts are
+// checked only if `transposed` (they may be None for inference).
+using Fp8WeightNames = std::array<const char*, 4>;
+extern const Fp8WeightNames kFc1Fp8Names, kFc2Fp8Names, kLinearFp8Names;
+Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t first, const Fp8WeightNames& names, int64_t E,
+                           int64_t N, int64_t K, bool transposed, const Tensor& like);
 // main_grad [E, N, K] fp32 on like's device, contiguous; undefined if absent.
 Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like);
 

@@ -13,9 +13,9 @@ namespace moegemm::api {
 TORCH_LIBRARY(moegemm, m) {
   // layer entries (recipe: 0 bf16, 1 fp8_blockwise; activation: csrc/moegemm.h Activation)
   m.def("linear_fwd(Tensor x, Tensor weight, Tensor m_splits, Tensor? bias, int recipe, bool need_dx, bool need_dw, "
-        "Tensor? x_scales=None, Tensor?[] fp8_weight=[]) -> (Tensor y, Tensor plan, Tensor[] saved)");
+        "Tensor? x_scales=None, Tensor[]? fp8_weight=None) -> (Tensor y, Tensor plan, Tensor[] saved)");
   m.def("linear_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, int recipe, "
-        "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, Tensor?[] fp8_weight=[]) "
+        "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, Tensor[]? fp8_weight=None) "
         "-> (Tensor dx, Tensor dw, Tensor db, Tensor made0, Tensor made1)");
   m.def("linear_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, int recipe) -> Tensor dw");
   m.def("mlp_fwd(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor m_splits, Tensor? fc1_bias, Tensor? fc2_bias, "

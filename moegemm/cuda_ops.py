@@ -50,7 +50,7 @@ def _fake_cols(like, T, E, K, wanted: bool):
 
 
 @torch.library.register_fake("moegemm::linear_fwd")
-def _(x, weight, m_splits, bias, recipe, need_dx, need_dw, x_scales=None, fp8_weight=()):
+def _(x, weight, m_splits, bias, recipe, need_dx, need_dw, x_scales=None, fp8_weight=None):
     (T, K), (E, N, _) = x.shape, weight.shape
     if recipe == FP8_BLOCKWISE:
         saved = _fake_cols(x, T, E, K, need_dw) + _fake_weight_T(weight, need_dx and not fp8_weight)
@@ -60,7 +60,7 @@ def _(x, weight, m_splits, bias, recipe, need_dx, need_dw, x_scales=None, fp8_we
 
 
 @torch.library.register_fake("moegemm::linear_bwd")
-def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db, defer_wgrad=False, fp8_weight=()):
+def _(dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db, defer_wgrad=False, fp8_weight=None):
     (E, N, K), T = weight.shape, dy.shape[0]
     defer = defer_wgrad and need_dw
     if recipe == FP8_BLOCKWISE:

@@ -45,7 +45,7 @@ def _out_dtype(x):
     return torch.bfloat16 if x.dtype == R.FP8 else x.dtype
 
 
-def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: bool, x_scales=None, fp8_weight=()):
+def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: bool, x_scales=None, fp8_weight=None):
     """-> (y, plan, saved): fp8 saved [qxT, sxT, qwT, swT]; bf16 saved [w in x's dtype]. With x_scales, x is
     FP8 (the row copy of quantize_act; fp8_blockwise only) and y is bf16. fp8_weight: empty, or
     quantize_weight(weight) kept by the caller (then saved has None for qwT, swT: linear_bwd gets them)."""
@@ -54,7 +54,7 @@ def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: b
         raise ValueError("an FP8 x (x_scales given) needs the fp8_blockwise recipe")
     if recipe == FP8_BLOCKWISE:
         qx, sx, qxT, sxT = _x_fp8(x, x_scales, plan, need_dw)
-        given = len(fp8_weight) == 4
+        given = len(fp8_weight or ()) == 4
         qw, sw, qwT, swT = fp8_weight if given else R.quantize_weight(weight.contiguous())
         y = R.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, _out_dtype(x))
         keep = need_dx and not given
@@ -67,7 +67,7 @@ def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: b
 
 
 def linear_bwd(dy, plan, saved, x, weight, main_grad, recipe: int, need_dx: bool, need_dw: bool, need_db: bool,
-               defer_wgrad: bool = False, fp8_weight=()):
+               defer_wgrad: bool = False, fp8_weight=None):
     """-> (dx, dw (None when accumulated into main_grad or deferred), db fp32, made0, made1): with
     defer_wgrad (and need_dw) the weight gradient is left to linear_wgrad over fp8 [qdyT, sdyT, qxT, sxT] /
     bf16 [dy, x]; made0, made1 are the ones made here (fp8 qdyT, sdyT; bf16 none), the caller keeps the
@@ -78,7 +78,7 @@ def linear_bwd(dy, plan, saved, x, weight, main_grad, recipe: int, need_dx: bool
     operands = [None, None]
     if recipe == FP8_BLOCKWISE:
         qxT, sxT, qwT, swT = saved
-        if len(fp8_weight) == 4:  # the caller's kept copies (linear_fwd saved no Wᵀ)
+        if len(fp8_weight or ()) == 4:  # the caller's kept copies (linear_fwd saved no Wᵀ)
             qwT, swT = fp8_weight[2], fp8_weight[3]
         if need_dx or need_dw:
             qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=need_dx, cols=need_dw)

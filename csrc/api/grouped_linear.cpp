@@ -20,13 +20,16 @@ namespace moegemm::api {
 namespace {
 constexpr size_t kFp8Saved = 4, kBf16Saved = 1, kFp8Weight = 4;
 
-// The weight's FP8 copies given by the caller (quantize_weight's four tensors, kept across calls), or
-// none: then the forward quantizes the weight itself.
-bool fp8_weight_given(const c10::List<std::optional<Tensor>>& fp8_weight, Recipe recipe) {
-  TORCH_CHECK(fp8_weight.size() == 0 || fp8_weight.size() == kFp8Weight, "moegemm: fp8_weight must hold 0 or ",
-              num(kFp8Weight), " tensors (quantize_weight of weight), got ", num(static_cast<int64_t>(fp8_weight.size())));
-  TORCH_CHECK(fp8_weight.size() == 0 || recipe == Recipe::kFp8Blockwise, "moegemm: fp8_weight needs the fp8_blockwise recipe");
-  return fp8_weight.size() == kFp8Weight;
+// The weight's FP8 copies given by the caller (quantize_weight's four tensors, kept across calls) as the
+// list fp8_weight_input reads, or an empty list (None or []): then the forward quantizes the weight itself.
+c10::List<std::optional<Tensor>> fp8_weight_list(const std::optional<at::TensorList>& fp8_weight, Recipe recipe) {
+  c10::List<std::optional<Tensor>> list;
+  if (!fp8_weight.has_value() || fp8_weight->empty()) return list;
+  TORCH_CHECK(fp8_weight->size() == kFp8Weight, "moegemm: fp8_weight must hold ", num(kFp8Weight),
+              " tensors (quantize_weight of weight), got ", num(static_cast<int64_t>(fp8_weight->size())));
+  TORCH_CHECK(recipe == Recipe::kFp8Blockwise, "moegemm: fp8_weight needs the fp8_blockwise recipe");
+  for (const Tensor& t : *fp8_weight) list.push_back(t);
+  return list;
 }
 }  // namespace
 
@@ -34,9 +37,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
                                                            const std::optional<Tensor>& bias_in, int64_t recipe_id,
                                                            bool need_dx, bool need_dw,
                                                            const std::optional<Tensor>& x_scales,
-                                                           const c10::List<std::optional<Tensor>>& fp8_weight) {
+                                                           std::optional<at::TensorList> fp8_weight_in) {
   const Recipe recipe = to_recipe(recipe_id);
-  const bool weight_given = fp8_weight_given(fp8_weight, recipe);
+  const c10::List<std::optional<Tensor>> fp8_weight = fp8_weight_list(fp8_weight_in, recipe);
+  const bool weight_given = fp8_weight.size() == kFp8Weight;
   const bool fp8_x = x_scales.has_value();
   TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
   const Quantized given = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
@@ -71,9 +75,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x_in, const Tensor& weight,
     const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx, bool need_dw, bool need_db,
-    bool defer_wgrad, const c10::List<std::optional<Tensor>>& fp8_weight) {
+    bool defer_wgrad, std::optional<at::TensorList> fp8_weight_in) {
   const Recipe recipe = to_recipe(recipe_id);
-  const bool weight_given = fp8_weight_given(fp8_weight, recipe);
+  const c10::List<std::optional<Tensor>> fp8_weight = fp8_weight_list(fp8_weight_in, recipe);
+  const bool weight_given = fp8_weight.size() == kFp8Weight;
   TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
   check_weight(weight, "weight", dy_in);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = dy_in.dim() == 2 ? dy_in.size(0) : -1;

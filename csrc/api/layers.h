@@ -20,7 +20,7 @@ using at::Tensor;
 std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x, const Tensor& weight, const Tensor& m_splits,
                                                            const std::optional<Tensor>& bias, int64_t recipe, bool need_dx,
                                                            bool need_dw, const std::optional<Tensor>& x_scales,
-                                                           const c10::List<std::optional<Tensor>>& fp8_weight);
+                                                           std::optional<at::TensorList> fp8_weight);
 // -> (dx [T, K] bf16, dw [E, N, K] bf16 for bf16 weights else fp32 ([0] when accumulated into main_grad or
 //     deferred), db [E, N] fp32, made0, made1). defer_wgrad (with need_dw): no weight gradient here; it is
 //     left to linear_wgrad, and made0/made1 are the operands made here (fp8 qdyT, sdyT). Otherwise (and for
@@ -29,7 +29,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x, cons
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& weight,
     const std::optional<Tensor>& main_grad, int64_t recipe, bool need_dx, bool need_dw, bool need_db, bool defer_wgrad,
-    const c10::List<std::optional<Tensor>>& fp8_weight);
+    std::optional<at::TensorList> fp8_weight);
 // The deferred weight gradient: dw as linear_bwd's (written, or accumulated into main_grad) from
 // wgrad_operands fp8 [qdyT, sdyT, qxT, sxT] / bf16 [dy, x] (a defer_wgrad linear_bwd's with the saved or
 // given rest) over the same plan.

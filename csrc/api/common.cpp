@@ -97,38 +97,6 @@ Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, const Tensor& like) {
   return at::detail::empty_cuda(sizes, dtype, like.device(), std::nullopt);
 }
 
-namespace {
-
-int64_t nbytes_of(at::IntArrayRef sizes, at::ScalarType dtype) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  return n * static_cast<int64_t>(c10::elementSize(dtype));
-}
-
-// A contiguous tensor over `nbytes` of block's memory at `offset`; its storage holds a reference to
-// the block's storage (released by the deleter).
-Tensor view_into(const Tensor& block, int64_t offset, int64_t nbytes, at::IntArrayRef sizes, at::ScalarType dtype) {
-  auto* keep = new c10::Storage(block.storage());
-  c10::DataPtr data(static_cast<char*>(block.data_ptr()) + offset, keep,
-                    [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, block.device());
-  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), nullptr, false);
-  Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), block.key_set(), c10::scalarTypeToTypeMeta(dtype));
-  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
-  return t;
-}
-
-}  // namespace
-
-std::pair<Tensor, Tensor> empty_pair(at::IntArrayRef sizes0, at::ScalarType dtype0, at::IntArrayRef sizes1,
-                                     at::ScalarType dtype1, const Tensor& like) {
-  const int64_t n0 = nbytes_of(sizes0, dtype0), n1 = nbytes_of(sizes1, dtype1);
-  if (n0 == 0 || n1 == 0) return {empty(sizes0, dtype0, like), empty(sizes1, dtype1, like)};
-  constexpr int64_t kAlign = 256;
-  const int64_t offset1 = (n0 + kAlign - 1) / kAlign * kAlign;
-  const Tensor block = empty({offset1 + n1}, at::kByte, like);
-  return {view_into(block, 0, n0, sizes0, dtype0), view_into(block, offset1, n1, sizes1, dtype1)};
-}
-
 Tensor workspace(size_t size, const Tensor& like) { return empty({int64_t(size)}, at::kByte, like); }
 Tensor none_like(const Tensor& like, at::ScalarType dtype) { return empty({0}, dtype, like); }
 

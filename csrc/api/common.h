@@ -65,12 +65,6 @@ const uint8_t* cbytes(const Tensor& t);
 
 // Allocation on like's device with the caching allocator, without a dispatcher round trip.
 Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, const Tensor& like);
-// Two tensors with one lifetime (an FP8 copy and its scales) from one allocation: each has a storage
-// of its own (offset 0, so its metadata is that of a fresh tensor) that points into the shared block
-// and keeps it alive; the block is freed when both are gone. Releasing one with free_storage (below)
-// frees only that tensor's reference.
-std::pair<Tensor, Tensor> empty_pair(at::IntArrayRef sizes0, at::ScalarType dtype0, at::IntArrayRef sizes1,
-                                     at::ScalarType dtype1, const Tensor& like);
 Tensor workspace(size_t size, const Tensor& like);
 // The placeholder for an output or saved slot that is not needed: shape [0], so its fake is static.
 Tensor none_like(const Tensor& like, at::ScalarType dtype);

@@ -12,11 +12,12 @@ namespace {
 const int32_t* plan_ptr(const Tensor& plan) { return plan.data_ptr<int32_t>(); }
 
 Quantized multicast_outputs(const Tensor& like, int64_t T, int64_t K, int E, bool rows, bool cols) {
-  auto [q, s] = rows ? empty_pair({T, K}, at::kFloat8_e4m3fn, {T, ceil_div(K, kBlock)}, at::kFloat, like)
-                     : std::pair{empty({0}, at::kFloat8_e4m3fn, like), empty({0}, at::kFloat, like)};
-  auto [qT, sT] = cols ? empty_pair({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, {block_capacity(T, E), K}, at::kFloat, like)
-                       : std::pair{empty({0}, at::kFloat8_e4m3fn, like), empty({0}, at::kFloat, like)};
-  return {q, s, qT, sT};
+  // the parts not asked for: [0] placeholders
+  auto part = [&](bool wanted, int64_t d0, int64_t d1, at::ScalarType dtype) {
+    return wanted ? empty({d0, d1}, dtype, like) : none_like(like, dtype);
+  };
+  return {part(rows, T, K, at::kFloat8_e4m3fn), part(rows, T, ceil_div(K, kBlock), at::kFloat),
+          part(cols, K, col_capacity(T, E), at::kFloat8_e4m3fn), part(cols, block_capacity(T, E), K, at::kFloat)};
 }
 
 uint8_t* q_ptr(const Tensor& q, bool wanted) { return wanted ? bytes(q) : nullptr; }
@@ -46,9 +47,8 @@ Quantized run_quantize_weight(const Tensor& w, DType dtype) {
   MOEGEMM_RANGE("moegemm::run_quantize_weight");
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
-  auto [q, s] = empty_pair({E, N, K}, at::kFloat8_e4m3fn, {E, Nb, Kb}, at::kFloat, w);
-  auto [qT, sT] = empty_pair({E, K, N}, at::kFloat8_e4m3fn, {E, Kb, Nb}, at::kFloat, w);
-  Quantized out{q, s, qT, sT};
+  Quantized out{empty({E, N, K}, at::kFloat8_e4m3fn, w), empty({E, Nb, Kb}, at::kFloat, w),
+                empty({E, K, N}, at::kFloat8_e4m3fn, w), empty({E, Kb, Nb}, at::kFloat, w)};
   quantize_weight(w.data_ptr(), dtype, E, N, K, bytes(out.q), out.s.data_ptr<float>(), bytes(out.qT), out.sT.data_ptr<float>(),
                   current_stream(w));
   return out;
@@ -58,8 +58,8 @@ Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& pl
   MOEGEMM_RANGE("moegemm::run_requantize_cols");
   const int E = num_experts(plan);
   const int64_t T = q.size(0), K = q.size(1);
-  auto [qT, sT] = cols ? empty_pair({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, {block_capacity(T, E), K}, at::kFloat, q)
-                       : std::pair{empty({0}, at::kFloat8_e4m3fn, q), empty({0}, at::kFloat, q)};
+  Tensor qT = cols ? empty({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, q) : none_like(q, at::kFloat8_e4m3fn);
+  Tensor sT = cols ? empty({block_capacity(T, E), K}, at::kFloat, q) : none_like(q, at::kFloat);
   if (cols)
     requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), bytes(qT), sT.data_ptr<float>(), current_stream(q));
   return {q, s, qT, sT};

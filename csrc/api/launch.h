@@ -11,7 +11,6 @@ namespace moegemm::api {
 // The multi-cast copies of a [T, K] tensor: rows q [T, K] + s [T, ceil(K/128)], columns (per-expert
 // transposed) qT [K, col_capacity] + sT [block_capacity, K]; the parts not asked for have shape [0].
 // Weights use the same four slots: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb].
-// Each copy and its scales share one allocation (empty_pair): freed when both are dropped.
 struct Quantized {
   Tensor q, s, qT, sT;
 };

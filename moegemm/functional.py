@@ -99,6 +99,15 @@ class WgradStore:
         self._pending.clear()
 
 
+def check_deferrable(*weights) -> None:
+    """A split backward hands each weight's gradient to the weight itself later (main_grad or ``.grad``),
+    outside autograd: a weight that is not a leaf (e.g. ``master.bfloat16()``) would lose it."""
+    for name, w in weights:
+        if w.requires_grad and w.grad_fn is not None:
+            raise ValueError(f"wgrad_store (split backward) needs {name} to be a leaf tensor (a Parameter): its "
+                             "deferred gradient cannot flow back through autograd to where it was computed from")
+
+
 def grad_target(param: torch.Tensor):
     """Where a deferred GEMM accumulates param's gradient: main_grad (fp32, checked), else an fp32
     ``param.grad`` of param's shape, else None (the GEMM writes a fresh dw for add_grad)."""
@@ -191,7 +200,8 @@ def grouped_linear(
 
     ``x`` may be FP8: ``Fp8Rows(q, s, grad_target)`` (see ``moegemm.to_fp8_rows``), fp8_blockwise only; y is
     bf16 and dx (bf16) goes to ``grad_target`` (none computed without one).
-    ``wgrad_store``: split backward; the weight gradient waits in the store until ``wgrad_store.backward_dw()``.
+    ``wgrad_store``: split backward; the weight gradient waits in the store until ``wgrad_store.backward_dw()``
+    (the weight must be a leaf: the deferred gradient goes to its main_grad or ``.grad``, not through autograd).
     ``fp8_weight``: ``quantize_weight(weight)`` to reuse (fp8_blockwise; ``GroupedLinear`` keeps it).
     """
     check_recipe(recipe)
@@ -208,6 +218,8 @@ def grouped_linear(
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return backend.select(x_dev.device).linear_fwd(x_dev, weight, m, bias, RECIPE_IDS[recipe], False, False,
                                                        x_scales, fp8)[0]  # inference
+    if wgrad_store is not None:
+        check_deferrable(("weight", weight))
     apply = _GroupedLinear.apply if wgrad_store is None else _apply_deferred
     return apply(x, weight, bias, m, RECIPE_IDS[recipe], x_fp8, x_scales, wgrad_store, fp8)
 

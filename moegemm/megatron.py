@@ -236,7 +236,8 @@ class MoegemmExperts(MegatronModule):
     megatron's ``parallel_state``), ``name``. Own keyword arguments: ``recipe`` (``'bf16'`` or
     ``'fp8_blockwise'``; default from ``$MOEGEMM_MEGATRON_RECIPE`` or ``config.fp8``),
     ``fp8_weight_cache`` (default True; False quantizes the weights inside every call): keep the FP8
-    weights and re-quantize them only when they changed (``moegemm/weight_cache.py``).
+    weights and re-quantize them only when they changed (``moegemm/weight_cache.py``). It is read at each
+    forward; set it at construction (turning it off later stops using the copies but does not free them).
 
     FP8 weights and Megatron's optimizers: Megatron's optimizers (``DistributedOptimizer`` included) run
     a torch optimizer on the main (fp32) parameters and then copy them into the model's parameters

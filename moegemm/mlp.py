@@ -19,8 +19,8 @@ from torch import nn
 from . import backend
 from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight,
                         splits_to_device)
-from .functional import (WgradStore, add_grad, finish_sum, finish_weight_grad, grad_target, refuse_double_backward,
-                         split_x, weight_grad_target)
+from .functional import (WgradStore, add_grad, check_deferrable, finish_sum, finish_weight_grad, grad_target,
+                         refuse_double_backward, split_x, weight_grad_target)
 from .layout import ACTIVATIONS, BF16, GLU_ACTIVATIONS, RECIPE_IDS, act_width
 from .modules import GroupedLinear
 from .quantize import Fp8Rows
@@ -124,7 +124,8 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     gate rows first), fc2_weight ``[E, H, F]``; probs ``[T]`` (any float dtype) or None.
     ``fp8_weights``: ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))`` to reuse.
     ``x`` may be FP8: ``Fp8Rows(q, s, grad_target)`` (fp8_blockwise only; dx goes to grad_target).
-    ``wgrad_store``: split backward, the weight gradients wait there until ``wgrad_store.backward_dw()``."""
+    ``wgrad_store``: split backward, the weight gradients wait there until ``wgrad_store.backward_dw()`` (the
+    weights must be leaves: the deferred gradients go to their main_grad or ``.grad``)."""
     check_recipe(recipe)
     check_activation(activation)
     check_weight(fc1_weight, "fc1_weight")
@@ -161,6 +162,8 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):  # inference
         return backend.select(x_dev.device).mlp_fwd(x_dev, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id,
                                                     recipe_id, fp8, False, False, False, x_scales)[0]
+    if wgrad_store is not None:
+        check_deferrable(("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight))
     apply = _GroupedMLP.apply if wgrad_store is None else _apply_deferred
     return apply(*inputs, m, act_id, recipe_id, fp8, x_fp8, x_scales, wgrad_store)
 
@@ -181,7 +184,9 @@ class GroupedMLP(nn.Module):
 
     ``fc1.weight`` is ``[E, 2·ffn, hidden]`` for GLU activations (gate rows first, as Megatron lays out
     fc1's output) or ``[E, ffn, hidden]``; ``fc2.weight`` is ``[E, hidden, ffn]``. Parameters are ordinary
-    bf16/fp32 ``nn.Parameter``s.
+    bf16/fp32 ``nn.Parameter``s. ``fc1``/``fc2`` are GroupedLinear layers holding the parameters; the MLP
+    does not call them (one op runs both layers), and their own FP8 caches stay empty unless they are
+    called directly.
 
     FP8 weights (``fp8_blockwise``): the module keeps the FP8 copies of both weights (``W`` and ``Wᵀ``,
     ``quantize_weight``) and re-quantizes them only when the weights changed: after an optimizer step,

@@ -5,8 +5,11 @@ gradient-accumulation step, evaluation, activation recomputation). Used by ``Gro
 
 When is a cached copy used? A copy of weight ``w`` is valid only while all of these still hold:
 
-- it was made from this very tensor (identity, held by a weak reference), with the same ``data_ptr``,
-  shape, dtype and device (``module.to(...)``, a new ``Parameter``, ``.data = ...`` onto a new buffer);
+- it was made from this very tensor (identity: an int token the cache puts in the tensor's ``__dict__``;
+  a new tensor has none, and ``torch.utils.swap_tensors`` moves it with the contents — a weak reference
+  would make PyTorch refuse to swap the parameter in ``module.to`` / ``load_state_dict``), with the same
+  ``data_ptr``, shape, dtype and device (``module.to(...)``, a new ``Parameter``, ``.data = ...`` onto a
+  new buffer);
 - ``w._version`` is unchanged: every in-place write through autograd-visible tensors bumps it
   (``w.mul_(...)``, ``w[0].zero_()``, ``torch.no_grad(): w.copy_(...)``, the ``load_state_dict`` copy,
   the foreach and for-loop implementations of torch.optim's optimizers);
@@ -59,7 +62,7 @@ old ones are freed then, unless a pending backward still holds them: for a momen
 
 from __future__ import annotations
 
-import weakref
+import itertools
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -117,11 +120,23 @@ def quantize(w: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return tuple(ops.quantize_weight(w.detach().contiguous()))
 
 
+_TOKEN = "_moegemm_fp8_token"
+_tokens = itertools.count(1)
+
+
+def _token(w: torch.Tensor) -> int:
+    """The int marking this tensor object for the cache (set on first use, kept in its ``__dict__``)."""
+    token = w.__dict__.get(_TOKEN)
+    if token is None:
+        token = w.__dict__[_TOKEN] = next(_tokens)
+    return token
+
+
 class _Entry:
-    __slots__ = ("ref", "ptr", "shape", "dtype", "device", "version", "stamp", "fp8", "captured", "pinned")
+    __slots__ = ("token", "ptr", "shape", "dtype", "device", "version", "stamp", "fp8", "captured", "pinned")
 
     def __init__(self, w: torch.Tensor, version, stamp, fp8, captured: bool):
-        self.ref = weakref.ref(w)
+        self.token = _token(w)
         self.ptr, self.shape, self.dtype, self.device = w.data_ptr(), tuple(w.shape), w.dtype, w.device
         self.version, self.stamp, self.fp8 = version, stamp, fp8
         self.captured = captured  # made during a capture: graph-pool memory that replays rewrite
@@ -129,7 +144,7 @@ class _Entry:
 
     def holds(self, w: torch.Tensor) -> bool:
         """Made from this tensor, at its current address, shape, dtype and device."""
-        return (self.ref() is w and self.ptr == w.data_ptr() and self.shape == tuple(w.shape)
+        return (w.__dict__.get(_TOKEN) == self.token and self.ptr == w.data_ptr() and self.shape == tuple(w.shape)
                 and self.dtype == w.dtype and self.device == w.device)
 
     def fresh(self, w: torch.Tensor, stamp) -> bool:

@@ -133,6 +133,20 @@ def test_functional_store_and_forgotten_backward_dw():
     assert torch.equal(w.grad, expected)
 
 
+def test_split_backward_refuses_non_leaf_weights():
+    """The deferred gradient goes to the weight itself (main_grad or .grad), outside autograd: a weight
+    computed from another tensor (master.bfloat16()) would lose it silently, so it is refused."""
+    master = torch.randn(2, 128, 128, requires_grad=True)
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    store = moegemm.WgradStore()
+    with pytest.raises(ValueError, match="weight to be a leaf"):
+        moegemm.grouped_linear(x, master.bfloat16(), [40, 24], wgrad_store=store)
+    w2 = torch.randn(2, 128, 128, requires_grad=True)
+    with pytest.raises(ValueError, match="fc1_weight to be a leaf"):
+        moegemm.grouped_mlp(x, master.repeat(1, 2, 1).bfloat16(), w2, [40, 24], activation="swiglu", wgrad_store=store)
+    assert len(store) == 0
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
 if HAS_HOPPER:
     from moegemm import cuda_ops  # noqa: F401

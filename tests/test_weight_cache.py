@@ -740,3 +740,33 @@ def test_grouped_linear_cache_flags(device, quant):
         assert quant["cache"] == 2
         plain(x, splits)
         assert quant["cache"] == 2 and plain._fp8_cache.copies() is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_allows_parameter_swap(device):
+    """The cache marks a weight with a token in its __dict__, not a weak reference (PyTorch refuses to swap a
+    tensor that has one): module.to and load_state_dict on the swap path work after a cached forward, and
+    the swapped-in weights are quantized afresh."""
+    torch.manual_seed(13)
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for make in (lambda: make_mlp(device), lambda: moegemm.GroupedLinear(E, H, FFN, device=device)):
+            m = make()
+            x, splits, p, dy = batch(device)
+            with torch.no_grad():
+                run = (lambda: m(x, splits, p)) if isinstance(m, GroupedMLP) else (lambda: m(x, splits))
+                run()
+                m.to(torch.float32)  # the swap path
+                m.to(torch.bfloat16)
+                state = {k: v + 0.5 for k, v in m.state_dict().items()}
+                m.load_state_dict(state)
+                y = run()
+            fresh = make()
+            fresh.load_state_dict(state)
+            fresh.fp8_weight_cache = False
+            with torch.no_grad():
+                y_ref = fresh(x, splits, p) if isinstance(fresh, GroupedMLP) else fresh(x, splits)
+            assert torch.equal(y, y_ref)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(old)

@@ -50,7 +50,7 @@ from ._validate import check_recipe
 from .functional import WgradStore
 from .mlp import grouped_mlp
 from .quantize import Fp8Rows
-from .weight_cache import FP8WeightCache
+from . import weight_cache
 from .layout import GLU_ACTIVATIONS
 
 __all__ = ["MoegemmExperts", "experts_builder", "patch_layer_spec", "get_moe_layer_spec", "get_gpt_layer_spec",
@@ -295,7 +295,7 @@ class MoegemmExperts(MegatronModule):
                 raise ValueError(f"moegemm experts need {what} to be a multiple of 16, got {size}")
         self.fp8_weight_cache = True if fp8_weight_cache is None else bool(fp8_weight_cache)
         self.is_first_microbatch = True  # Megatron's schedule sets it at each step's first micro-batch
-        self._fp8_cache = FP8WeightCache()
+        weight_cache.attach(self)
 
         E, H = self.num_local_experts, self.hidden_size
         F1 = 2 * ffn if self.glu else ffn
@@ -333,7 +333,6 @@ class MoegemmExperts(MegatronModule):
             self.register_load_state_dict_pre_hook(_load_from_any)
         else:  # pragma: no cover - older torch
             self._register_load_state_dict_pre_hook(_load_from_any, with_module=True)
-        self.register_load_state_dict_post_hook(_invalidate_fp8_after_load)
 
     # --------------------------------------------------------------------------------- init
     def _init_weight(self, weight: torch.Tensor, init_method, use_cpu: bool) -> None:
@@ -549,10 +548,6 @@ def _state_dict_to_sequential(module, state_dict, prefix, local_metadata=None):
     for e in range(module.num_local_experts):
         for lin in ("linear_fc1", "linear_fc2"):
             state_dict[f"{prefix}local_experts.{e}.{lin}._extra_state"] = None
-
-
-def _invalidate_fp8_after_load(module, incompatible_keys) -> None:
-    module._fp8_cache.invalidate()
 
 
 def _load_from_any(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

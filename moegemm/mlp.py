@@ -24,7 +24,7 @@ from .functional import (WgradStore, add_grad, check_deferrable, finish_sum, fin
 from .layout import ACTIVATIONS, BF16, GLU_ACTIVATIONS, RECIPE_IDS, act_width
 from .modules import GroupedLinear
 from .quantize import Fp8Rows
-from .weight_cache import FP8WeightCache
+from . import weight_cache
 
 _RELEASED = "released"
 
@@ -174,11 +174,6 @@ def _apply_deferred(*args):
     return _GroupedMLP.apply(*args)
 
 
-def _invalidate_fp8_after_load(module, incompatible_keys) -> None:
-    """load_state_dict post-hook: the loaded weights are quantized at the next use."""
-    module._fp8_cache.invalidate()
-
-
 class GroupedMLP(nn.Module):
     """E expert MLPs ``fc2(act(fc1(x)) * probs)`` over tokens packed by expert.
 
@@ -209,21 +204,10 @@ class GroupedMLP(nn.Module):
         fc1_out = 2 * ffn_hidden_size if activation in GLU_ACTIVATIONS else ffn_hidden_size
         self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, bias, recipe, device, dtype)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias, recipe, device, dtype)
-        self._fp8_cache = FP8WeightCache(auto=fp8_weight_cache)
+        weight_cache.attach(self, fp8_weight_cache)
         self._fp8_inference = None  # to_fp8_inference: the W copies, the only weights left
-        self.register_load_state_dict_post_hook(_invalidate_fp8_after_load)
 
-    @property
-    def fp8_weight_cache(self) -> bool:
-        """Whether ``is_first_microbatch=None`` reuses the FP8 weights while they are valid (else it
-        quantizes inside every call). Setting it to False frees the kept copies."""
-        return self._fp8_cache.auto
-
-    @fp8_weight_cache.setter
-    def fp8_weight_cache(self, on: bool) -> None:
-        self._fp8_cache.auto = bool(on)
-        if not on:
-            self._fp8_cache.clear()
+    fp8_weight_cache = weight_cache.switch
 
     def fp8_weights(self, is_first_microbatch: Optional[bool] = None):
         """The FP8 copies of both weights for this call (None: quantize inside the call)."""

@@ -10,12 +10,7 @@ from torch import nn
 
 from ._validate import SplitsLike, check_recipe
 from .functional import WgradStore, grouped_linear
-from .weight_cache import FP8WeightCache
-
-
-def _invalidate_fp8_after_load(module, incompatible_keys) -> None:
-    """load_state_dict post-hook: the loaded weight is quantized at its next use."""
-    module._fp8_cache.invalidate()
+from . import weight_cache
 
 
 class GroupedLinear(nn.Module):
@@ -34,8 +29,7 @@ class GroupedLinear(nn.Module):
                  recipe: str = "fp8_blockwise", device=None, dtype=None, delay_wgrad_compute: bool = False,
                  fp8_weight_cache: bool = True):
         super().__init__()
-        self._fp8_cache = FP8WeightCache(auto=fp8_weight_cache)
-        self.register_load_state_dict_post_hook(_invalidate_fp8_after_load)
+        weight_cache.attach(self, fp8_weight_cache)
         self.delay_wgrad_compute = delay_wgrad_compute
         self._wgrad_store = WgradStore()
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
@@ -52,17 +46,7 @@ class GroupedLinear(nn.Module):
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
 
-    @property
-    def fp8_weight_cache(self) -> bool:
-        """Whether ``is_first_microbatch=None`` reuses the FP8 weight while it is valid (else it quantizes
-        inside every call). Setting it to False frees the kept copies."""
-        return self._fp8_cache.auto
-
-    @fp8_weight_cache.setter
-    def fp8_weight_cache(self, on: bool) -> None:
-        self._fp8_cache.auto = bool(on)
-        if not on:
-            self._fp8_cache.clear()
+    fp8_weight_cache = weight_cache.switch
 
     def fp8_weight(self, is_first_microbatch: Optional[bool] = None):
         """The weight's FP8 copies for this call (None: quantize inside the call)."""

@@ -69,7 +69,7 @@ import torch
 
 from . import backend
 
-__all__ = ["FP8WeightCache", "weights_changed", "generation"]
+__all__ = ["FP8WeightCache", "weights_changed", "generation", "attach", "switch"]
 
 _generation = 0
 _hook = None
@@ -239,3 +239,32 @@ class FP8WeightCache:
         e = _Entry(w, version, stamp, fp8, captured=capture)
         self._entries[i] = e
         return e
+
+
+# ----------------------------------------------------------------------------- the layers' side
+def _invalidate_after_load(module, incompatible_keys) -> None:
+    """load_state_dict post-hook: the loaded weights are quantized at their next use."""
+    module._fp8_cache.invalidate()
+
+
+def attach(module: torch.nn.Module, auto: bool = True) -> FP8WeightCache:
+    """Give ``module`` its FP8 weight cache (``module._fp8_cache``), invalidated by its ``load_state_dict``
+    (also when a parent module loads)."""
+    module._fp8_cache = FP8WeightCache(auto=auto)
+    module.register_load_state_dict_post_hook(_invalidate_after_load)
+    return module._fp8_cache
+
+
+def _get_switch(module) -> bool:
+    return module._fp8_cache.auto
+
+
+def _set_switch(module, on: bool) -> None:
+    module._fp8_cache.auto = bool(on)
+    if not on:
+        module._fp8_cache.clear()
+
+
+# A layer's ``fp8_weight_cache`` attribute (GroupedLinear, GroupedMLP: ``fp8_weight_cache = weight_cache.switch``).
+switch = property(_get_switch, _set_switch, doc="Whether is_first_microbatch=None reuses the FP8 weights while "
+                  "they are valid (else each call quantizes); setting it to False frees the kept copies.")

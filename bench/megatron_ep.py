@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dist_setup import init_process_group  # noqa: E402  (bench/ is the script's folder)
 
 # relative-error thresholds: (vs EP=1 moegemm, vs EP=1 SequentialMLP, router vs SequentialMLP)
 TOLERANCES = {"bf16": (1e-2, 2e-2, 2e-2), "fp8_blockwise": (2e-2, 0.1, 0.15)}
@@ -49,22 +50,6 @@ def parse_args():
     p.add_argument("--activation", default="swiglu", choices=["swiglu", "geglu", "gelu", "relu"])
     p.add_argument("--dispatcher", default=None, help="alltoall (default on GPU) or allgather")
     return p.parse_args()
-
-
-class _NullStream:
-    def wait_event(self, *a, **k):
-        pass
-
-    def wait_stream(self, *a, **k):
-        pass
-
-
-def cpu_redirects():
-    """megatron-core hard-codes a few torch.cuda calls on paths the CPU smoke test takes."""
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *a, **k: None
-        torch.cuda.current_stream = lambda *a, **k: _NullStream()
 
 
 def build_mlp(mlp_spec, config, **kwargs):
@@ -114,16 +99,7 @@ def run(layer, x, dy):
 def main():
     args = parse_args()
     warnings.filterwarnings("ignore")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if args.cpu:
-        cpu_redirects()
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl")
+    rank, world, device = init_process_group(args.cpu)
     dispatcher = args.dispatcher or ("allgather" if args.cpu else "alltoall")
     if args.experts % world:
         raise SystemExit(f"--experts ({args.experts}) must be a multiple of the world size ({world})")

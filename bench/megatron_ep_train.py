@@ -48,7 +48,6 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -65,6 +64,7 @@ import torch.nn.functional as F  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from dist_setup import init_process_group  # noqa: E402  (bench/ is the script's folder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,51 +122,9 @@ def parse_args():
 
 
 # ----------------------------------------------------------------------------------------- setup
-class _NullEvent:
-    def synchronize(self):
-        pass
-
-
-class _NullStream:
-    def wait_event(self, *a, **k):
-        pass
-
-    def wait_stream(self, *a, **k):
-        pass
-
-    def record_event(self, *a, **k):
-        return _NullEvent()
-
-
-def cpu_redirects():
-    """megatron-core hard-codes torch.cuda calls on the paths the CPU smoke test takes (the all-to-all
-    dispatcher's device-to-host copies on a side stream, the RNG tracker)."""
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-    from megatron.core.transformer.moe import token_dispatcher
-
-    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
-    # the split sizes become numpy arrays as on the GPU (megatron converts device tensors only)
-    token_dispatcher.maybe_move_tensor_to_cpu = \
-        lambda t, as_numpy=False, record_stream=False: t.numpy() if as_numpy and torch.is_tensor(t) else t
-    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-
-
 def setup_distributed(args):
     """(rank, world, device): the process group and megatron's parallel state (TP = PP = 1, EP = world)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if args.cpu:
-        cpu_redirects()
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl")
+    rank, world, device = init_process_group(args.cpu)
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import moe_utils
 

@@ -147,7 +147,7 @@ class _GroupedLinear(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         x_op = x_fp8 if x_scales is not None else x
         y, plan, saved = backend.select(x_op.device).linear_fwd(x_op, weight, m_splits, bias, recipe, need_dx, need_dw,
-                                                                x_scales, fp8_weight)
+                                                                x_scales, fp8_weight or None)
         ctx.save_for_backward(plan, x if recipe == BF16 and need_dw else None, weight, *fp8_weight, *saved)
         ctx.recipe, ctx.weight, ctx.store, ctx.num_fp8 = recipe, weight, store, len(fp8_weight)
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -162,7 +162,7 @@ class _GroupedLinear(torch.autograd.Function):
         defer = ctx.store is not None and need_dw
         main_grad = None if defer else weight_grad_target(ctx.weight, need_dw)
         dx, dw, db, *made = backend.select(dy.device).linear_bwd(dy, plan, saved, x, weight, main_grad, ctx.recipe,
-                                                                need_dx, need_dw, need_db, defer, fp8_weight)
+                                                                need_dx, need_dw, need_db, defer, fp8_weight or None)
         if defer:  # the wgrad GEMM's operands: fp8 [qdyT, sdyT] made here + x's column copy; bf16 [dy, x]
             operands = [*made, saved[0], saved[1]] if ctx.recipe != BF16 else [dy.contiguous(), x]
             ctx.store.push(_linear_wgrad_job(plan, operands, ctx.weight, ctx.recipe))
@@ -217,7 +217,7 @@ def grouped_linear(
     fp8 = list(fp8_weight) if fp8_weight is not None and recipe == "fp8_blockwise" else []
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return backend.select(x_dev.device).linear_fwd(x_dev, weight, m, bias, RECIPE_IDS[recipe], False, False,
-                                                       x_scales, fp8)[0]  # inference
+                                                       x_scales, fp8 or None)[0]  # inference
     if wgrad_store is not None:
         check_deferrable(("weight", weight))
     apply = _GroupedLinear.apply if wgrad_store is None else _apply_deferred

@@ -1,10 +1,13 @@
 // The kernel configurations of moegemm's grouped GEMMs, declared once (CUTLASS-example style).
 //   Fp8BlockwiseGemm: e4m3 A (K-major) x e4m3 B (K-major), fp32 accumulation with per-128-K-block
-//                     scale promotion (SPEC §3), cooperative 128x128x128 tiles, cluster 1x2.
+//                     scale promotion (SPEC §3); CTA tile, cluster and schedule from a Tiling (below;
+//                     which one a problem gets is decided in gemm_heuristics.h).
 //   Bf16Gemm:         bf16 A x bf16 B in any major-ness, fp32 accumulation, cooperative 128x256x64
 //                     tiles, cluster 2x1.
 // ElementC = void means out = acc; float C allows out = acc + beta * out (wgrad accumulation).
 #pragma once
+
+#include <type_traits>
 
 #include "grouped_gemm.cuh"
 
@@ -18,22 +21,49 @@ using RowMajorEpilogue = typename cutlass::epilogue::collective::CollectiveBuild
     ElementD, cutlass::layout::RowMajor*, 16 / sizeof(ElementD), EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
 
-template <class ScaleConfig, class ElementC, class ElementD>
+// One FP8 tiling: CTA tile M x N (x 128 along K, the scale block), cluster ClusterM x ClusterN (TMA
+// multicast: of B across the ClusterM CTAs, of A across the ClusterN), cooperative (two warpgroups on one
+// tile) or pingpong (one tile per warpgroup, epilogue overlapped with the other's mainloop) schedule, and
+// an epilogue that stages the output tile in shared memory for TMA stores or (kNoSmemEpilogue) stores
+// it from registers (no shared memory, no wait for the store before the next tile's MMAs).
+template <int M, int N, int ClusterM, int ClusterN, bool kPingpong = false, bool kNoSmemEpilogue = false>
+struct Fp8Tiling {
+  using TileShape = Shape<Int<M>, Int<N>, _128>;
+  using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
+  using KernelSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+  using EpilogueSchedule = std::conditional_t<
+      kNoSmemEpilogue, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized,
+      std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>>;
+};
+
+// The FP8 tilings, named once. Tile128x128C1x2 was the only one up to the roofline work (issue 15).
+using Tile128x128C1x2 = Fp8Tiling<128, 128, 1, 2>;
+using Tile128x128C2x1 = Fp8Tiling<128, 128, 2, 1>;
+using Tile128x128C2x2 = Fp8Tiling<128, 128, 2, 2>;
+using Tile128x128C1x1 = Fp8Tiling<128, 128, 1, 1>;
+using Tile128x192C1x2 = Fp8Tiling<128, 192, 1, 2>;
+using Tile64x128C1x2Pingpong = Fp8Tiling<64, 128, 1, 2, true>;
+using Tile128x128C1x2NoSmem = Fp8Tiling<128, 128, 1, 2, false, true>;
+using Tile128x128C1x1NoSmem = Fp8Tiling<128, 128, 1, 1, false, true>;
+using Tile64x128C1x2PingpongNoSmem = Fp8Tiling<64, 128, 1, 2, true, true>;
+
+template <class ScaleConfig, class ElementC, class ElementD, class Tiling = Tile128x128C1x2>
 struct Fp8BlockwiseGemm {
   using Element = cutlass::float_e4m3_t;
-  using TileShape = Shape<_128, _128, _128>;
-  using ClusterShape = Shape<_1, _2, _1>;
+  using TileShape = typename Tiling::TileShape;
+  using ClusterShape = typename Tiling::ClusterShape;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using Epilogue = RowMajorEpilogue<ElementC, ElementD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-                                    TileShape, ClusterShape>;
+  using Epilogue = RowMajorEpilogue<ElementC, ElementD, typename Tiling::EpilogueSchedule, TileShape, ClusterShape>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, 16,
       Element, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, 16,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      typename Tiling::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Runner = GroupedGemm<Gemm, /*kBlockwise=*/true>;

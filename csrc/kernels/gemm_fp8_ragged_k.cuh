@@ -1,5 +1,6 @@
-// FP8 blockwise grouped GEMM with a ragged reduction: the weight gradient, instantiated for fp32 output
-// (optionally accumulated: main_grad) in gemm_fp8_ragged_k_f32.cu and bf16 output in _bf16.cu.
+// FP8 blockwise grouped GEMM with a ragged reduction: the weight gradient, for any Fp8Tiling; the
+// production tilings are instantiated for fp32 output (optionally accumulated: main_grad) in
+// gemm_fp8_ragged_k_f32.cu and bf16 output in _bf16.cu, picked per problem by gemm_heuristics.h.
 //   out[e] ([N, K]) (+)= Σ_{128-token blocks i of e} saT[i] sbT[i] · qaT_e [N, m_e] · qbT_eᵀ [m_e, K]
 // Operands are the per-expert transposed (token-contiguous) copies written by quantize_act; expert e's
 // tokens start at column col[e] (a multiple of 16, as TMA requires) and its scale blocks at row blk[e].
@@ -18,8 +19,9 @@ using namespace cute;
 // 128x1 blocks along tokens for both operands; scale tensors [NB, N] and [NB, K] are MN-major.
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, GMMA::Major::MN, GMMA::Major::MN>;
 // fp32 output reads C (= D) so that it can accumulate; bf16 output has no C.
-template <class ElementD>
-using Config = grouped::Fp8BlockwiseGemm<ScaleConfig, std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
+template <class ElementD, class Tiling>
+using Config = grouped::Fp8BlockwiseGemm<ScaleConfig, std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD,
+                                         Tiling>;
 
 template <class Arrays>
 __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t col_cap, int64_t blk_cap, int64_t N,
@@ -48,14 +50,14 @@ __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, in
   a.stride_D[e] = grouped::leading<typename Arrays::StrideD>(K);
 }
 
-template <class ElementD>
-size_t workspace_size(int E) { return Config<ElementD>::Runner::workspace_size(E); }
+template <class ElementD, class Tiling>
+size_t workspace_size(int E) { return Config<ElementD, Tiling>::Runner::workspace_size(E); }
 
-template <class ElementD>
+template <class ElementD, class Tiling>
 void run(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT, const int32_t* plan, int E,
          int64_t col_cap, int64_t blk_cap, int64_t N, int64_t K, ElementD* out, bool accumulate, void* workspace,
          cudaStream_t stream, const char* name) {
-  using Runner = typename Config<ElementD>::Runner;
+  using Runner = typename Config<ElementD, Tiling>::Runner;
   using Arrays = typename Runner::Arrays;
   if (!accumulate) zero_empty_experts(plan, E, PlanLimits{kNoLimit, col_cap, blk_cap}, N * K * int64_t(sizeof(ElementD)), out,
                                      stream);

@@ -125,6 +125,7 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated substrings of the point names")
     ap.add_argument("--gemms", default=None, help="comma-separated substrings of the GEMM names")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--md", default=None, help="write a markdown table here")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (no roofline column; for ncu)")
     args = ap.parse_args()
     ce = None if args.no_ceilings else ceilings()
@@ -141,6 +142,19 @@ def main():
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps({"ceilings": ce, "rows": rows}, indent=1))
+    if args.md:
+        Path(args.md).write_text(markdown(ce, rows))
+
+
+def markdown(ce: dict | None, rows: list) -> str:
+    head = ["# FP8 grouped GEMMs against their roofline (`bench/gemm_breakdown.py`)", ""]
+    if ce:
+        head += [f"Ceilings measured in the same run: FP8 dense {ce['fp8_tflops']:.0f} TFLOP/s ({ce['fp8_how']}), "
+                 f"copy {ce['copy_gbps']:.0f} GB/s ({ce['copy_how']}). Roofline = max(FLOPs at the FP8 ceiling, "
+                 "minimal bytes at copy bandwidth); wgrad f32+= accumulates into fp32 (main_grad read and written).", ""]
+    head += ["| point | GEMM | ms | TFLOP/s | % roofline |", "|---|---|---:|---:|---:|"]
+    return "\n".join(head + [f"| {r['point']} | {r['gemm']} | {r['ms']:.3f} | {r['tflops']:.0f} | {100 * r['frac_roofline']:.0f} |"
+                             for r in rows]) + "\n"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from shared import BENCH, DEV, cuda_alive, free, log, short  # first: puts the repository root on sys.path
-from moegemm.workloads import GEMM_SHAPES, SHAPES, balanced_splits, zipf_splits
+from moegemm.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
 
 from cases import Case, mlp_errors, reference, rel_err
 from measure import count_syncs, host_overhead, jitter, measure_ceilings, peak_extra_mib, time_op
@@ -238,14 +238,16 @@ class Runner:
         self.res["ceilings"] = measure_ceilings(cfg)
         log(f"[bench] ceilings: {self.res['ceilings']}")
         self.save()
-        for shape, (E, H, F, T) in SHAPES.items():
+        for shape, (E, H, F, T) in {**SHAPES, **SMALL_EXPERTS}.items():
             if args.shapes and not any(s.lower() in shape.lower() for s in args.shapes.split(",")):
                 continue
-            for kind_name in cfg["splits"]:
+            small = shape in SMALL_EXPERTS  # its own skew (a quarter of the experts empty), Zipf only
+            for kind_name in (["zipf"] if small else cfg["splits"]):
                 if self.dead or self.over_budget(reserve=cfg["sweep_reserve_s"] + cfg["jitter_reserve_s"]):
                     self.res["skipped"].append(f"{shape}/{kind_name}: " + (self.dead or "time budget"))
                     continue
-                splits = zipf_splits(E, T) if kind_name == "zipf" else balanced_splits(E, T)
+                splits = (small_experts_splits(E, T) if small else
+                          zipf_splits(E, T) if kind_name == "zipf" else balanced_splits(E, T))
                 pt = {}
                 self.guarded(pt, f"{shape}/{kind_name}", lambda: self.run_point(shape, E, H, F, T, kind_name, splits))
                 if pt.get("status") != "ok":

@@ -13,13 +13,20 @@
 
 namespace moegemm::grouped {
 
+// out = alpha * acc (+ beta * C). The register-store epilogue's builder wants the fusion's source type to
+// be the builder's C type (void: no C); the TMA epilogues keep the fusion they were built with.
+template <class ElementC, class ElementD, class EpilogueSchedule>
+using LinearCombination = std::conditional_t<std::is_same_v<EpilogueSchedule, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>,
+                                             cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>,
+                                             cutlass::epilogue::fusion::LinearCombination<ElementD, float>>;
+
 template <class ElementC, class ElementD, class EpilogueSchedule, class TileShape, class ClusterShape>
 using RowMajorEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     ElementC, cutlass::layout::RowMajor*, 16 / sizeof(ElementD),
     ElementD, cutlass::layout::RowMajor*, 16 / sizeof(ElementD), EpilogueSchedule,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+    LinearCombination<ElementC, ElementD, EpilogueSchedule>>::CollectiveOp;
 
 // One FP8 tiling: CTA tile M x N (x 128 along K, the scale block), cluster ClusterM x ClusterN (TMA
 // multicast: of B across the ClusterM CTAs, of A across the ClusterN), cooperative (two warpgroups on one

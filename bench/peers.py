@@ -102,6 +102,11 @@ def build_fc1(key, c: Case):
     if key in ("moegemm_fp8", "moegemm_bf16"):
         moe, recipe = MOD["moegemm"], "fp8_blockwise" if key == "moegemm_fp8" else "bf16"
         return lambda: moe.grouped_linear(x, W1, m, recipe=recipe)
+    if key == "moegemm_fp8_wcache":  # GroupedLinear's automatic FP8 weight cache: W quantized once, x per call
+        lin = MOD["moegemm"].GroupedLinear(E, c.H, 2 * c.F, bias=False, recipe="fp8_blockwise", device=x.device, dtype=BF16)
+        with torch.no_grad():
+            lin.weight.copy_(W1)
+        return lambda: lin(x, m)
     if key == "moegemm_fp8_gemm":
         ops = MOD["moegemm_ops"]
         plan = ops.make_plan(m, T)

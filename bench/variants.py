@@ -23,7 +23,7 @@ VARIANTS = [
     Variant("moegemm_fp8_gemm", "moegemm fp8 GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
     Variant("torch_fp8_gemm", "torch fp8 rowwise GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
     Variant("moegemm_fp8_wcache", "moegemm fp8_blockwise, automatic FP8 weight cache (once per step)", "fp8",
-            ops=("mlp",), aux=True),
+            aux=True),
 ]
 VBY = {v.key: v for v in VARIANTS}
 BASELINE = "torch_bf16"

@@ -57,3 +57,18 @@ def init_process_group(cpu: bool):
         device = torch.device("cuda", local_rank)
         dist.init_process_group("nccl")
     return rank, world, device
+
+
+def init_expert_parallel(cpu: bool, world: int):
+    """megatron-core's parallel state for TP = PP = 1, EP = world (and its CUDA RNG seed on a GPU)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without TransformerEngine
+        moe_utils.te_general_gemm = None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                             expert_model_parallel_size=world)
+    if not cpu:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)

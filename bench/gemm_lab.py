@@ -26,15 +26,13 @@ from gemm_breakdown import ceilings, points, problems, roofline_ms, time_ms  # n
 # tiling name (gemm_configs.cuh) -> the GEMMs built with it: m = ragged M (fprop/dgrad), kb = wgrad bf16,
 # kf = wgrad fp32.
 VARIANTS = {
-    # H200 runs (bench/NOTES.md, issue 15), every variant slower than production (Tile128x128C1x2) on
-    # nearly every GEMM: bench/logs/gemm_lab_h200_tilings.log (Tile128x128C2x2 "m kb", Tile128x192C1x2
-    # "kb kf", Tile64x128C1x2Pingpong "m"; its bf16-wgrad max|diff| column compared against a zero
-    # tensor, a bug since fixed) and bench/logs/gemm_lab_h200_nosmem.log (the register-store epilogue
-    # variants below). Tile128x128C2x1 did not launch, 128x256 tiles do not compile (blockwise B scales).
+    # Also tried on an H200 and slower than production on (nearly) every GEMM (bench/NOTES.md, fifth
+    # session; bench/logs/gemm_lab_h200_tilings.log, whose bf16-wgrad max|diff| column compared against a
+    # zero tensor, a bug since fixed, and bench/logs/gemm_lab_h200_nosmem.log): clusters 2x2 and 2x1,
+    # 128x192 wgrad tiles, the register-store epilogue (PtrArrayNoSmemWarpSpecialized) - taken out of
+    # gemm_configs.cuh again; 128x256 tiles do not compile with 128x128 B-scale blocks.
     "Tile128x128C1x1": "m",
-    "Tile128x128C1x2NoSmem": "m kb kf",
-    "Tile128x128C1x1NoSmem": "m kb",
-    "Tile64x128C1x2PingpongNoSmem": "m",
+    "Tile64x128C1x2Pingpong": "m",
 }
 
 

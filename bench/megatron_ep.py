@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_setup import init_process_group  # noqa: E402  (bench/ is the script's folder)
+from dist_setup import init_expert_parallel, init_process_group  # noqa: E402  (bench/ is the script's folder)
 
 # relative-error thresholds: (vs EP=1 moegemm, vs EP=1 SequentialMLP, router vs SequentialMLP)
 TOLERANCES = {"bf16": (1e-2, 2e-2, 2e-2), "fp8_blockwise": (2e-2, 0.1, 0.15)}
@@ -106,21 +106,13 @@ def main():
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron.core
 
     from moegemm.megatron import MoegemmExperts, patch_layer_spec
 
-    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without TransformerEngine
-        moe_utils.te_general_gemm = None
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=world)
-    if not args.cpu:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
+    init_expert_parallel(args.cpu, world)
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
     ref_pgc = singleton_collection(singles[rank])
 

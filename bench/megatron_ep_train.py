@@ -64,7 +64,7 @@ import torch.nn.functional as F  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from dist_setup import init_process_group  # noqa: E402  (bench/ is the script's folder)
+from dist_setup import init_expert_parallel, init_process_group  # noqa: E402  (bench/ is the script's folder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +125,7 @@ def parse_args():
 def setup_distributed(args):
     """(rank, world, device): the process group and megatron's parallel state (TP = PP = 1, EP = world)."""
     rank, world, device = init_process_group(args.cpu)
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without TransformerEngine
-        moe_utils.te_general_gemm = None
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=world)
-    if not args.cpu:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
+    init_expert_parallel(args.cpu, world)
     if args.experts % world:
         raise SystemExit(f"--experts ({args.experts}) must be a multiple of the world size ({world})")
     return rank, world, device

@@ -98,42 +98,65 @@ void sum_rows(const float* in, int64_t rows, int64_t cols, float* out, cudaStrea
 void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t bytes_per_expert, void* out,
                         cudaStream_t stream);
 
-// ---- grouped GEMMs (CUTLASS sm90 ptr-array). `workspace` holds the device-built arguments and
-// CUTLASS's own workspace; its size comes from the matching *_workspace_size(E).
+// ---- grouped GEMMs. A problem travels as one struct; `workspace` (the device-built arguments of the
+// CUTLASS kernels) has the size the matching *_workspace_size returns (0: none needed).
 
-// out[t] (bf16) = Σ_j sa[t,j] sb[e,n/128,j] Σ_k qa[t,k] qb[e,n,k]; qa [T,K], qb [E,N,K].
-// fprop (b = W) and dgrad (b = Wᵀ copy, with K and N swapped). Rows past the covered tokens get zeros
-// (so do those of the bf16 fprop and dgrad).
-size_t gemm_fp8_ragged_m_workspace_size(int E);
-void gemm_fp8_ragged_m(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
-                       const int32_t* plan, int E, int64_t T, int64_t N, int64_t K, void* out,
-                       void* workspace, cudaStream_t stream);
+// An FP8 operand: e4m3 bytes and their fp32 block scales.
+struct Fp8Operand {
+  const uint8_t* q;
+  const float* s;
+};
 
-// out[e] ([E,N,K]) (+)= Σ over the expert's 128-token blocks: qaT [N, Wc], saT [NB, N],
-// qbT [K, Wc], sbT [NB, K] (column-quantized dy and x; Wc = col_cap, NB = blk_cap). fp32 output,
-// written or accumulated (out += instead of out =), or bf16 output.
-size_t gemm_fp8_ragged_k_f32_workspace_size(int E);
-void gemm_fp8_ragged_k_f32(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
-                           const int32_t* plan, int E, int64_t col_cap, int64_t blk_cap, int64_t N, int64_t K, float* out,
-                           bool accumulate, void* workspace, cudaStream_t stream);
-size_t gemm_fp8_ragged_k_bf16_workspace_size(int E);
-void gemm_fp8_ragged_k_bf16(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT,
-                            const int32_t* plan, int E, int64_t col_cap, int64_t blk_cap, int64_t N, int64_t K, void* out,
-                            void* workspace, cudaStream_t stream);
+// Ragged rows (fprop, dgrad): out [T, N] bf16; the rows of expert e get a_e times expert e's weight,
+// the rows past the covered tokens zeros.
+//   FP8:  a = (qa [T, K], 1x128 scales [T, Kb]), b = (qb [E, N, K], 128x128 scales [E, Nb, Kb]),
+//         out = a_e qb[e]^T; dgrad passes the W^T copy with N and K swapped.
+//   bf16: a [T, K]; fprop b = w [E, N, K] (out = a_e w[e]^T); dgrad b = w [E, K, N] (out = a_e w[e]).
+struct RaggedRows {
+  const int32_t* plan;
+  int E;
+  int64_t T, N, K;
+  void* out;
+};
 
-// bf16 recipe. fprop: y[T,N] = x[T,K] w[e]ᵀ (w [E,N,K]); dgrad: dx[T,K] = dy[T,N] w[e] (w [E,N,K]);
-// wgrad: dw[E,N,K] (fp32: = or +=; bf16: =) dy_eᵀ x_e.
-size_t gemm_bf16_fprop_workspace_size(int E);
-size_t gemm_bf16_dgrad_workspace_size(int E);
-size_t gemm_bf16_wgrad_f32_workspace_size(int E);
-size_t gemm_bf16_wgrad_bf16_workspace_size(int E);
-void gemm_bf16_fprop(const void* x, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,
-                     int64_t K, void* y, void* workspace, cudaStream_t stream);
-void gemm_bf16_dgrad(const void* dy, const void* w, const int32_t* plan, int E, int64_t T, int64_t N,
-                     int64_t K, void* dx, void* workspace, cudaStream_t stream);
-void gemm_bf16_wgrad_f32(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N,
-                         int64_t K, float* dw, bool accumulate, void* workspace, cudaStream_t stream);
-void gemm_bf16_wgrad_bf16(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N,
-                          int64_t K, void* dw, void* workspace, cudaStream_t stream);
+// Where a weight gradient goes: fp32 written or accumulated (Megatron's main_grad), or bf16 written.
+enum class WgradOut : int { kF32 = 0, kF32Accumulate = 1, kBF16 = 2 };
+
+// Ragged reduction (wgrad): out [E, N, K], per expert the sum over its tokens of dy_t^T x_t. Experts
+// without tokens get no GEMM tiles (a zero-length reduction hangs or misbehaves in CUTLASS's sm90
+// kernels): their zeros are written by zero_empty_experts, or their accumulator is left as it is.
+//   FP8:  the per-expert column copies of quantize_act: a = dy (qT [N, cols], sT [blocks, N]),
+//         b = x (qT [K, cols], sT [blocks, K]); cols = col_capacity, blocks = block_capacity.
+//   bf16: a = dy [T, N], b = x [T, K].
+struct RaggedReduction {
+  const int32_t* plan;
+  int E;
+  int64_t N, K;
+  int64_t T;              // bf16: tokens
+  int64_t cols, blocks;   // FP8: the capacities of the column copies
+  void* out;
+  WgradOut out_kind;
+};
+
+// Which kernel runs the FP8 ragged-row GEMM: the choice of csrc/kernels/gemm/heuristics.h, CUTLASS's
+// ptr-array kernel, or moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/) with the tiling
+// heuristics.h picks (tiling < 0) or the one at that index of its table (kRaggedRowsTilings).
+enum class GemmKernel : int { kDefault = 0, kCutlass = 1, kSm90 = 2 };
+struct GemmChoice {
+  GemmKernel kernel = GemmKernel::kDefault;
+  int tiling = -1;
+};
+
+int num_ragged_rows_tilings();  // the size of that table
+size_t gemm_fp8_ragged_m_workspace_size(int E, GemmChoice choice);
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
+                       cudaStream_t stream);
+size_t gemm_fp8_ragged_k_workspace_size(int E, WgradOut out);
+void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream);
+size_t gemm_bf16_ragged_m_workspace_size(int E, bool dgrad);
+void gemm_bf16_ragged_m(const RaggedRows& p, const void* a, const void* b, bool dgrad, void* workspace,
+                        cudaStream_t stream);
+size_t gemm_bf16_ragged_k_workspace_size(int E, WgradOut out);
+void gemm_bf16_ragged_k(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
 
 }  // namespace moegemm

@@ -46,10 +46,10 @@ def cutlass_pin() -> str:
 
 
 def sources() -> list[str]:
-    """The binding file, the C++ API layer (csrc/api/*.cpp) and every kernel translation unit."""
+    """The binding file, the C++ API layer (csrc/api/*.cpp) and every kernel translation unit (csrc/kernels/**/*.cu)."""
     csrc = csrc_dir()
     return ([str(csrc / "binding.cpp")] + sorted(str(p) for p in (csrc / "api").glob("*.cpp"))
-            + sorted(str(p) for p in (csrc / "kernels").glob("*.cu")))
+            + sorted(str(p) for p in (csrc / "kernels").rglob("*.cu")))
 
 
 def cutlass_include_dirs() -> list[str]:

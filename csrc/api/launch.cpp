@@ -108,34 +108,36 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
   return dh;
 }
 
-Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan) {
+Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
+                             GemmChoice choice) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m");
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
-  Tensor ws = workspace(gemm_fp8_ragged_m_workspace_size(E), qa);
-  gemm_fp8_ragged_m(cbytes(qa), sa.data_ptr<float>(), cbytes(qb), sb.data_ptr<float>(), plan_ptr(plan), E, T, N, K,
-                    out.data_ptr(), ws.data_ptr(), current_stream(qa));
+  Tensor ws = workspace(gemm_fp8_ragged_m_workspace_size(E, choice), qa);
+  gemm_fp8_ragged_m({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
+                    {cbytes(qb), sb.data_ptr<float>()}, choice, ws.data_ptr(), current_stream(qa));
   return out;
 }
+
+namespace {
+WgradOut wgrad_out(const Tensor& out, bool accumulate) {
+  if (out.scalar_type() != at::kFloat) return WgradOut::kBF16;
+  return accumulate ? WgradOut::kF32Accumulate : WgradOut::kF32;
+}
+}  // namespace
 
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
                            const Tensor& out, bool accumulate) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_k");
   const int E = num_experts(plan);
-  const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1), NB = saT.size(0);
-  const auto stream = current_stream(qaT);
+  const int64_t N = qaT.size(0), K = qbT.size(0), cols = qaT.size(1), blocks = saT.size(0);
   into_aligned(out, [&](const Tensor& o) {
-    if (o.scalar_type() == at::kFloat) {
-      Tensor ws = workspace(gemm_fp8_ragged_k_f32_workspace_size(E), qaT);
-      gemm_fp8_ragged_k_f32(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, NB, N, K,
-                            o.data_ptr<float>(), accumulate, ws.data_ptr(), stream);
-    } else {
-      Tensor ws = workspace(gemm_fp8_ragged_k_bf16_workspace_size(E), qaT);
-      gemm_fp8_ragged_k_bf16(cbytes(qaT), saT.data_ptr<float>(), cbytes(qbT), sbT.data_ptr<float>(), plan_ptr(plan), E, Wc, NB, N, K,
-                             o.data_ptr(), ws.data_ptr(), stream);
-    }
+    const WgradOut kind = wgrad_out(o, accumulate);
+    Tensor ws = workspace(gemm_fp8_ragged_k_workspace_size(E, kind), qaT);
+    gemm_fp8_ragged_k({plan_ptr(plan), E, N, K, /*T=*/0, cols, blocks, o.data_ptr(), kind}, {cbytes(qaT), saT.data_ptr<float>()},
+                      {cbytes(qbT), sbT.data_ptr<float>()}, ws.data_ptr(), current_stream(qaT));
   });
 }
 
@@ -143,11 +145,13 @@ Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& pl
   MOEGEMM_RANGE("moegemm::run_gemm_bf16_ragged_m");
   const int E = num_experts(plan);
   const int64_t T = a.size(0), N = w.size(1), K = w.size(2);
-  Tensor out = empty({T, dgrad ? K : N}, a.scalar_type(), a);
+  // out [T, N_out] with reduction K_red: fprop out = a w[e]^T (N_out = N), dgrad out = a w[e] (N_out = K)
+  const int64_t n_out = dgrad ? K : N, k_red = dgrad ? N : K;
+  Tensor out = empty({T, n_out}, a.scalar_type(), a);
   if (T == 0) return out;
-  Tensor ws = workspace(dgrad ? gemm_bf16_dgrad_workspace_size(E) : gemm_bf16_fprop_workspace_size(E), a);
-  auto fn = dgrad ? gemm_bf16_dgrad : gemm_bf16_fprop;
-  fn(a.data_ptr(), w.data_ptr(), plan_ptr(plan), E, T, N, K, out.data_ptr(), ws.data_ptr(), current_stream(a));
+  Tensor ws = workspace(gemm_bf16_ragged_m_workspace_size(E, dgrad), a);
+  gemm_bf16_ragged_m({plan_ptr(plan), E, T, n_out, k_red, out.data_ptr()}, a.data_ptr(), w.data_ptr(), dgrad, ws.data_ptr(),
+                     current_stream(a));
   return out;
 }
 
@@ -155,16 +159,11 @@ void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, 
   MOEGEMM_RANGE("moegemm::run_gemm_bf16_wgrad");
   const int E = num_experts(plan);
   const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
-  const auto stream = current_stream(dy);
   into_aligned(out, [&](const Tensor& o) {
-    if (o.scalar_type() == at::kFloat) {
-      Tensor ws = workspace(gemm_bf16_wgrad_f32_workspace_size(E), dy);
-      gemm_bf16_wgrad_f32(dy.data_ptr(), x.data_ptr(), plan_ptr(plan), E, T, N, K, o.data_ptr<float>(), accumulate,
-                          ws.data_ptr(), stream);
-    } else {
-      Tensor ws = workspace(gemm_bf16_wgrad_bf16_workspace_size(E), dy);
-      gemm_bf16_wgrad_bf16(dy.data_ptr(), x.data_ptr(), plan_ptr(plan), E, T, N, K, o.data_ptr(), ws.data_ptr(), stream);
-    }
+    const WgradOut kind = wgrad_out(o, accumulate);
+    Tensor ws = workspace(gemm_bf16_ragged_k_workspace_size(E, kind), dy);
+    gemm_bf16_ragged_k({plan_ptr(plan), E, N, K, T, /*cols=*/0, /*blocks=*/0, o.data_ptr(), kind}, dy.data_ptr(), x.data_ptr(),
+                       ws.data_ptr(), current_stream(dy));
   });
 }
 

@@ -170,7 +170,11 @@ Quad quantize_weight_op(const Tensor& w_in) {
 }
 
 Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
-                            const Tensor& plan) {
+                            const Tensor& plan, int64_t kernel, int64_t tiling) {
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "moegemm: kernel must be 0 (default), 1 (CUTLASS) or 2 (sm90), got ", num(kernel));
+  TORCH_CHECK(tiling >= -1 && tiling < num_ragged_rows_tilings(),
+              "moegemm: tiling must be -1 (the heuristic's) or an index of the sm90 tilings [0, ", num(num_ragged_rows_tilings()),
+              "), got ", num(tiling));
   const Tensor qa = input(qa_in, "qa", at::kFloat8_e4m3fn, 2, qa_in);
   const Tensor qb = input(qb_in, "qb", at::kFloat8_e4m3fn, 3, qa);
   const Tensor sa = input(sa_in, "sa", at::kFloat, 2, qa);
@@ -185,7 +189,7 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tens
   TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ",
               shape(sb));
   c10::DeviceGuard guard(qa.device());
-  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan);
+  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan, {static_cast<GemmKernel>(kernel), static_cast<int>(tiling)});
 }
 
 Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,

@@ -3,9 +3,9 @@
 #include <cub/block/block_scan.cuh>
 #include <algorithm>
 
-#include "../moegemm.h"
-#include "cuda_check.h"
-#include "plan.cuh"
+#include "moegemm.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/plan/plan.cuh"
 
 namespace moegemm {
 namespace {

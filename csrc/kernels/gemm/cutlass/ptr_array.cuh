@@ -23,8 +23,8 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 
-#include "cuda_check.h"
-#include "plan.cuh"
+#include "kernels/common/cuda_check.h"
+#include "kernels/plan/plan.cuh"
 
 namespace moegemm::grouped {
 

@@ -4,10 +4,10 @@
 //   quantize_weight_kernel: one CTA per 128x128 block of one expert; writes W and Wᵀ copies.
 #include <algorithm>
 
-#include "../moegemm.h"
-#include "cuda_check.h"
-#include "fp8_block.cuh"
-#include "multicast.cuh"
+#include "moegemm.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/quant/fp8_block.cuh"
+#include "kernels/quant/multicast.cuh"
 
 namespace moegemm {
 namespace {

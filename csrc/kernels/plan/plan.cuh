@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "../moegemm.h"
+#include "moegemm.h"
 
 namespace moegemm {
 

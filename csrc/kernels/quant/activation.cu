@@ -4,8 +4,8 @@
 // For the bf16 recipe, the same activations written in bf16 (act_bf16_kernel).
 #include <algorithm>
 
-#include "../moegemm.h"
-#include "multicast.cuh"
+#include "moegemm.h"
+#include "kernels/quant/multicast.cuh"
 
 namespace moegemm {
 namespace {

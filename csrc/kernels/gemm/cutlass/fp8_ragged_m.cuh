@@ -1,11 +1,10 @@
-// FP8 blockwise grouped GEMM with ragged rows: fprop (b = W) and dgrad (b = the Wᵀ copy), for any
-// Fp8Tiling (gemm_configs.cuh); gemm_fp8_ragged_m.cu instantiates the production tilings and picks one
-// per problem (gemm_heuristics.h).
+// FP8 blockwise grouped GEMM with ragged rows on CUTLASS's sm90 ptr-array kernel: fprop (b = W) and
+// dgrad (b = the Wᵀ copy), for any Fp8Tiling (configs.cuh); fp8_ragged_m.cu instantiates production's.
 //   out[rows of e] (bf16, [T, N]) = (qa [T, K], 1x128 scales sa [T, Kb]) · (qb[e] [N, K], 128x128 scales sb[e] [Nb, Kb])ᵀ
 #pragma once
 
-#include "../moegemm.h"
-#include "gemm_configs.cuh"
+#include "moegemm.h"
+#include "kernels/gemm/cutlass/configs.cuh"
 
 namespace moegemm::ragged_m {
 
@@ -42,16 +41,15 @@ template <class Tiling>
 size_t workspace_size(int E) { return Config<Tiling>::Runner::workspace_size(E); }
 
 template <class Tiling>
-void run(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb, const int32_t* plan, int E, int64_t T,
-         int64_t N, int64_t K, void* out, void* workspace, cudaStream_t stream, const char* name) {
+void run(const RaggedRows& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream, const char* name) {
   using Runner = typename Config<Tiling>::Runner;
   using Arrays = typename Runner::Arrays;
-  Arrays a = Runner::arrays(workspace, E);
-  build_args<Arrays><<<grouped::prep_grid_zeroing_rows(E), grouped::kPrepThreads, 0, stream>>>(
-      a, plan, E, T, N, K, reinterpret_cast<const typename Arrays::ElementA*>(qa), sa,
-      reinterpret_cast<const typename Arrays::ElementB*>(qb), sb, static_cast<typename Arrays::ElementD*>(out));
+  Arrays args = Runner::arrays(workspace, p.E);
+  build_args<Arrays><<<grouped::prep_grid_zeroing_rows(p.E), grouped::kPrepThreads, 0, stream>>>(
+      args, p.plan, p.E, p.T, p.N, p.K, reinterpret_cast<const typename Arrays::ElementA*>(a.q), a.s,
+      reinterpret_cast<const typename Arrays::ElementB*>(b.q), b.s, static_cast<typename Arrays::ElementD*>(p.out));
   check_launch(name);
-  Runner::run(a, E, 1.f, 0.f, workspace, stream, name);
+  Runner::run(args, p.E, 1.f, 0.f, workspace, stream, name);
 }
 
 }  // namespace moegemm::ragged_m

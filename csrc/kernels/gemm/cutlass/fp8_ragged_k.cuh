@@ -1,17 +1,16 @@
-// FP8 blockwise grouped GEMM with a ragged reduction: the weight gradient, for any Fp8Tiling; the
-// production tilings are instantiated for fp32 output (optionally accumulated: main_grad) in
-// gemm_fp8_ragged_k_f32.cu and bf16 output in _bf16.cu, picked per problem by gemm_heuristics.h.
+// FP8 blockwise grouped GEMM with a ragged reduction (the weight gradient) on CUTLASS's sm90 ptr-array
+// kernel, for any Fp8Tiling; production's is instantiated for fp32 output (optionally accumulated:
+// main_grad) in fp8_ragged_k_f32.cu and for bf16 output in fp8_ragged_k_bf16.cu.
 //   out[e] ([N, K]) (+)= Σ_{128-token blocks i of e} saT[i] sbT[i] · qaT_e [N, m_e] · qbT_eᵀ [m_e, K]
 // Operands are the per-expert transposed (token-contiguous) copies written by quantize_act; expert e's
 // tokens start at column col[e] (a multiple of 16, as TMA requires) and its scale blocks at row blk[e].
-// Experts without tokens get no tiles (a zero-length reduction hangs or misbehaves on sm90, SPEC §5);
-// their zeros are written by zero_empty_experts, or their accumulator is left as it is.
+// Experts without tokens get no tiles (csrc/moegemm.h, RaggedReduction).
 #pragma once
 
 #include <type_traits>
 
-#include "../moegemm.h"
-#include "gemm_configs.cuh"
+#include "moegemm.h"
+#include "kernels/gemm/cutlass/configs.cuh"
 
 namespace moegemm::ragged_k {
 
@@ -54,19 +53,19 @@ template <class ElementD, class Tiling>
 size_t workspace_size(int E) { return Config<ElementD, Tiling>::Runner::workspace_size(E); }
 
 template <class ElementD, class Tiling>
-void run(const uint8_t* qaT, const float* saT, const uint8_t* qbT, const float* sbT, const int32_t* plan, int E,
-         int64_t col_cap, int64_t blk_cap, int64_t N, int64_t K, ElementD* out, bool accumulate, void* workspace,
-         cudaStream_t stream, const char* name) {
+void run(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream, const char* name) {
   using Runner = typename Config<ElementD, Tiling>::Runner;
   using Arrays = typename Runner::Arrays;
-  if (!accumulate) zero_empty_experts(plan, E, PlanLimits{kNoLimit, col_cap, blk_cap}, N * K * int64_t(sizeof(ElementD)), out,
-                                     stream);
-  Arrays a = Runner::arrays(workspace, E);
-  build_args<Arrays><<<grouped::prep_grid(E), grouped::kPrepThreads, 0, stream>>>(
-      a, plan, E, col_cap, blk_cap, N, K, reinterpret_cast<const typename Arrays::ElementA*>(qaT), saT,
-      reinterpret_cast<const typename Arrays::ElementB*>(qbT), sbT, out);
+  const bool accumulate = p.out_kind == WgradOut::kF32Accumulate;
+  const PlanLimits limits{kNoLimit, p.cols, p.blocks};
+  ElementD* out = static_cast<ElementD*>(p.out);
+  if (!accumulate) zero_empty_experts(p.plan, p.E, limits, p.N * p.K * int64_t(sizeof(ElementD)), out, stream);
+  Arrays args = Runner::arrays(workspace, p.E);
+  build_args<Arrays><<<grouped::prep_grid(p.E), grouped::kPrepThreads, 0, stream>>>(
+      args, p.plan, p.E, p.cols, p.blocks, p.N, p.K, reinterpret_cast<const typename Arrays::ElementA*>(a.q), a.s,
+      reinterpret_cast<const typename Arrays::ElementB*>(b.q), b.s, out);
   check_launch(name);
-  Runner::run(a, E, 1.f, accumulate ? 1.f : 0.f, workspace, stream, name);
+  Runner::run(args, p.E, 1.f, accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 
 }  // namespace moegemm::ragged_k

@@ -18,10 +18,10 @@
 #include <array>
 #include <mutex>
 
-#include "../moegemm.h"
-#include "cuda_check.h"
-#include "fp8_block.cuh"
-#include "plan.cuh"
+#include "moegemm.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/quant/fp8_block.cuh"
+#include "kernels/plan/plan.cuh"
 
 namespace moegemm::multicast {
 

@@ -1,11 +1,13 @@
-// The bf16 recipe's three grouped GEMMs share one argument builder; each lives in its own translation
-// unit (gemm_bf16_{fprop,dgrad,wgrad}.cu) so that they compile in parallel.
+// The bf16 recipe's grouped GEMMs on CUTLASS's sm90 ptr-array kernel share one argument builder; each
+// lives in its own translation unit (bf16_ragged_m_{fprop,dgrad}.cu, bf16_ragged_k_{f32,bf16}.cu) so that
+// they compile in parallel.
 #pragma once
 
 #include <type_traits>
 
-#include "../moegemm.h"
-#include "gemm_configs.cuh"
+#include "moegemm.h"
+#include "kernels/gemm/variants.h"
+#include "kernels/gemm/cutlass/configs.cuh"
 
 namespace moegemm::bf16 {
 
@@ -68,10 +70,10 @@ using WgradConfig = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::lay
                                       std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
 
 template <class ElementD>
-void wgrad(const void* dy, const void* x, const int32_t* plan, int E, int64_t T, int64_t N, int64_t K, ElementD* dw,
-           bool accumulate, void* workspace, cudaStream_t stream, const char* name) {
-  if (!accumulate) zero_empty_experts(plan, E, token_limit(T), N * K * int64_t(sizeof(ElementD)), dw, stream);
-  run<WgradConfig<ElementD>, Ragged::kReduction>(plan, E, T, int(N), int(K), 0, dy, N, x, K, dw, K,
+void wgrad(const RaggedReduction& p, const void* dy, const void* x, void* workspace, cudaStream_t stream, const char* name) {
+  const bool accumulate = p.out_kind == WgradOut::kF32Accumulate;
+  if (!accumulate) zero_empty_experts(p.plan, p.E, token_limit(p.T), p.N * p.K * int64_t(sizeof(ElementD)), p.out, stream);
+  run<WgradConfig<ElementD>, Ragged::kReduction>(p.plan, p.E, p.T, int(p.N), int(p.K), 0, dy, p.N, x, p.K, p.out, p.K,
                                                  accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 

@@ -1,7 +1,7 @@
 // The kernel configurations of moegemm's grouped GEMMs, declared once (CUTLASS-example style).
 //   Fp8BlockwiseGemm: e4m3 A (K-major) x e4m3 B (K-major), fp32 accumulation with per-128-K-block
-//                     scale promotion (SPEC §3); CTA tile, cluster and schedule from a Tiling (below;
-//                     which one a problem gets is decided in gemm_heuristics.h).
+//                     scale promotion (docs/design.md, the fp8_blockwise recipe); CTA tile, cluster and
+//                     schedule from a Tiling (below).
 //   Bf16Gemm:         bf16 A x bf16 B in any major-ness, fp32 accumulation, cooperative 128x256x64
 //                     tiles, cluster 2x1.
 // ElementC = void means out = acc; float C allows out = acc + beta * out (wgrad accumulation).
@@ -9,7 +9,7 @@
 
 #include <type_traits>
 
-#include "grouped_gemm.cuh"
+#include "kernels/gemm/cutlass/ptr_array.cuh"
 
 namespace moegemm::grouped {
 
@@ -34,7 +34,7 @@ struct Fp8Tiling {
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
-// The FP8 tilings, named once: production's (gemm_fp8_ragged_*.cu) and the alternatives bench/gemm_lab.py
+// The FP8 tilings, named once: production's (fp8_ragged_*.cu) and the alternatives the GEMM lab (bench/gemm/)
 // keeps timing against it (the others tried are in bench/NOTES.md, fifth session).
 using Tile128x128C1x2 = Fp8Tiling<128, 128, 1, 2>;
 using Tile128x128C1x1 = Fp8Tiling<128, 128, 1, 1>;

@@ -6,9 +6,9 @@
 //              so the result is bitwise reproducible.
 #include <cuda_bf16.h>
 
-#include "../moegemm.h"
-#include "cuda_check.h"
-#include "plan.cuh"
+#include "moegemm.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/plan/plan.cuh"
 
 namespace moegemm {
 namespace {

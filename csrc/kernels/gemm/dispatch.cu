@@ -1,0 +1,53 @@
+// csrc/moegemm.h's GEMM entry points: each picks its implementation (heuristics.h) and calls it.
+#include <stdexcept>
+
+#include "kernels/gemm/heuristics.h"
+#include "kernels/gemm/sm90/tma.h"
+#include "kernels/gemm/variants.h"
+
+namespace moegemm {
+
+int num_ragged_rows_tilings() { return gemm::kNumRaggedRowsTilings; }
+
+size_t gemm_fp8_ragged_m_workspace_size(int E, GemmChoice choice) {
+  return gemm::fp8_ragged_rows_kernel(choice.kernel) == GemmKernel::kCutlass ? gemm::cutlass_fp8_ragged_m_workspace_size(E) : 0;
+}
+
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
+                       cudaStream_t stream) {
+  if (gemm::fp8_ragged_rows_kernel(choice.kernel) == GemmKernel::kCutlass)
+    return gemm::cutlass_fp8_ragged_m(p, a, b, workspace, stream);
+  if (choice.tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
+  const gemm::RaggedRowsTiling tiling = choice.tiling >= 0 ? gemm::kRaggedRowsTilings[choice.tiling]
+                                                           : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm90::sm_count());
+  gemm::sm90_fp8_ragged_rows(p, a, b, tiling, stream);
+}
+
+size_t gemm_fp8_ragged_k_workspace_size(int E, WgradOut out) {
+  return out == WgradOut::kBF16 ? gemm::cutlass_fp8_ragged_k_bf16_workspace_size(E) : gemm::cutlass_fp8_ragged_k_f32_workspace_size(E);
+}
+
+void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream) {
+  if (p.out_kind == WgradOut::kBF16) return gemm::cutlass_fp8_ragged_k_bf16(p, a, b, workspace, stream);
+  gemm::cutlass_fp8_ragged_k_f32(p, a, b, workspace, stream);
+}
+
+size_t gemm_bf16_ragged_m_workspace_size(int E, bool dgrad) {
+  return dgrad ? gemm::cutlass_bf16_ragged_m_dgrad_workspace_size(E) : gemm::cutlass_bf16_ragged_m_fprop_workspace_size(E);
+}
+
+void gemm_bf16_ragged_m(const RaggedRows& p, const void* a, const void* b, bool dgrad, void* workspace, cudaStream_t stream) {
+  if (dgrad) return gemm::cutlass_bf16_ragged_m_dgrad(p, a, b, workspace, stream);
+  gemm::cutlass_bf16_ragged_m_fprop(p, a, b, workspace, stream);
+}
+
+size_t gemm_bf16_ragged_k_workspace_size(int E, WgradOut out) {
+  return out == WgradOut::kBF16 ? gemm::cutlass_bf16_ragged_k_bf16_workspace_size(E) : gemm::cutlass_bf16_ragged_k_f32_workspace_size(E);
+}
+
+void gemm_bf16_ragged_k(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream) {
+  if (p.out_kind == WgradOut::kBF16) return gemm::cutlass_bf16_ragged_k_bf16(p, a, b, workspace, stream);
+  gemm::cutlass_bf16_ragged_k_f32(p, a, b, workspace, stream);
+}
+
+}  // namespace moegemm

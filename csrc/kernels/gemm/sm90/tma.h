@@ -1,0 +1,80 @@
+// Host side of moegemm's own sm90 kernels: TMA descriptors (2-D tensor maps) and the device's SM count.
+// The driver's cuTensorMapEncodeTiled is looked up once through the runtime (no link against libcuda).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common/cuda_check.h"
+
+namespace moegemm::sm90 {
+
+// A row-major 2-D tensor [rows, cols] of `elem_bytes`-byte elements with `row_bytes` between rows, read
+// or written in boxes of box_rows x box_cols, with the given shared-memory swizzle. Elements outside the
+// tensor read as zeros and are not written.
+struct Tensor2d {
+  const void* ptr;
+  CUtensorMapDataType dtype;
+  int elem_bytes;
+  uint64_t rows, cols, row_bytes;
+  uint32_t box_rows, box_cols;
+  CUtensorMapSwizzle swizzle;
+};
+
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found),
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (found != cudaDriverEntryPointSuccess || p == nullptr)
+      throw std::runtime_error("moegemm: the CUDA driver has no cuTensorMapEncodeTiled (a Hopper driver is needed)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+inline CUtensorMap make_tensor_map(const Tensor2d& t, const char* what) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {t.cols, t.rows};
+  const cuuint64_t strides[1] = {t.row_bytes};
+  const cuuint32_t box[2] = {t.box_cols, t.box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(&map, t.dtype, 2, const_cast<void*>(t.ptr), dims, strides, box, elem_strides,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, t.swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw std::runtime_error(std::string("moegemm: ") + what + ": cuTensorMapEncodeTiled failed");
+  return map;
+}
+
+// Multiprocessors of the current device, queried once per device.
+inline int sm_count() {
+  static std::array<int, 64> count{};
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] {
+    check_cuda(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  });
+  return count[device];
+}
+
+// Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per device and kernel.
+template <auto kKernel>
+void allow_shared_memory(int bytes, const char* what) {
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] {
+    check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+  });
+}
+
+}  // namespace moegemm::sm90

@@ -1,0 +1,30 @@
+// The GEMM implementations behind csrc/moegemm.h's entry points; csrc/kernels/gemm/dispatch.cu picks one
+// per call (with csrc/kernels/gemm/heuristics.h). Torch-free, host-side declarations.
+#pragma once
+
+#include "moegemm.h"
+
+namespace moegemm::gemm {
+
+// CUTLASS sm90 ptr-array kernels (csrc/kernels/gemm/cutlass/): per-group arguments built on the device.
+size_t cutlass_fp8_ragged_m_workspace_size(int E);
+void cutlass_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream);
+size_t cutlass_fp8_ragged_k_f32_workspace_size(int E);
+void cutlass_fp8_ragged_k_f32(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream);
+size_t cutlass_fp8_ragged_k_bf16_workspace_size(int E);
+void cutlass_fp8_ragged_k_bf16(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream);
+size_t cutlass_bf16_ragged_m_fprop_workspace_size(int E);
+void cutlass_bf16_ragged_m_fprop(const RaggedRows& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
+size_t cutlass_bf16_ragged_m_dgrad_workspace_size(int E);
+void cutlass_bf16_ragged_m_dgrad(const RaggedRows& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
+size_t cutlass_bf16_ragged_k_f32_workspace_size(int E);
+void cutlass_bf16_ragged_k_f32(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
+size_t cutlass_bf16_ragged_k_bf16_workspace_size(int E);
+void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
+
+// moegemm's own persistent sm90 kernels (csrc/kernels/gemm/sm90/); no workspace.
+struct RaggedRowsTiling;  // heuristics.h
+void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, const RaggedRowsTiling& tiling,
+                          cudaStream_t stream);
+
+}  // namespace moegemm::gemm

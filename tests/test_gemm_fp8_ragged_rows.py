@@ -1,6 +1,7 @@
 """The FP8 ragged-row GEMM (fprop and dgrad) on each of its kernels against the reference, on a Hopper GPU.
 
-kernel=1 is CUTLASS's ptr-array kernel, kernel=2 moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/).
+kernel=1 is CUTLASS's ptr-array kernel, kernel=2 moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/)
+in each of its tilings (csrc/kernels/gemm/heuristics.h: BLOCK_N 128 or 256, alone or in 2-CTA clusters).
 Each case draws fresh operands, poisons the output's memory first, and checks ‖out − ref‖/‖ref‖ ≤ 2e-3
 against the float64 reference on the same quantized operands, zeros on rows no expert covers, and bitwise
 equality of two runs."""
@@ -20,7 +21,7 @@ if HAS_HOPPER:
     from moegemm import cuda_ops
 
 DEV = "cuda"
-KERNELS = {"cutlass": 1, "sm90": 2}
+KERNELS = {"cutlass": (1, -1), "sm90_default": (2, -1), **{f"sm90_tiling{i}": (2, i) for i in range(4)}}
 
 
 def operands(T, E, N, K, gen):
@@ -37,7 +38,7 @@ def poisoned_call(fn, T, N):
 
 
 def run(qa, sa, qb, sb, plan, kernel):
-    return torch.ops.moegemm.gemm_fp8_ragged_m(qa, sa, qb, sb, plan, kernel)
+    return torch.ops.moegemm.gemm_fp8_ragged_m(qa, sa, qb, sb, plan, *kernel)
 
 
 def check_against_reference(splits, N, K, kernel, seed):

@@ -30,6 +30,8 @@ def parse_args():
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--md", default=None, help="write the markdown table here")
     ap.add_argument("--no-deepgemm", action="store_true", help="skip the DeepGEMM column even if importable")
+    ap.add_argument("--tilings", type=int, default=0,
+                    help="also time the sm90 kernel's first N tilings (csrc/kernels/gemm/heuristics.h's table) one by one")
     return ap.parse_args()
 
 
@@ -94,10 +96,11 @@ def main() -> int:
             for gemm, N, K in (("fc1 fprop", 2 * F, H), ("fc2 fprop", H, F), ("fc1 dgrad", H, 2 * F), ("fc2 dgrad", F, H)):
                 problems.append((f"{name} {mode} {gemm}", splits, N, K))
 
-    variants = {"cutlass": dict(kernel=1), "sm90 BN128": dict(kernel=2, tiling=0), "sm90 BN256": dict(kernel=2, tiling=1),
-                "sm90 auto": dict(kernel=2, tiling=-1)}
+    variants = {"cutlass": dict(kernel=1)}
+    variants.update({f"sm90 t{i}": dict(kernel=2, tiling=i) for i in range(args.tilings)})
+    variants["sm90 auto"] = dict(kernel=2, tiling=-1)
     rows_out = []
-    header = f"{'problem':48s} {'T':>6s}" + "".join(f" {v:>11s}" for v in variants) + (f" {'DeepGEMM':>9s}" if dg else "")
+    header = f"{'problem':48s} {'T':>6s}" + "".join(f" {v:>9s}" for v in variants) + (f" {'DeepGEMM':>9s}" if dg else "")
     print("TFLOP/s on real tokens\n" + header, flush=True)
     for label, splits, N, K in problems:
         E, T = len(splits), sum(splits)
@@ -122,7 +125,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 rec["deepgemm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows_out.append(rec)
-        print(f"{label:48s} {T:6d}" + "".join(f" {rec['tflops'].get(v, float('nan')):11.0f}" for v in variants)
+        print(f"{label:48s} {T:6d}" + "".join(f" {rec['tflops'].get(v, float('nan')):9.0f}" for v in variants)
               + (f" {rec['tflops'].get('DeepGEMM', float('nan')):9.0f}" if dg else "")
               + ("" if max(rec["rel_diff_vs_cutlass"].values()) < 2e-3 else f"  DIFF {rec['rel_diff_vs_cutlass']}"), flush=True)
         del qx, sx, qw, sw, out, ref_out

@@ -1,6 +1,9 @@
 // Launching moegemm's own FP8 ragged-row GEMM (fp8_ragged_rows.cuh) with the tiling heuristics.h chose.
 #include <algorithm>
+#include <array>
+#include <mutex>
 #include <stdexcept>
+#include <string>
 
 #include "kernels/gemm/heuristics.h"
 #include "kernels/gemm/variants.h"
@@ -10,9 +13,36 @@
 namespace moegemm::gemm {
 namespace {
 
-// BLOCK_N 128 with five stages, 256 with three: as many as fit beside the epilogue tile and the plan.
-using Narrow = sm90::Fp8RaggedRowsConfig<1, 5>;
-using Wide = sm90::Fp8RaggedRowsConfig<2, 3>;
+// BLOCK_N 128 with five stages, 256 with four: as many as fit beside the epilogue buffer and the scales.
+template <int kParts, int kCluster, int kBandRows>
+using Config = sm90::Fp8RaggedRowsConfig<kParts, kParts == 1 ? 5 : 4, kCluster, kBandRows>;
+
+// Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device.
+template <class Cfg>
+int max_active_clusters(const char* name) {
+  static std::array<int, 64> count{};
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] {
+    if (Cfg::kCluster == 1) {
+      count[device] = sm90::sm_count();
+      return;
+    }
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(Cfg::kCluster * sm90::sm_count());
+    config.blockDim = dim3(Cfg::kThreads);
+    config.dynamicSmemBytes = Cfg::kSmemBytes;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = Cfg::kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    check_cuda(cudaOccupancyMaxActiveClusters(&count[device], sm90::fp8_ragged_rows_kernel<Cfg>, &config), name);
+    if (count[device] < 1) throw std::runtime_error(std::string("moegemm: ") + name + ": no cluster fits on this device");
+  });
+  return count[device];
+}
 
 template <class Cfg>
 void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream) {
@@ -21,9 +51,9 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
   if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: E * N exceeds the TMA coordinate range");
   sm90::Fp8RaggedRowsParams k{};
   const uint64_t T = p.T, N = p.N, K = p.K;
-  k.a = sm90::make_tensor_map({a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, T, K, K, Cfg::kBlockM, Cfg::kBlockK,
+  k.a = sm90::make_tensor_map({a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, T, K, K, Cfg::kBoxRowsA, Cfg::kBlockK,
                                CU_TENSOR_MAP_SWIZZLE_128B}, name);
-  k.b = sm90::make_tensor_map({b.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(p.E) * N, K, K, Cfg::kBlockN, Cfg::kBlockK,
+  k.b = sm90::make_tensor_map({b.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(p.E) * N, K, K, Cfg::kBoxRowsB, Cfg::kBlockK,
                                CU_TENSOR_MAP_SWIZZLE_128B}, name);
   k.d = sm90::make_tensor_map({p.out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, T, N, N * 2, Cfg::kWarpgroupRows, Cfg::kStoreCols,
                                CU_TENSOR_MAP_SWIZZLE_128B}, name);
@@ -32,19 +62,36 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
   k.plan = p.plan;
   k.out = static_cast<__nv_bfloat16*>(p.out);
   k.E = p.E, k.T = int(p.T), k.N = int(p.N), k.K = int(p.K);
-  // one CTA per SM, or one per tile when there are fewer (an upper bound: the row blocks live on the device)
-  const int64_t max_tiles = block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm90::sm_count(), max_tiles)));
   sm90::allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
-  kKernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(k);
-  check_launch(name);
+  // as many clusters as fit at once, or one per group of tiles when there are fewer (an upper bound: the
+  // row blocks live on the device)
+  const int64_t max_groups = ceil_div(block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN), Cfg::kCluster);
+  const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_active_clusters<Cfg>(name), max_groups)));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(clusters * Cfg::kCluster);
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = Cfg::kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&config, kKernel, k), name);
 }
 
 }  // namespace
 
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, const RaggedRowsTiling& tiling, cudaStream_t stream) {
-  if (tiling.parts == 2) return launch<Wide>(p, a, b, stream);
-  launch<Narrow>(p, a, b, stream);
+  // one instantiation per entry of heuristics.h's kRaggedRowsTilings
+  const auto is = [&](int parts, int cluster, int band) {
+    return tiling.parts == parts && tiling.cluster == cluster && tiling.band_rows == band;
+  };
+  if (is(1, 1, 16)) return launch<Config<1, 1, 16>>(p, a, b, stream);
+  if (is(2, 1, 16)) return launch<Config<2, 1, 16>>(p, a, b, stream);
+  if (is(1, 2, 16)) return launch<Config<1, 2, 16>>(p, a, b, stream);
+  if (is(2, 2, 16)) return launch<Config<2, 2, 16>>(p, a, b, stream);
+  throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no kernel built for this tiling");
 }
 
 }  // namespace moegemm::gemm

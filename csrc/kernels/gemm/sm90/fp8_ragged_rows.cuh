@@ -8,17 +8,25 @@
 //   row of its expert (scheduler.cuh) and TMA fills rows past T (and K past the end) with zeros.
 // - A producer warpgroup: one thread issues the TMA copies of A and B for each 128-wide K block into a
 //   ring of kStages shared-memory stages (full/empty mbarriers), running ahead across tiles.
+// - Clusters of two CTAs (kCluster = 2) take consecutive tiles; when both tiles need the same weight tile
+//   (one expert, same columns) or the same activation rows, each CTA loads half of it and multicasts that
+//   half into both CTAs' shared memory, halving that operand's L2 traffic. A stage is then refilled only
+//   when the consumers of both CTAs have released it (each consumer warp arrives on both CTAs' empty barrier).
 // - Two math warpgroups of 64 rows each. Per K block: wgmma chains over 128-column parts of the tile
 //   into a temporary accumulator, wait, release the stage at once, then promote into the output
 //   accumulator with the block's scale product (sa of the row x sb of the part) — the promotion of one
 //   warpgroup runs while the other's wgmma occupies the tensor cores. A warpgroup whose 64 rows all lie
 //   past its expert's end (the last tile of an expert) skips its MMAs.
-// - Scales are read by the math threads themselves: each thread needs sa for its two rows and sb for the
-//   tile's weight block, loaded before it waits on the stage (L1-resident after the first K block).
-// - Epilogue per warpgroup: bf16 into 128B-swizzled shared memory, then one TMA store per 64 columns
-//   when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the expert's rows
-//   only (the rows past them belong to the next expert). The wait for a TMA store's reads is deferred
-//   to the next tile's epilogue, so the store overlaps the next tile's main loop.
+// - A scale warp of the producer warpgroup loads each stage's scales into shared memory beside the
+//   operands (sa of the tile's 128 rows, sb of its weight blocks) and arrives on the stage's full barrier
+//   with the TMA bytes; the math threads read them from shared memory, so no global load sits between a
+//   stage's wgmma and its promotion.
+// - Epilogue per warpgroup and 128-column part: bf16 into 128B-swizzled shared memory, then one TMA store
+//   per 64 columns when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the
+//   expert's rows only (the rows past them belong to the next expert). The wait for a TMA store's reads
+//   is deferred to the next part or tile, so the last store overlaps the next tile's main loop; one
+//   part's buffer (not the whole tile's) leaves shared memory for another pipeline stage.
+// - The plan is read from global memory (L1-resident: one binary search per tile).
 // - A plan that does not fit T (plan_fits) is taken as the plan of no tokens; rows past the covered
 //   tokens are zeroed.
 #pragma once
@@ -29,6 +37,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "cute/arch/cluster_sm90.hpp"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/arch/mma_sm90_desc.hpp"
@@ -43,34 +52,39 @@ namespace moegemm::sm90 {
 
 // One kernel configuration: BLOCK_M = 128 rows (the plan's row blocks), BLOCK_K = 128 (one scale block
 // per stage), BLOCK_N = 128 * kParts columns (one weight-scale block per part), kStages stages.
-template <int kParts_, int kStages_>
+template <int kParts_, int kStages_, int kCluster_, int kBandRows_>
 struct Fp8RaggedRowsConfig {
   static constexpr int kParts = kParts_;
   static constexpr int kStages = kStages_;
+  static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
+  static constexpr int kBandRows = kBandRows_;  // scheduler.cuh
   static constexpr int kBlockM = kBlock, kBlockK = kBlock, kPartN = kBlock;
   static constexpr int kBlockN = kPartN * kParts;
   static constexpr int kMathWarpgroups = 2;  // 64 rows each
   static constexpr int kWarpgroupRows = kBlockM / kMathWarpgroups;
   static constexpr int kThreads = 128 * (kMathWarpgroups + 1);
   static constexpr int kProducerRegisters = 40, kMathRegisters = 232;
-  static constexpr int kBandRows = 8;  // scheduler.cuh
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
 
-  // shared memory, from a 1024-byte aligned base (the 128B swizzle's period)
+  // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
   static constexpr int kBytesB = kBlockN * kBlockK;
-  static constexpr int kBytesD = kBlockM * kBlockN * 2;  // bf16 epilogue tile
+  static constexpr int kBoxRowsA = kBlockM / kCluster, kBoxRowsB = kBlockN / kCluster;  // a TMA box: one CTA's share
+  static constexpr int kBytesD = kBlockM * kPartN * 2;  // bf16 epilogue tile: one part at a time
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
-  static constexpr int kOffsetBarriers = kOffsetB + kStages * kBytesB;
-  static constexpr int kOffsetPlan = kOffsetBarriers + 2 * kStages * 8;
-  static constexpr int kSmemBytes = kOffsetPlan + 2 * (kMaxExperts + 1) * 4 + 1024;  // + alignment slack
+  static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;          // fp32 [kStages][kBlockM]
+  static constexpr int kOffsetScalesB = kOffsetScalesA + kStages * kBlockM * 4;  // fp32 [kStages][4]
+  static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * 4 * 4;
+  static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
+  static_assert(kParts <= 4, "scales of at most four weight blocks per stage");
   static_assert(kSmemBytes <= 232448, "shared memory per block on sm90");
 };
 
 struct Fp8RaggedRowsParams {
-  CUtensorMap a;  // qa [T, K], box 128 x 128, 128B swizzle
-  CUtensorMap b;  // qb as [E*N, K], box BLOCK_N x 128
+  CUtensorMap a;  // qa [T, K], box kBoxRowsA x 128, 128B swizzle
+  CUtensorMap b;  // qb as [E*N, K], box kBoxRowsB x 128
   CUtensorMap d;  // out [T, N] bf16, box 64 x 64
   const float* sa;
   const float* sb;
@@ -82,7 +96,8 @@ struct Fp8RaggedRowsParams {
 namespace detail {
 
 // A wgmma operand descriptor of a K-major tile of 128-byte rows in 128B-swizzled shared memory (8-row
-// atoms 1024 bytes apart), starting at `smem` (K advances by adding bytes within the swizzle row).
+// atoms 1024 bytes apart), starting at `smem`. Its low bits hold the address / 16, so adding bytes / 16
+// to it moves the tile (another stage) or advances K within the swizzle row (32 e4m3 = 2).
 __device__ __forceinline__ uint64_t sw128_descriptor(const void* smem) {
   cute::GmmaDescriptor d;
   d.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
@@ -120,32 +135,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 #if defined(__CUDA_ARCH__) && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int kStages = Cfg::kStages;
+  constexpr int kStages = Cfg::kStages, kCluster = Cfg::kCluster;
 
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (cute::cast_smem_ptr_to_uint(smem) % 1024 != 0) __trap();  // the swizzled layouts need it
   uint8_t* smem_d = smem;
   uint8_t* smem_a = smem + Cfg::kOffsetA;
   uint8_t* smem_b = smem + Cfg::kOffsetB;
+  float* smem_sa = reinterpret_cast<float*>(smem + Cfg::kOffsetScalesA);
+  float* smem_sb = reinterpret_cast<float*>(smem + Cfg::kOffsetScalesB);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetBarriers);
   uint64_t* empty = full + kStages;
-  int32_t* tok = reinterpret_cast<int32_t*>(smem + Cfg::kOffsetPlan);
-  int32_t* blk = tok + (kMaxExperts + 1);
 
   const int E = p.E, T = p.T, N = p.N, K = p.K;
   const int Kb = (K + kBlock - 1) / kBlock, Nb = (N + kBlock - 1) / kBlock;
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
+  const int rank = kCluster > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
 
-  // The plan into shared memory; one that does not fit T tokens counts as the plan of no tokens.
+  // A plan that does not fit T tokens counts as the plan of no tokens.
   const bool fits = plan_fits(p.plan, E, token_limit(T));
-  for (int i = threadIdx.x; i <= E; i += blockDim.x) {
-    tok[i] = fits ? p.plan[i] : 0;
-    blk[i] = fits ? p.plan[2 * (E + 1) + i] : 0;
-  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], 1);                                   // the producer's arrive + the bytes
-      Barrier::init(&empty[s], Cfg::kMathWarpgroups * 4);           // one arrive per math warp
+      Barrier::init(&full[s], 1 + 32);                                    // the TMA thread (+ bytes), each scale lane
+      Barrier::init(&empty[s], kCluster * Cfg::kMathWarpgroups * 128);    // each math thread of the cluster
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -154,140 +167,205 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.b));
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.d));
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) cute::cluster_sync();  // the peer's barriers exist before any remote arrive
+  else __syncthreads();
 
-  const RaggedRowTiles<Cfg::kBandRows> tiles{tok, blk, E, (N + Cfg::kBlockN - 1) / Cfg::kBlockN};
-  const int64_t num_tiles = tiles.count();
+  const RaggedRowTiles<Cfg::kBandRows> tiles{p.plan, p.plan + 2 * (E + 1), E, (N + Cfg::kBlockN - 1) / Cfg::kBlockN};
+  const int64_t num_tiles = fits ? tiles.count() : 0;
+  const int64_t num_groups = (num_tiles + kCluster - 1) / kCluster;
+  // this CTA's tile of id group g, and whether it is a real one (not the repeat that fills a short group)
+  auto tile_id = [&](int64_t g, int r) { return min(g * kCluster + r, num_tiles - 1); };
 
   if (warpgroup == Cfg::kMathWarpgroups) {
-    // ---- producer
+    // ---- producer: one thread issues every TMA copy, one warp loads the scales
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
-    if (threadIdx.x % 128 != 0) return;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) {
+      constexpr uint64_t kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+      constexpr uint16_t kBoth = (1 << kCluster) - 1;
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int64_t g = cluster; g < num_groups; g += clusters) {
+        const RowTile t = tiles.at(tile_id(g, rank));
+        Shared shared = Shared::kNone;
+        if constexpr (kCluster > 1) shared = shared_operand(t, tiles.at(tile_id(g, rank ^ 1)));
+        const int b_row = t.expert * N + t.n_block * Cfg::kBlockN;
+        for (int kb = 0; kb < Kb; ++kb) {
+          Barrier::wait(&empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB);
+          uint8_t* a = smem_a + stage * Cfg::kBytesA;
+          uint8_t* b = smem_b + stage * Cfg::kBytesB;
+          const int k0 = kb * kBlock;
+          if (shared == Shared::kA) {
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&p.a, &full[stage], kBoth, kHint, a + rank * Cfg::kBoxRowsA * kBlock, k0,
+                                                   t.row0 + rank * Cfg::kBoxRowsA);
+          } else {
+#pragma unroll
+            for (int h = 0; h < kCluster; ++h)
+              cute::SM90_TMA_LOAD_2D::copy(&p.a, &full[stage], kHint, a + h * Cfg::kBoxRowsA * kBlock, k0,
+                                           t.row0 + h * Cfg::kBoxRowsA);
+          }
+          if (shared == Shared::kB) {
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&p.b, &full[stage], kBoth, kHint, b + rank * Cfg::kBoxRowsB * kBlock, k0,
+                                                   b_row + rank * Cfg::kBoxRowsB);
+          } else {
+#pragma unroll
+            for (int h = 0; h < kCluster; ++h)
+              cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, b + h * Cfg::kBoxRowsB * kBlock, k0,
+                                           b_row + h * Cfg::kBoxRowsB);
+          }
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+      }
+    } else if (warp == 1) {
+      constexpr int kRowsPerLane = Cfg::kBlockM / 32;
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int64_t g = cluster; g < num_groups; g += clusters) {
+        const RowTile t = tiles.at(tile_id(g, rank));
+        const int n0 = t.n_block * Cfg::kBlockN;
+        const int parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);
+        const float* sb = p.sb + (int64_t(t.expert) * Nb + n0 / kBlock) * Kb;
+        for (int kb = 0; kb < Kb; ++kb) {
+          // loaded before the wait, so that their latency overlaps it
+          float a[kRowsPerLane];
+#pragma unroll
+          for (int i = 0; i < kRowsPerLane; ++i) {
+            const int row = t.row0 + lane + 32 * i;
+            a[i] = row < T ? __ldg(p.sa + int64_t(row) * Kb + kb) : 0.f;
+          }
+          const float b = lane < parts ? __ldg(sb + lane * Kb + kb) : 0.f;
+          Barrier::wait(&empty[stage], phase ^ 1);
+#pragma unroll
+          for (int i = 0; i < kRowsPerLane; ++i) smem_sa[stage * Cfg::kBlockM + lane + 32 * i] = a[i];
+          if (lane < 4) smem_sb[stage * 4 + lane] = b;
+          Barrier::arrive(&full[stage]);  // each lane releases its own stores
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+      }
+    }
+  } else {
+    // ---- math warpgroups
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+
+    // Rows past the covered tokens (device counts summing below T, or a foreign plan) get zeros.
+    {
+      const int64_t covered = fits ? p.plan[E] : 0;
+      uint4* dst = reinterpret_cast<uint4*>(p.out);
+      const int64_t per_row = N / 8, end = int64_t(T) * per_row;
+      for (int64_t i = covered * per_row + int64_t(blockIdx.x) * Cfg::kMathWarpgroups * 128 + threadIdx.x; i < end;
+           i += int64_t(gridDim.x) * Cfg::kMathWarpgroups * 128)
+        dst[i] = make_uint4(0, 0, 0, 0);
+    }
+
+    // The stage's last read by this thread is done: release it in this CTA and, with multicast, in the
+    // peer (whose producer writes into this CTA's stage too). Every thread arrives for its own reads (of
+    // the scales, which the scale warp overwrites next).
+    auto release = [&](int s) {
+      Barrier::arrive(&empty[s]);
+      if constexpr (kCluster > 1) Barrier::arrive(&empty[s], rank ^ 1, 1);
+    };
+
+    float acc[64];
+    float out[Cfg::kParts][64];
     int stage = 0;
     uint32_t phase = 0;
-    for (int64_t id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      const RowTile t = tiles.at(id);
-      const int b_row = t.expert * N + t.n_block * Cfg::kBlockN;
-      for (int kb = 0; kb < Kb; ++kb) {
-        Barrier::wait(&empty[stage], phase ^ 1);
-        TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB);
-        constexpr uint64_t kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-        cute::SM90_TMA_LOAD_2D::copy(&p.a, &full[stage], kHint, smem_a + stage * Cfg::kBytesA, kb * kBlock, t.row0);
-        cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, smem_b + stage * Cfg::kBytesB, kb * kBlock, b_row);
-        if (++stage == kStages) stage = 0, phase ^= 1;
-      }
-    }
-    return;
-  }
+    uint8_t* smem_d_wg = smem_d + warpgroup * (Cfg::kWarpgroupRows * Cfg::kPartN * 2);
+    const uint64_t a_desc0 = detail::sw128_descriptor(smem_a + warpgroup * Cfg::kWarpgroupRows * kBlock);
+    const uint64_t b_desc0 = detail::sw128_descriptor(smem_b);
 
-  // ---- math warpgroups
-  cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    for (int64_t g = cluster; g < num_groups; g += clusters) {
+      const RowTile t = tiles.at(tile_id(g, rank));
+      const bool store = g * kCluster + rank < num_tiles;
+      const int n0 = t.n_block * Cfg::kBlockN;
+      const int rows = min(Cfg::kWarpgroupRows, max(0, t.rows - warpgroup * Cfg::kWarpgroupRows));  // of this warpgroup
+      const int parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);                // inside N
+      const int row = warpgroup * Cfg::kWarpgroupRows + warp * 16 + lane / 4;                      // + 8 for the second
 
-  // Rows past the covered tokens (device counts summing below T, or a foreign plan) get zeros.
-  {
-    const int64_t covered = tok[E];
-    uint4* dst = reinterpret_cast<uint4*>(p.out);
-    const int64_t per_row = N / 8, end = int64_t(T) * per_row;
-    for (int64_t i = covered * per_row + int64_t(blockIdx.x) * Cfg::kMathWarpgroups * 128 + threadIdx.x; i < end;
-         i += int64_t(gridDim.x) * Cfg::kMathWarpgroups * 128)
-      dst[i] = make_uint4(0, 0, 0, 0);
-  }
-
-  float acc[64];
-  float out[Cfg::kParts][64];
-  int stage = 0;
-  uint32_t phase = 0;
-  uint8_t* smem_d_wg = smem_d + warpgroup * (Cfg::kWarpgroupRows * Cfg::kBlockN * 2);
-
-  for (int64_t id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-    const RowTile t = tiles.at(id);
-    const int n0 = t.n_block * Cfg::kBlockN;
-    const int rows = min(Cfg::kWarpgroupRows, max(0, t.rows - warpgroup * Cfg::kWarpgroupRows));  // of this warpgroup
-    const int parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);                // inside N
-    const int row = warpgroup * Cfg::kWarpgroupRows + warp * 16 + lane / 4;                      // + 8 for the second
-    const float* sa0 = p.sa + int64_t(min(t.row0 + row, T - 1)) * Kb;
-    const float* sa1 = p.sa + int64_t(min(t.row0 + row + 8, T - 1)) * Kb;
-    const float* sb = p.sb + (int64_t(t.expert) * Nb + n0 / kBlock) * Kb;
-
-#pragma unroll
-    for (int h = 0; h < Cfg::kParts; ++h)
-#pragma unroll
-      for (int i = 0; i < 64; ++i) out[h][i] = 0.f;
-
-    for (int kb = 0; kb < Kb; ++kb) {
-      const float a0 = __ldg(sa0 + kb), a1 = __ldg(sa1 + kb);
-      float b[Cfg::kParts];
-#pragma unroll
-      for (int h = 0; h < Cfg::kParts; ++h) b[h] = h < parts ? __ldg(sb + h * Kb + kb) : 0.f;
-      Barrier::wait(&full[stage], phase);
-      if (rows > 0) {
-        const uint8_t* a_tile = smem_a + stage * Cfg::kBytesA + warpgroup * Cfg::kWarpgroupRows * kBlock;
-        const uint8_t* b_tile = smem_b + stage * Cfg::kBytesB;
-#pragma unroll
-        for (int h = 0; h < Cfg::kParts; ++h) {
-          if (h >= parts) break;
-#pragma unroll
-          for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(acc[i]);
-          cute::warpgroup_arrive();
-#pragma unroll
-          for (int k = 0; k < kBlock / 32; ++k)
-            detail::wgmma(detail::sw128_descriptor(a_tile + k * 32),
-                          detail::sw128_descriptor(b_tile + h * Cfg::kPartN * kBlock + k * 32), acc, k > 0,
-                          std::make_integer_sequence<int, 64>{});
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<0>();
-#pragma unroll
-          for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(acc[i]);
-          if (h == parts - 1 && lane == 0) Barrier::arrive(&empty[stage]);  // the stage's last read is done
-          const float s0 = a0 * b[h], s1 = a1 * b[h];
-#pragma unroll
-          for (int i = 0; i < 64; ++i) out[h][i] = fmaf((i & 2) ? s1 : s0, acc[i], out[h][i]);
-        }
-      } else if (lane == 0) {
-        Barrier::arrive(&empty[stage]);
-      }
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
-
-    // ---- epilogue: this warpgroup's 64 x BLOCK_N tile
-    if (tid == 0) cute::tma_store_wait<0>();  // the previous tile's stores have read shared memory
-    cutlass::arch::NamedBarrier::sync(128, warpgroup);
-    if (rows > 0) {
-      const int r = warp * 16 + lane / 4;
 #pragma unroll
       for (int h = 0; h < Cfg::kParts; ++h)
 #pragma unroll
-        for (int j = 0; j < Cfg::kPartN / 8; ++j)
+        for (int i = 0; i < 64; ++i) out[h][i] = 0.f;
+
+      for (int kb = 0; kb < Kb; ++kb) {
+        Barrier::wait(&full[stage], phase);
+        // the scales, read before the stage can be released (the scale warp then overwrites them)
+        const float a0 = smem_sa[stage * Cfg::kBlockM + row], a1 = smem_sa[stage * Cfg::kBlockM + row + 8];
+        float b[Cfg::kParts];
 #pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            const int col = h * Cfg::kPartN + j * 8 + (lane % 4) * 2;
-            *reinterpret_cast<uint32_t*>(smem_d_wg + detail::epilogue_offset(r + 8 * v, col)) =
-                detail::pack_bf16x2(out[h][j * 4 + v * 2], out[h][j * 4 + v * 2 + 1]);
+        for (int h = 0; h < Cfg::kParts; ++h) b[h] = smem_sb[stage * 4 + h];
+        if (rows > 0) {
+          const uint64_t a_desc = a_desc0 + uint64_t(stage * (Cfg::kBytesA / 16));
+          const uint64_t b_desc = b_desc0 + uint64_t(stage * (Cfg::kBytesB / 16));
+#pragma unroll
+          for (int h = 0; h < Cfg::kParts; ++h) {
+            if (h >= parts) break;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(acc[i]);
+            cute::warpgroup_arrive();
+#pragma unroll
+            for (int k = 0; k < kBlock / 32; ++k)
+              detail::wgmma(a_desc + 2 * k, b_desc + (h * Cfg::kPartN * kBlock) / 16 + 2 * k, acc, k > 0,
+                            std::make_integer_sequence<int, 64>{});
+            cute::warpgroup_commit_batch();
+            cute::warpgroup_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(acc[i]);
+            if (h == parts - 1) release(stage);
+            const float s0 = a0 * b[h], s1 = a1 * b[h];
+#pragma unroll
+            for (int i = 0; i < 64; ++i) out[h][i] = fmaf((i & 2) ? s1 : s0, acc[i], out[h][i]);
           }
-      cutlass::arch::fence_view_async_shared();
-    }
-    cutlass::arch::NamedBarrier::sync(128, warpgroup);
-    const int row0 = t.row0 + warpgroup * Cfg::kWarpgroupRows;
-    if (rows == Cfg::kWarpgroupRows) {
-      if (tid == 0) {
+        } else {
+          release(stage);
+        }
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+
+      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one 128-column part at a time
+      const int stored = store ? rows : 0;
+      const int row0 = t.row0 + warpgroup * Cfg::kWarpgroupRows;
 #pragma unroll
-        for (int c = 0; c < Cfg::kBlockN / Cfg::kStoreCols; ++c)
-          if (n0 + c * Cfg::kStoreCols < N)
-            cute::SM90_TMA_STORE_2D::copy(&p.d, smem_d_wg + c * (64 * 128), n0 + c * Cfg::kStoreCols, row0);
-        cute::tma_store_arrive();
-      }
-    } else if (rows > 0) {
-      constexpr int kUnits = Cfg::kBlockN / 8;  // 16-byte units per row
-      for (int u = tid; u < rows * kUnits; u += 128) {
-        const int r = u / kUnits, col = (u % kUnits) * 8;
-        if (n0 + col < N)
-          *reinterpret_cast<uint4*>(p.out + int64_t(row0 + r) * N + n0 + col) =
-              *reinterpret_cast<const uint4*>(smem_d_wg + detail::epilogue_offset(r, col));
+      for (int h = 0; h < Cfg::kParts; ++h) {
+        if (h >= parts) break;
+        const int col0 = n0 + h * Cfg::kPartN;
+        if (tid == 0) cute::tma_store_wait<0>();  // the previous part's stores have read shared memory
+        cutlass::arch::NamedBarrier::sync(128, warpgroup);
+        if (stored > 0) {
+          const int r = warp * 16 + lane / 4;
+#pragma unroll
+          for (int j = 0; j < Cfg::kPartN / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 2; ++v)
+              *reinterpret_cast<uint32_t*>(smem_d_wg + detail::epilogue_offset(r + 8 * v, j * 8 + (lane % 4) * 2)) =
+                  detail::pack_bf16x2(out[h][j * 4 + v * 2], out[h][j * 4 + v * 2 + 1]);
+          cutlass::arch::fence_view_async_shared();
+        }
+        cutlass::arch::NamedBarrier::sync(128, warpgroup);
+        if (stored == Cfg::kWarpgroupRows) {
+          if (tid == 0) {
+#pragma unroll
+            for (int c = 0; c < Cfg::kPartN / Cfg::kStoreCols; ++c)
+              if (col0 + c * Cfg::kStoreCols < N)
+                cute::SM90_TMA_STORE_2D::copy(&p.d, smem_d_wg + c * (64 * 128), col0 + c * Cfg::kStoreCols, row0);
+            cute::tma_store_arrive();
+          }
+        } else if (stored > 0) {
+          constexpr int kUnits = Cfg::kPartN / 8;  // 16-byte units per row
+          for (int u = tid; u < stored * kUnits; u += 128) {
+            const int r = u / kUnits, col = (u % kUnits) * 8;
+            if (col0 + col < N)
+              *reinterpret_cast<uint4*>(p.out + int64_t(row0 + r) * N + col0 + col) =
+                  *reinterpret_cast<const uint4*>(smem_d_wg + detail::epilogue_offset(r, col));
+          }
+        }
       }
     }
+    if (tid == 0) cute::tma_store_wait<0>();
   }
-  if (tid == 0) cute::tma_store_wait<0>();
+  // No CTA of a cluster leaves while its peer may still arrive on its barriers.
+  if constexpr (kCluster > 1) cute::cluster_sync();
 #endif
 }
 

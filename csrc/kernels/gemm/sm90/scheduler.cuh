@@ -7,8 +7,12 @@
 //
 // Tile ids run expert by expert; within an expert, in bands of kBandRows row blocks walked column by
 // column, so that the SMs working at one time share a band of A rows and a few B column tiles in L2.
-// CTA c takes ids c, c + gridDim.x, ... (static, no atomics): a CTA's producer and consumers walk the
-// same ids, the producer running ahead by the pipeline's depth.
+// The grid walks the ids statically (no atomics), in clusters of kCluster CTAs: cluster c takes the id
+// groups c, c + clusters, ... and its CTA of rank r the id kCluster * group + r (the last group may be
+// short: its missing ids repeat the group's first tile, computed but not stored). A CTA's producer and
+// consumers walk the same ids, the producer running ahead by the pipeline's depth. Consecutive ids mostly
+// share an expert and a column tile (or, with one row block per band, a row block), which a cluster's
+// CTAs load once for both (TMA multicast).
 #pragma once
 
 #include <cstdint>
@@ -26,8 +30,8 @@ struct RowTile {
 
 template <int kBandRows>
 struct RaggedRowTiles {
-  const int32_t* tok;  // the plan's token starts [E + 1] (shared memory)
-  const int32_t* blk;  // the plan's 128-row block starts [E + 1] (shared memory)
+  const int32_t* tok;  // the plan's token starts [E + 1]
+  const int32_t* blk;  // the plan's 128-row block starts [E + 1]
   int E;
   int n_blocks;
 
@@ -45,5 +49,15 @@ struct RaggedRowTiles {
     return {e, row0, min(kBlock, tok[e + 1] - row0), in_band / band_rows};
   }
 };
+
+// What the CTAs of a 2-CTA cluster load once for both (TMA multicast): the weight tile when their tiles
+// are one expert's at the same columns, the activation tile when they are the same rows.
+enum class Shared : int { kNone, kB, kA };
+
+__device__ __forceinline__ Shared shared_operand(const RowTile& t, const RowTile& u) {
+  if (t.expert != u.expert) return Shared::kNone;
+  if (t.n_block == u.n_block) return Shared::kB;
+  return t.row0 == u.row0 ? Shared::kA : Shared::kNone;
+}
 
 }  // namespace moegemm::sm90

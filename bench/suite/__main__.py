@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
-"""The moegemm benchmark suite (SPEC §7): moegemm next to its peers, side by side in one process.
+"""The moegemm benchmark suite: moegemm next to its peers, side by side in one process.
 
-    python bench/bench.py            # full run (~5-8 min of GPU time), results under bench/results/
-    python bench/bench.py --quick    # < 2 min: fewer iterations, Zipf splits only, short jitter run
-    python bench/plot.py bench/results/results.json   # the PNGs again, on any machine with matplotlib
+    python -m bench.suite            # full run (~5-8 min of GPU time), results under bench/results/
+    python -m bench.suite --quick    # < 2 min: fewer iterations, Zipf splits only, short jitter run
+    python -m bench.suite.plot bench/results/results.json   # the PNGs again, on any machine with matplotlib
 
 Model shapes (E, hidden, ffn per expert, routed tokens T) with Zipf-skewed m_splits (empty experts
 included) and a balanced variant. Variants (each guarded: a failure is recorded, never fatal):
@@ -24,26 +23,28 @@ Peers that can crash the CUDA context (device-side asserts cannot be caught) are
 case in a child process per variant ("probe"); a variant/split kind whose probe died is reported n/a.
 """
 
-# The parts, one job each (bench/README.md): shared.py, variants.py, peer_imports.py, cases.py, peers.py,
-# measure.py, probes.py, meta.py, runner.py (the run and results.json), report.py (results.md).
+# The parts, one job each (bench/README.md): shared.py, variants.py, cases.py, moegemm_variants.py,
+# implementations.py, measure.py, probes.py, meta.py, runner.py (the run and results.json), report.py
+# (results.md), plot.py (the PNGs).
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-import torch
+from bench.preflight import require_cuda_gpu
+from bench.suite.variants import VARIANTS  # torch-free: the options are known before torch is imported
 
-from shared import BENCH, log  # first: puts the repository root on sys.path
-from moegemm.workloads import GEMM_SHAPES, SHAPES
-
-from peer_imports import ensure_carried_wheels
-from probes import PROBE_SPLITS, probe_main
-from runner import JITTER_SHAPE, SWEEP_E, SWEEP_SHAPE, Runner
-from variants import VARIANTS
+PROG = "python -m bench.suite"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # the committed results (bench/README.md)
 
 
 def make_cfg(args) -> dict:
+    from moegemm.workloads import GEMM_SHAPES, SHAPES
+
+    from bench.suite.runner import JITTER_SHAPE, SWEEP_E, SWEEP_SHAPE
+
     q = args.quick
     cfg = {
         "fc1_target_s": 0.08 if q else 0.4,
@@ -72,10 +73,10 @@ def make_cfg(args) -> dict:
     return cfg
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations, Zipf splits only, short jitter (< 2 min)")
-    ap.add_argument("--out", default=str(BENCH / "results"), help="output folder (default: bench/results)")
+    ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
     ap.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
     ap.add_argument("--splits", default=None, help="comma-separated: zipf,balanced")
     ap.add_argument("--variants", default=None, help="comma-separated substrings of variant keys "
@@ -90,16 +91,21 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe-kinds", default="aligned,unaligned", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    ensure_carried_wheels()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    require_cuda_gpu(PROG)
+    import torch  # (and moegemm, below) only once the machine is known to fit
+
+    from bench.suite.probes import PROBE_SPLITS, probe_main
+    from bench.suite.runner import Runner
+
     if args.probe:
         return probe_main(args.probe, [k for k in args.probe_kinds.split(",") if k in PROBE_SPLITS])
-    if not torch.cuda.is_available():
-        log("bench.py needs a CUDA GPU (an H100/H200 for moegemm's kernels); nothing measured.")
-        return 1
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = make_cfg(args)
-    return Runner(args, cfg).run()
+    return Runner(args, make_cfg(args)).run()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from shared import BF16, short
+from bench.suite.shared import BF16, short
 
 
 def split_kind(splits) -> str:

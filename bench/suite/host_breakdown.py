@@ -1,24 +1,23 @@
-"""Where the host time of one call goes: enqueue microseconds per call (GPU kept busy, as bench.py's
+"""Where the host time of one call goes: enqueue microseconds per call (GPU kept busy, as the suite's
 host-overhead column) of each step of moegemm's fc1 forward and MLP forward+backward, next to a bare
 torch op and torch._grouped_mm, for E = 8 and 256.
 
-    python bench/host_breakdown.py [--profile]   # --profile: torch.profiler CPU table of one MLP step
+    python -m bench.suite.host_breakdown [--profile]   # --profile: torch.profiler CPU table of one MLP step
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
+import moegemm
 import torch
+from moegemm import _validate, backend
+from moegemm.workloads import zipf_splits
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
-import moegemm  # noqa: E402
-from measure import host_overhead  # noqa: E402
-from moegemm import _validate, backend  # noqa: E402
-from moegemm.workloads import zipf_splits  # noqa: E402
+from bench.preflight import require_cuda_gpu
+from bench.suite.measure import host_overhead
+
+PROG = "python -m bench.suite.host_breakdown"
 
 
 class _Empty(torch.autograd.Function):
@@ -50,6 +49,11 @@ def profile_cpu(fn, iters=10):
 
 
 def main():
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's CPU tables of one "
+                    "grouped_linear call and one MLP step (E = 8)")
+    args = ap.parse_args()
+    require_cuda_gpu(PROG, hopper=True)
     H, F, T = 1024, 512, 8192
     rows = []
     for E in (8, 256):
@@ -61,7 +65,6 @@ def main():
         plan = ops.make_plan(m, T)
         qx, sx = ops.quantize_act(x, plan, True, False)[:2]
         qw, sw = ops.quantize_weight(w1)[:2]
-        offs = torch.cumsum(m, 0, dtype=torch.int32)
         mlp = moegemm.GroupedMLP(E, H, F, device=dev, dtype=torch.bfloat16, fp8_weight_cache=False)  # every call
         mlp_bf16 = moegemm.GroupedMLP(E, H, F, recipe="bf16", device=dev, dtype=torch.bfloat16)
         xg = x.detach().requires_grad_()
@@ -101,7 +104,7 @@ def main():
         res["autograd floor: empty Function fwd+bwd"] = us(lambda: torch.autograd.grad(_Empty.apply(xg), [xg], dy))
         res["GroupedMLP fp8 fwd+bwd"] = us(step(mlp))
         res["GroupedMLP bf16 fwd+bwd"] = us(step(mlp_bf16))
-        if "--profile" in sys.argv and E == 8:
+        if args.profile and E == 8:
             with torch.no_grad():
                 profile_cpu(lambda: moegemm.grouped_linear(x, w1, m))
             profile_cpu(step(mlp))

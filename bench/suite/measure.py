@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from shared import BF16, DEV, FP8, free, short
+from bench.suite.shared import BF16, DEV, FP8, free, short
 
 
 def _pct(sorted_vals, p):

@@ -1,9 +1,11 @@
 """What a run records about itself (results.json "meta"): date, git commit and state, argv, Python,
-torch/CUDA/triton/moegemm versions, the GPU and nvidia-smi's clocks and power limit."""
+torch/CUDA/triton/moegemm/torchao/TransformerEngine versions, the GPU and nvidia-smi's clocks and power
+limit."""
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -11,7 +13,7 @@ import sys
 
 import torch
 
-from shared import REPO
+from bench.suite.shared import REPO
 
 
 def _run(cmd, cwd=None):
@@ -51,6 +53,11 @@ def collect_meta(args) -> dict:
         meta["versions"]["moegemm"] = getattr(moegemm, "__version__", "?")
     except Exception:
         meta["versions"]["moegemm"] = None
+    for dist in ("torchao", "transformer_engine"):  # the peers' packages, where installed
+        try:
+            meta["versions"][dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            meta["versions"][dist] = None
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         meta.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),

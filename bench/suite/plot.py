@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""PNG plots of a bench/bench.py run (needs matplotlib; any machine, no GPU):
+"""PNG plots of a benchmark run (needs matplotlib; any machine, no GPU):
 
-    python bench/plot.py bench/results/results.json [--out DIR]
+    python -m bench.suite.plot bench/results/results.json [--out DIR]
 
 speedup.png        speed-up over torch._grouped_mm bf16, grouped bars per model shape and variant
                    (rows: fc1 forward, MLP forward+backward; columns: the m_splits kinds measured)
@@ -15,7 +14,6 @@ import json
 import math
 from pathlib import Path
 
-BASELINE = "torch_bf16"
 SECTIONS = {"fc1": "fc1 forward", "mlp": "MLP forward+backward"}
 
 
@@ -130,8 +128,9 @@ def make_plots(res: dict, out_dir) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", help="results.json written by bench/bench.py")
+    ap = argparse.ArgumentParser(prog="python -m bench.suite.plot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="results.json written by python -m bench.suite")
     ap.add_argument("--out", default=None, help="output folder (default: the folder of results.json)")
     args = ap.parse_args(argv)
     path = Path(args.results)

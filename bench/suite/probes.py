@@ -1,5 +1,5 @@
 """Which (variant, op, split kind) may run in this process: combinations known to be impossible
-(static_unsupported), and the probes, one child process per variant (`bench.py --probe KEY`) that runs
+(static_unsupported), and the probes, one child process per variant (`python -m bench.suite --probe KEY`) that runs
 it on tiny aligned and unaligned cases, so that a device-side assert kills the child and not the run;
 gate() answers from both."""
 
@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 
-from cases import Case, mlp_errors, reference, rel_err
-from peer_imports import UNAVAILABLE, load_peers
-from peers import build_fc1, build_mlp
-from shared import BENCH, DEV, REPO, cuda_alive, log, short
-from variants import VBY
+from bench.suite.cases import Case, mlp_errors, reference, rel_err
+from bench.suite.implementations import UNAVAILABLE, build_fc1, build_mlp, load_variants
+from bench.suite.shared import DEV, REPO, cuda_alive, log, short
+from bench.suite.variants import VBY
 
 PROBE_E, PROBE_H, PROBE_F = 8, 256, 128
 PROBE_SPLITS = {"aligned": [32] * 8, "unaligned": [0, 1, 3, 17, 0, 30, 64, 13]}
@@ -44,7 +43,7 @@ def probe_main(key: str, kinds) -> int:
         print(PROBE_TAG + json.dumps(kw), flush=True)
 
     torch.manual_seed(0)
-    load_peers(DEV, only=key)
+    load_variants(only=key)
     if key in UNAVAILABLE:
         emit(stage="*", status="error", reason=UNAVAILABLE[key])
         emit(stage="done", status="ok")
@@ -91,7 +90,7 @@ def run_probes(keys, kinds, timeout_s) -> dict:
     for k in keys:
         fo, fe = open(tmp / f"{k}.out", "w"), open(tmp / f"{k}.err", "w")  # files: no pipe can fill up
         logs[k] = (fo, fe)
-        procs[k] = subprocess.Popen([sys.executable, str(BENCH / "bench.py"), "--probe", k,
+        procs[k] = subprocess.Popen([sys.executable, "-m", "bench.suite", "--probe", k,
                                      "--probe-kinds", ",".join(kinds)], cwd=str(REPO),
                                     stdout=fo, stderr=fe, env=os.environ.copy())
     deadline = time.time() + timeout_s

@@ -1,21 +1,21 @@
 """Where the time goes: GPU kernel time of one expert-MLP (SwiGLU, probs) forward+backward per kernel
-family, from torch.profiler, for the SPEC §7 shapes, next to the bytes/FLOP floors of each part.
+family, from torch.profiler, for the benchmark's model shapes (moegemm/workloads.py).
 
-    python bench/profile_mlp.py [--recipe fp8_blockwise] [--shapes DeepSeek-V2-Lite ...]
+    python -m bench.suite.profile_mlp [--recipe fp8_blockwise] [--shapes DeepSeek-V2-Lite ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import sys
-from pathlib import Path
 
+import moegemm
 import torch
+from moegemm.workloads import SHAPES, zipf_splits
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import moegemm  # noqa: E402
-from moegemm.workloads import SHAPES, zipf_splits  # noqa: E402
+from bench.preflight import require_cuda_gpu
+
+PROG = "python -m bench.suite.profile_mlp"
 
 
 def family(name: str) -> str:
@@ -64,10 +64,15 @@ def profile(shape, recipe, iters=5):
     torch.cuda.empty_cache()
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", default="fp8_blockwise")
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+def main():
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="fp8_blockwise", help="moegemm recipe: fp8_blockwise or bf16")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="model shapes (default: all)")
     args = ap.parse_args()
+    require_cuda_gpu(PROG, hopper=True)
     for s in args.shapes:
         profile(s, args.recipe)
+
+
+if __name__ == "__main__":
+    main()

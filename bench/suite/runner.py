@@ -4,7 +4,6 @@ variant, writes results.json after every section, then results.md and the plots.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import time
@@ -13,17 +12,17 @@ from pathlib import Path
 
 import torch
 
-from shared import BENCH, DEV, cuda_alive, free, log, short  # first: puts the repository root on sys.path
 from moegemm.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
 
-from cases import Case, mlp_errors, reference, rel_err
-from measure import count_syncs, host_overhead, jitter, measure_ceilings, peak_extra_mib, time_op
-from meta import collect_meta
-from peer_imports import MOD, UNAVAILABLE, load_peers
-from peers import build_fc1, build_mlp, make_step
-from probes import PROBE_SPLITS, PROBES, gate, run_probes
-from report import render_markdown
-from variants import BASELINE, VARIANTS, VBY
+from bench.suite import plot
+from bench.suite.cases import Case, mlp_errors, reference, rel_err
+from bench.suite.implementations import UNAVAILABLE, build_fc1, build_mlp, load_variants, make_step
+from bench.suite.measure import count_syncs, host_overhead, jitter, measure_ceilings, peak_extra_mib, time_op
+from bench.suite.meta import collect_meta
+from bench.suite.probes import PROBE_SPLITS, PROBES, gate, run_probes
+from bench.suite.report import render_markdown
+from bench.suite.shared import DEV, cuda_alive, free, log, short
+from bench.suite.variants import BASELINE, VARIANTS, VBY
 
 SWEEP_E = (8, 32, 128, 256)
 SWEEP_SHAPE = (1024, 512, 8192)  # hidden, ffn, T for the host-overhead sweep (Zipf splits)
@@ -215,10 +214,8 @@ class Runner:
     def run(self):
         args, cfg = self.args, self.cfg
         self.res["meta"] = collect_meta(args)
-        load_peers(DEV)
+        load_variants()
         self.res["unavailable"] = dict(UNAVAILABLE)
-        self.res["meta"]["versions"].update({"torchao": MOD.get("torchao_version"),
-                                             "transformer_engine": MOD.get("te_version")})
         for k, why in UNAVAILABLE.items():
             log(f"[bench] unavailable: {VBY[k].label}: {why}")
         self.save()
@@ -276,23 +273,15 @@ class Runner:
         print(md, flush=True)
         if not args.no_plots:
             try:
-                plot = _load_plot_module()
                 for p in plot.make_plots(self.res, self.out):
                     log(f"[bench] wrote {p}")
             except ImportError as exc:
-                log(f"[bench] no plots ({short(exc)}): run `python bench/plot.py {self.out / 'results.json'}` "
+                log(f"[bench] no plots ({short(exc)}): run `python -m bench.suite.plot {self.out / 'results.json'}` "
                     "on a machine with matplotlib")
             except Exception as exc:
                 log(f"[bench] plotting failed: {short(exc)}")
         log(f"[bench] done in {self.elapsed():.0f} s; results in {self.out}")
         return 0 if not self.dead else 2
-
-
-def _load_plot_module():
-    spec = importlib.util.spec_from_file_location("moegemm_bench_plot", BENCH / "plot.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _clean(o):

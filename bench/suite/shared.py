@@ -1,6 +1,5 @@
-"""What every bench module shares: the paths of bench/ and of the repository (whose root goes on
-sys.path, so that ``moegemm`` imports from the checkout), the device and dtypes of the run, log() and
-short() for messages, and the CUDA-context helpers cuda_alive() and free()."""
+"""What every module of the suite shares: the repository root, the device and dtypes of the run, log()
+and short() for messages, and the CUDA-context helpers cuda_alive() and free()."""
 
 from __future__ import annotations
 
@@ -10,10 +9,7 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn

@@ -1,34 +1,38 @@
-"""moegemm's production FP8 grouped GEMMs on the splits DeepGEMM was timed on (bench/deepgemm_peer.py's
-JSON: 128-aligned token counts per expert), side by side: fprop (bf16 out) against DeepGEMM's m-grouped
-contiguous GEMM, wgrad with fp32 accumulation against its k-grouped GEMM (which accumulates into fp32).
-Same timing method as the peer (CUDA events per call, median). Operand preparation is outside the timing
-on both sides (DeepGEMM's per-expert transposes and scale layouts; moegemm's quantize_act/quantize_weight).
+"""moegemm's production FP8 grouped GEMMs on the splits DeepGEMM was timed on (the JSON of
+``python -m bench.peers.deepgemm``: 128-aligned token counts per expert), side by side: fprop (bf16 out)
+against DeepGEMM's m-grouped contiguous GEMM, wgrad with fp32 accumulation against its k-grouped GEMM
+(which accumulates into fp32). Same timing method as the peer (CUDA events per call, median). Operand
+preparation is outside the timing on both sides (DeepGEMM's per-expert transposes and scale layouts;
+moegemm's quantize_act/quantize_weight).
 
-    python bench/gemm_vs_deepgemm.py PEER_JSON [--iters 30] [--json PATH]
+    python -m bench.gemm.vs_deepgemm PEER_JSON [--iters 30] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-import torch
+from bench.preflight import require_cuda_gpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gemm_breakdown import problems, time_ms  # noqa: E402  (bench/ is on sys.path: the script's folder)
+PROG = "python -m bench.gemm.vs_deepgemm"
 
-# DeepGEMM peer GEMM name -> gemm_breakdown problem name
+# DeepGEMM peer GEMM name -> mlp_problems.problems() name
 OURS = {"fc1_fprop": "fc1 fprop", "fc2_fprop": "fc2 fprop", "fc1_wgrad": "fc1 wgrad f32+=", "fc2_wgrad": "fc2 wgrad f32+="}
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("peer_json")
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("peer_json", help="the --json of python -m bench.peers.deepgemm")
+    ap.add_argument("--iters", type=int, default=30, help="timed calls per GEMM (median)")
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
+    require_cuda_gpu(PROG, hopper=True)
+    import torch
+
+    from bench.gemm.mlp_problems import problems, time_ms
+
     doc = json.loads(Path(args.peer_json).read_text())
     rows = []
     print(f"{'shape':20s} {'gemm':10s} {'DeepGEMM ms':>11s} {'moegemm ms':>10s} {'moegemm/DG':>10s}")

@@ -1,9 +1,9 @@
 """The GEMM lab: FP8 grouped GEMM tilings (csrc/kernels/gemm_configs.cuh) built side by side in one
-extension (bench/gemm_lab/) and timed on the operands of bench/gemm_breakdown.py, next to the tiling
-production uses; each variant's output is checked against production's. What wins goes into
-csrc/kernels/gemm_heuristics.h.
+extension (the sources beside this file) and timed on the operands of ``python -m bench.gemm.breakdown``
+(bench/gemm/mlp_problems.py), next to the tiling production uses; each variant's output is checked against
+production's. What wins goes into csrc/kernels/gemm_heuristics.h.
 
-    python bench/gemm_lab.py [--shapes SUBSTR,...] [--iters 20] [--json PATH]
+    python -m bench.gemm.lab [--shapes SUBSTR,...] [--iters 20] [--json PATH]
 """
 
 from __future__ import annotations
@@ -11,24 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from bench.preflight import require_cuda_gpu, require_cuda_toolkit
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from moegemm import _build  # noqa: E402
-
-from gemm_breakdown import ceilings, points, problems, roofline_ms, time_ms  # noqa: E402
+PROG = "python -m bench.gemm.lab"
+HERE = Path(__file__).resolve().parent  # the lab's C++/CUDA sources
 
 # tiling name (gemm_configs.cuh) -> the GEMMs built with it: m = ragged M (fprop/dgrad), kb = wgrad bf16,
 # kf = wgrad fp32.
 VARIANTS = {
     # Also tried on an H200 and slower than production on (nearly) every GEMM (bench/NOTES.md, fifth
-    # session; bench/logs/gemm_lab_h200_tilings.log, whose bf16-wgrad max|diff| column compared against a
-    # zero tensor, a bug since fixed, and bench/logs/gemm_lab_h200_nosmem.log): clusters 2x2 and 2x1,
+    # session; bench/results/logs/gemm_lab_h200_tilings.log, whose bf16-wgrad max|diff| column compared
+    # against a zero tensor, a bug since fixed, and bench/results/logs/gemm_lab_h200_nosmem.log): clusters 2x2 and 2x1,
     # 128x192 wgrad tiles, the register-store epilogue (PtrArrayNoSmemWarpSpecialized) - taken out of
     # gemm_configs.cuh again; 128x256 tiles do not compile with 128x128 B-scale blocks.
     "Tile128x128C1x1": "m",
@@ -37,10 +33,11 @@ VARIANTS = {
 
 
 def build():
+    from moegemm import _build
     from torch.utils.cpp_extension import load
     gen = Path(tempfile.gettempdir()) / "moegemm_gemm_lab"  # fixed, so that a second build finds the first
     gen.mkdir(exist_ok=True)
-    srcs = [str(HERE / "gemm_lab" / "lab_binding.cpp"), str(HERE / "gemm_lab" / "lab_registry.cu"),
+    srcs = [str(HERE / "lab_binding.cpp"), str(HERE / "lab_registry.cu"),
             str(_build.csrc_dir() / "kernels" / "plan.cu")]  # zero_empty_experts
     for tiling, kinds in VARIANTS.items():
         for kind in kinds.split():
@@ -52,7 +49,7 @@ def build():
                 f.write_text(text)
             srcs.append(str(f))
     os.environ.setdefault("MAX_JOBS", str(_build.default_jobs()))
-    return load(name="moegemm_gemm_lab", sources=srcs, extra_include_paths=_build.include_dirs() + [str(HERE / "gemm_lab")],
+    return load(name="moegemm_gemm_lab", sources=srcs, extra_include_paths=_build.include_dirs() + [str(HERE)],
                 extra_cflags=_build.cxx_flags(), extra_cuda_cflags=_build.NVCC_FLAGS, verbose=True)
 
 
@@ -72,11 +69,17 @@ def output_of(fn, p):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--shapes", default=None)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per GEMM and tiling (median)")
+    ap.add_argument("--shapes", default=None, help="comma-separated substrings of the point names")
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
+    require_cuda_gpu(PROG, hopper=True)
+    require_cuda_toolkit(PROG)
+    import torch
+
+    from bench.gemm.mlp_problems import ceilings, points, problems, roofline_ms, time_ms
+
     lab = build()
     ce = ceilings()
     rows = []

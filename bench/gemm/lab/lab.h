@@ -1,4 +1,4 @@
-// The GEMM lab (bench/gemm_lab.py): FP8 grouped GEMM tilings built side by side in one extension, so that
+// The GEMM lab (python -m bench.gemm.lab): FP8 grouped GEMM tilings built side by side in one extension, so that
 // one GPU run times every candidate on the same operands. Torch-free; each variant_*.cu registers its
 // tilings here. Production picks among them in csrc/kernels/gemm_heuristics.h.
 #pragma once

@@ -1,4 +1,4 @@
-"""The process group of the two-process Megatron scripts (megatron_ep.py, megatron_ep_train.py) and the
+"""The process group of the two Megatron examples (megatron_ep.py, megatron_ep_train.py) and the
 redirects their gloo CPU smoke tests need."""
 
 from __future__ import annotations

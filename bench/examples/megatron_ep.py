@@ -1,7 +1,7 @@
 """Expert parallelism check of moegemm's Megatron experts (``moegemm.megatron.MoegemmExperts``).
 
-    torchrun --nproc_per_node 2 bench/megatron_ep.py            # NCCL, one GPU per process
-    torchrun --nproc_per_node 2 bench/megatron_ep.py --cpu      # gloo smoke test on the CPU
+    torchrun --nproc_per_node 2 -m bench.examples.megatron_ep            # NCCL, one GPU per process
+    torchrun --nproc_per_node 2 -m bench.examples.megatron_ep --cpu      # gloo smoke test on the CPU
 
 Every process builds the same Megatron ``MoELayer`` with expert-parallel size = world size (each rank
 holds ``E / world`` experts; Megatron's alltoall dispatcher, or allgather with ``--cpu``) and moegemm
@@ -22,22 +22,23 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
-import sys  # noqa: E402
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_setup import init_expert_parallel, init_process_group  # noqa: E402  (bench/ is the script's folder)
+from bench.examples.dist_setup import init_expert_parallel, init_process_group  # noqa: E402
+from bench.preflight import require_cuda_gpu  # noqa: E402
+
+PROG = "torchrun --nproc_per_node 2 -m bench.examples.megatron_ep"
 
 # relative-error thresholds: (vs EP=1 moegemm, vs EP=1 SequentialMLP, router vs SequentialMLP)
 TOLERANCES = {"bf16": (1e-2, 2e-2, 2e-2), "fp8_blockwise": (2e-2, 0.1, 0.15)}
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true",
                    help="gloo on the CPU (moegemm's reference path), allgather dispatcher")
     p.add_argument("--recipes", default="bf16,fp8_blockwise")
@@ -98,6 +99,8 @@ def run(layer, x, dy):
 
 def main():
     args = parse_args()
+    if not args.cpu:
+        require_cuda_gpu(PROG)
     warnings.filterwarnings("ignore")
     rank, world, device = init_process_group(args.cpu)
     dispatcher = args.dispatcher or ("allgather" if args.cpu else "alltoall")
@@ -195,4 +198,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """EP=2 Megatron training step with moegemm's experts: FP8 dispatch + split backward against bf16 and
 SequentialMLP (issue 16's measurement).
 
-    torchrun --nproc_per_node 2 bench/megatron_ep_train.py --out bench/results     # two GPUs, NCCL
-    python -m torch.distributed.run --nproc_per_node 2 bench/megatron_ep_train.py --cpu   # gloo smoke test
-    torchrun --nproc_per_node 2 bench/megatron_ep_train.py --check-only             # numerics only
+    torchrun --nproc_per_node 2 -m bench.examples.megatron_ep_train --out bench/results   # two GPUs, NCCL
+    python -m torch.distributed.run --nproc_per_node 2 -m bench.examples.megatron_ep_train --cpu   # gloo smoke test
+    torchrun --nproc_per_node 2 -m bench.examples.megatron_ep_train --check-only           # numerics only
 
 Every process builds a stack of ``--layers`` pre-norm residual MoE blocks (``x + MoELayer(RMSNorm(x))``,
 megatron-core's ``MoELayer``: top-k router, all-to-all dispatcher, expert-parallel size = world size, no
@@ -62,9 +62,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from dist_setup import init_expert_parallel, init_process_group  # noqa: E402  (bench/ is the script's folder)
+from bench.examples.dist_setup import init_expert_parallel, init_process_group  # noqa: E402
+from bench.preflight import require_cuda_gpu  # noqa: E402
+
+PROG = "torchrun --nproc_per_node 2 -m bench.examples.megatron_ep_train"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,7 @@ CHECK_TOL = {"moegemm_fp8": {"out": 1e-2, "dx": 1e-2, "grads": 0.05},
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, moegemm's reference path, tiny shapes")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--layers", type=int, default=2)
@@ -544,7 +546,8 @@ def meta(args, world, device) -> dict:
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "megatron_core": megatron.core.__version__,
                 "python": platform.python_version()}
     env = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-    return {"command": launcher + " ".join(shlex.quote(a) for a in sys.argv),
+    script = ["-m", __spec__.name] if __spec__ else sys.argv[:1]  # run as a module, as the docstring says
+    return {"command": launcher + " ".join(shlex.quote(a) for a in script + sys.argv[1:]),
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit(),
             "world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "versions": versions, "env": {k: os.environ.get(k) for k in env},
@@ -584,6 +587,8 @@ def write_json(args, result, rank):
 
 def main():
     args = parse_args()
+    if not args.cpu:
+        require_cuda_gpu(PROG)
     warnings.filterwarnings("ignore")
     rank, world, device = setup_distributed(args)
     from megatron.core import parallel_state

@@ -4,9 +4,9 @@ Character-level (bytes) model on the Python standard library's own source (avail
 embedding -> L x [RMSNorm, causal attention, RMSNorm, MoE (top-2 router + moegemm.GroupedMLP, SwiGLU,
 probs applied inside)] -> head. Both runs use the same seed, initial weights and batches; only the
 experts' recipe differs. Writes the loss curves as JSON (and a PNG when matplotlib is importable; else
-`python bench/train_lm.py --plot results.json` on any machine).
+`python -m bench.examples.train_lm --plot lm_loss.json` on any machine).
 
-    python bench/train_lm.py --steps 300 --out bench/results
+    python -m bench.examples.train_lm --steps 300 --out bench/results
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def plot(results, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.examples.train_lm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=256)

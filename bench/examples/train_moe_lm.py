@@ -34,9 +34,9 @@ comparison (final held-out relative gap, max relative gap of the smoothed train-
 first 10 % of steps), for FP8 against bf16 and for the control against bf16, is computed here and stored
 in the JSON, which is rewritten after every evaluation (a run cut off by a timeout leaves its curves).
 
-    python bench/train_moe_lm.py                       # the full run (one H200: bf16, fp8_blockwise, bf16_again)
-    python bench/train_moe_lm.py --plot-only bench/results/train_moe_lm.json   # PNG from the JSON
-    python bench/train_moe_lm.py --tiny                # CPU smoke configuration (reference backend)
+    python -m bench.examples.train_moe_lm              # the full run (one H200: bf16, fp8_blockwise, bf16_again)
+    python -m bench.examples.train_moe_lm --plot-only bench/results/train_moe_lm.json   # PNG from the JSON
+    python -m bench.examples.train_moe_lm --tiny       # CPU smoke configuration (reference backend)
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import moegemm  # noqa: E402
+import moegemm
 
 RECIPES = ("bf16", "fp8_blockwise")
 # Diagnostic variants (same parameters, init and batches; the experts' math differs), for --recipes:
@@ -618,7 +617,8 @@ def plot_variants(results, ref, path):
 # ------------------------------------------------------------------------------------------------ main
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.examples.train_moe_lm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=0, help="0: hidden // 128")
@@ -690,8 +690,9 @@ def main():
     print(f"{a.layers} layers, hidden {a.hidden}, {a.experts} experts x ffn {a.ffn}, top-{a.top_k}; "
           f"{tok_step} tokens/step, {a.steps} steps = {a.steps * tok_step / 1e6:.1f} M tokens "
           f"({a.steps * tok_step / len(train_data):.2f} epochs)", flush=True)
+    script = ["-m", __spec__.name] if __spec__ else sys.argv[:1]  # run as a module, as the docstring says
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+               "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable)] + script + sys.argv[1:]),
                "args": vars(a), "corpus": corpus, "runs": {}}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     ref = None
@@ -730,7 +731,7 @@ def main():
         else:
             plot(results, os.path.splitext(a.out)[0] + ".png")
     except ImportError:
-        print(f"matplotlib missing: python bench/train_moe_lm.py --plot-only {a.out}")
+        print(f"matplotlib missing: python -m bench.examples.train_moe_lm --plot-only {a.out}")
 
 
 if __name__ == "__main__":

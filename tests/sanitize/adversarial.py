@@ -1,17 +1,27 @@
-"""The adversarial cases of issue 12 once each, small shapes, for compute-sanitizer memcheck:
+"""The adversarial cases of issue 12 once each, small shapes, for compute-sanitizer memcheck (from the
+repository root, which must be on PYTHONPATH; bench/gpu_run.sh runs it with SANITIZE=1):
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python bench/sanitize_adversarial.py
+    compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize/adversarial.py
 
 Every invalid device m_splits (negative, > T, int64 wrap, stale bytes, sums below/above T), both recipes,
 grouped_linear and grouped_mlp forward+backward with biases and probs; misaligned inputs and a
 misaligned main_grad; E = 1024; T = 0 with garbage counts; raw op misuse that must raise (caught).
 Any out-of-bounds access shows in memcheck's report; the script itself also checks the zero rows past
-the covered tokens and prints a summary."""
+the covered tokens and prints a summary. Not a pytest module: a driver for the sanitizer."""
 
-import torch
+import argparse
+import sys
 
-import moegemm
-from moegemm import cuda_ops  # noqa: F401  (builds/loads the extension)
+from bench.preflight import require_cuda_gpu
+
+PROG = f"python {sys.argv[0]}"
+argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+require_cuda_gpu(PROG, hopper=True)
+
+import torch  # noqa: E402  (after the machine check)
+
+import moegemm  # noqa: E402
+from moegemm import cuda_ops  # noqa: E402, F401  (builds/loads the extension)
 
 DEV = "cuda"
 I64_MAX, I64_MIN = 2 ** 63 - 1, -2 ** 63
@@ -199,5 +209,5 @@ for foreign in (big_plan, forged):
     stats["cases"] += len(outs)
 
 torch.cuda.synchronize()
-print(f"sanitize_adversarial: {stats['cases']} runs, {stats['expected_errors']} expected errors raised, "
+print(f"sanitize adversarial: {stats['cases']} runs, {stats['expected_errors']} expected errors raised, "
       f"CUDA context alive: {(torch.ones(4, device=DEV) * 2).sum().item() == 8.0}")

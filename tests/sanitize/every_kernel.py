@@ -1,15 +1,26 @@
-"""A small case that runs every CUDA kernel of moegemm once, for compute-sanitizer:
+"""A small case that runs every CUDA kernel of moegemm once, for compute-sanitizer (from the repository
+root, which must be on PYTHONPATH; bench/gpu_run.sh runs it with SANITIZE=1):
 
-    compute-sanitizer --tool memcheck  python bench/sanitize_case.py
-    compute-sanitizer --tool racecheck python bench/sanitize_case.py
+    compute-sanitizer --tool memcheck  python tests/sanitize/every_kernel.py
+    compute-sanitizer --tool racecheck python tests/sanitize/every_kernel.py
 
 Shapes include an empty expert, counts that are not multiples of 16 or 128 and K, N that are not
-multiples of 128, so partial tiles and padding are exercised. Checks the results loosely too."""
+multiples of 128, so partial tiles and padding are exercised. Checks the results loosely too. Not a
+pytest module: a driver for the sanitizer."""
 
-import torch
+import argparse
+import sys
 
-import moegemm
-from moegemm import cuda_ops, reference as ref
+from bench.preflight import require_cuda_gpu
+
+PROG = f"python {sys.argv[0]}"
+argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+require_cuda_gpu(PROG, hopper=True)
+
+import torch  # noqa: E402  (after the machine check)
+
+import moegemm  # noqa: E402
+from moegemm import cuda_ops, reference as ref  # noqa: E402
 
 torch.manual_seed(0)
 splits = [0, 17, 130, 1, 64]

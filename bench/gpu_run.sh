@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install carried wheels, build the extension, run the GPU tests and the
-# quick benchmark; logs under $OUT (or ./gpu_out), a short table last.
+# quick benchmark; logs under $OUT (or ./gpu_out), a short table last. From the repository root:
 #   bash bench/gpu_run.sh [pytest args...]
+# TRAIN_LM=1 adds the small LM example, SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/),
+# SKIP_BENCH=1 leaves the benchmark out.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/.."  # the repository root: the bench scripts run as modules from there
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the bench scripts import moegemm from this checkout
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # moegemm and bench from this checkout, for every script
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -15,14 +18,14 @@ start=$(date +%s)
 python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
-[ -n "${TRAIN_LM:-}" ] && python3 bench/train_lm.py --out "$OUT" 2>&1 | tee "$OUT/train_lm.log" | tail -12
-${SKIP_BENCH:+true} python3 bench/bench.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -20
+[ -n "${TRAIN_LM:-}" ] && python3 -m bench.examples.train_lm --out "$OUT" 2>&1 | tee "$OUT/train_lm.log" | tail -12
+${SKIP_BENCH:+true} python3 -m bench.suite --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -20
 if [ -n "${SANITIZE:-}" ]; then
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize/every_kernel.py > "$OUT/sanitize_$tool.log" 2>&1
     echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
   done
   # issue 12's adversarial inputs (invalid device m_splits, misaligned views, E = 1024, raw-op misuse)
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_adversarial.py > "$OUT/sanitize_adversarial_memcheck.log" 2>&1
-  echo "compute-sanitizer memcheck (adversarial): rc=$? $(grep -E 'ERROR SUMMARY|sanitize_adversarial:' "$OUT/sanitize_adversarial_memcheck.log" | tail -2 | tr '\n' ' ')"
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize/adversarial.py > "$OUT/sanitize_adversarial_memcheck.log" 2>&1
+  echo "compute-sanitizer memcheck (adversarial): rc=$? $(grep -E 'ERROR SUMMARY|sanitize adversarial:' "$OUT/sanitize_adversarial_memcheck.log" | tail -2 | tr '\n' ' ')"
 fi

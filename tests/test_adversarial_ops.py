@@ -401,7 +401,7 @@ def test_aliasing_and_mutation(a, cid, name, build):
 def test_foreign_plan_gives_zeros(a, which):
     """A plan is device data the host cannot check against T. One made for more tokens than the inputs
     hold, or not by make_plan at all, is taken by every plan-consuming kernel as the plan of no tokens:
-    zeros (no reads or writes past the buffers: bench/sanitize_adversarial.py runs this under memcheck)."""
+    zeros (no reads or writes past the buffers: tests/sanitize/adversarial.py runs this under memcheck)."""
     o = ops()
     if which == "more_tokens":
         foreign = o.make_plan(a.m * 2, 2 * T)

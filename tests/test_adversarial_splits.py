@@ -7,7 +7,7 @@ every count outside [0, T] and every sum != T (int64 wrap included).
 
 CPU tests run the reference plan and ops; GPU tests (``requires_cuda``) compare the CUDA path with a
 valid-splits run of the covered rows and with the reference backend on the same device counts. The
-out-of-bounds detector for these cases is ``bench/sanitize_adversarial.py`` under compute-sanitizer.
+out-of-bounds detector for these cases is ``tests/sanitize/adversarial.py`` under compute-sanitizer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Smoke test of bench/megatron_ep_train.py on the CPU: two gloo processes (EP = 2, all-to-all dispatcher),
+"""Smoke test of bench/examples/megatron_ep_train.py on the CPU: two gloo processes (EP = 2, all-to-all dispatcher),
 the numerical check of the FP8 dispatch + split backward and a few timed steps of three variants."""
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ VARIANTS = ("moegemm_fp8_dispatch_split", "moegemm_bf16", "sequential_mlp")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--cpu redirects torch.cuda calls; runs on GPU-less machines")
 def test_megatron_ep_train_cpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(REPO, "bench", "megatron_ep_train.py"), "--cpu", "--out", str(tmp_path),
-           "--variants", ",".join(VARIANTS)]
+           "-m", "bench.examples.megatron_ep_train", "--cpu", "--out", str(tmp_path), "--variants", ",".join(VARIANTS)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,0 @@
-#!/usr/bin/env bash
-# Nsight Compute on the quantization kernels of one expert-MLP step (DeepSeek-V2-Lite shape).
-cd "$(dirname "$0")"
-ncu --clock-control none --kernel-name regex:"^kernel$|quantize_weight" --launch-count 8 \
-  --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-  python3 profile_mlp.py --shapes DeepSeek-V2-Lite 2>&1 | grep -E "moegemm|quantize_weight|Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles|Block Limit|Registers|L1/TEX Hit|DRAM Throughput|Mem Busy|Issued" | head -120

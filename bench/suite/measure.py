@@ -1,0 +1,182 @@
+"""Measurement on the device: time_op (CUDA-event median), host_overhead (enqueue time with the GPU kept
+busy), count_syncs, peak_extra_mib, jitter of synchronised iterations, and the dense ceilings of the run
+(measure_ceilings)."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import warnings
+
+import torch
+
+from bench.suite.shared import BF16, DEV, FP8, free, short
+
+
+def _pct(sorted_vals, p):
+    return sorted_vals[min(len(sorted_vals) - 1, max(0, int(round(p * (len(sorted_vals) - 1)))))]
+
+
+def time_op(fn, target_s, min_iters, max_iters, warmup) -> dict:
+    """Median of per-iteration CUDA-event times over back-to-back iterations (the host may run ahead,
+    as in training; a host-bound or syncing variant shows its host time here too)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = time.perf_counter() - t0
+    n = int(min(max_iters, max(min_iters, target_s / max(est, 1e-6))))
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in evs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) for a, b in evs)
+    return {"ms": statistics.median(ts), "ms_p10": _pct(ts, 0.1), "ms_p90": _pct(ts, 0.9), "iters": n}
+
+
+_CYCLES_PER_MS = None
+
+
+def cycles_per_ms() -> float:
+    global _CYCLES_PER_MS
+    if _CYCLES_PER_MS is None:
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        cyc, best = 20_000_000, float("inf")
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(cyc)
+            b.record()
+            torch.cuda.synchronize()
+            best = min(best, a.elapsed_time(b))
+        _CYCLES_PER_MS = cyc / best
+    return _CYCLES_PER_MS
+
+
+def host_overhead(fn, reps, target_s=2e-3, max_calls=20) -> dict:
+    """Host wall time per call while the GPU is busy with a torch.cuda._sleep enqueued before a batch of
+    back-to-back calls (about ``target_s`` of host work, at most ``max_calls``), so the calls only
+    enqueue; the median over ``reps`` batches. 'gpu_went_idle' counts the batches during which the sleep
+    ran out: a call synchronised with the device (or filled the launch queue), so the time includes GPU
+    waiting."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    est = time.perf_counter() - t0
+    del out
+    torch.cuda.synchronize()
+    n = max(1, min(max_calls, int(target_s / max(est, 1e-6))))
+    sleep_ms = min(max(2.0, 3e3 * n * est + 1.0), 2000.0)
+    cyc = int(sleep_ms * cycles_per_ms())
+    times, idle = [], 0
+    for _ in range(reps):
+        torch.cuda._sleep(cyc)
+        ev = torch.cuda.Event()
+        ev.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn()
+            del out
+        t1 = time.perf_counter()
+        idle += int(ev.query())
+        times.append((t1 - t0) / n)
+        torch.cuda.synchronize()
+    return {"host_us": statistics.median(times) * 1e6, "host_gpu_went_idle": idle, "host_reps": reps,
+            "host_calls_per_rep": n}
+
+
+def count_syncs(fn) -> int:
+    """Synchronising CUDA operations torch reports during one call (torch.cuda.set_sync_debug_mode)."""
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    del out
+    torch.cuda.synchronize()
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def peak_extra_mib(fn) -> float:
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return (peak - base) / 2 ** 20
+
+
+def jitter(fn, n, max_s) -> dict:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    ts, end = [], time.perf_counter() + max_s
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+        if time.perf_counter() > end:
+            break
+    ts.sort()
+    return {"n": len(ts), "p50_ms": _pct(ts, 0.5) * 1e3, "p99_ms": _pct(ts, 0.99) * 1e3, "max_ms": ts[-1] * 1e3,
+            "mean_ms": statistics.fmean(ts) * 1e3}
+
+
+def measure_ceilings(cfg) -> dict:
+    out = {}
+    n = cfg["ceiling_n"]
+    g = torch.Generator(device=DEV)
+    g.manual_seed(1)
+    a = torch.randn(n, n, device=DEV, dtype=BF16, generator=g)
+    b = torch.randn(n, n, device=DEV, dtype=BF16, generator=g)
+    try:
+        t = time_op(lambda: torch.mm(a, b), cfg["ceiling_s"], 10, 200, 5)
+        out["bf16_tflops"] = 2.0 * n ** 3 / t["ms"] / 1e9
+        out["bf16_how"] = f"torch.mm bf16 {n}^3"
+    except Exception as exc:
+        out["bf16_error"] = short(exc)
+    try:
+        a8, bt8 = a.to(FP8), b.t().contiguous().to(FP8)
+        b8 = bt8.t()  # column-major [K, N]
+        try:
+            sa = torch.ones(n, 1, device=DEV, dtype=torch.float32)
+            sb = torch.ones(1, n, device=DEV, dtype=torch.float32)
+            f = lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=BF16, use_fast_accum=True)  # noqa: E731
+            f()
+            how = f"torch._scaled_mm fp8 e4m3 rowwise {n}^3, fast accum"
+        except Exception as exc:
+            out["fp8_rowwise_error"] = short(exc)
+            one = torch.ones((), device=DEV, dtype=torch.float32)
+            f = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=BF16, use_fast_accum=True)  # noqa: E731
+            how = f"torch._scaled_mm fp8 e4m3 tensorwise {n}^3, fast accum"
+        t = time_op(f, cfg["ceiling_s"], 10, 300, 5)
+        out["fp8_tflops"], out["fp8_how"] = 2.0 * n ** 3 / t["ms"] / 1e9, how
+    except Exception as exc:
+        out["fp8_error"] = short(exc)
+    a = b = None  # (not del: the lambdas above read them)
+    free()
+    try:
+        src = torch.randn(cfg["copy_elems"], device=DEV, dtype=BF16)
+        dst = torch.empty_like(src)
+        t = time_op(lambda: dst.copy_(src), cfg["ceiling_s"], 10, 200, 3)
+        out["copy_gbps"] = 2.0 * src.numel() * src.element_size() / t["ms"] / 1e6
+        out["copy_how"] = f"{src.numel() * 2 / 2**30:.0f} GiB device-to-device copy_, read + write bytes"
+        src = dst = None
+    except Exception as exc:
+        out["copy_error"] = short(exc)
+    free()
+    return out

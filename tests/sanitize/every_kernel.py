@@ -1,0 +1,61 @@
+"""A small case that runs every CUDA kernel of moegemm once, for compute-sanitizer (from the repository
+root, which must be on PYTHONPATH; bench/gpu_run.sh runs it with SANITIZE=1):
+
+    compute-sanitizer --tool memcheck  python tests/sanitize/every_kernel.py
+    compute-sanitizer --tool racecheck python tests/sanitize/every_kernel.py
+
+Shapes include an empty expert, counts that are not multiples of 16 or 128 and K, N that are not
+multiples of 128, so partial tiles and padding are exercised. Checks the results loosely too. Not a
+pytest module: a driver for the sanitizer."""
+
+import argparse
+import sys
+
+from bench.preflight import require_cuda_gpu
+
+PROG = f"python {sys.argv[0]}"
+argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+require_cuda_gpu(PROG, hopper=True)
+
+import torch  # noqa: E402  (after the machine check)
+
+import moegemm  # noqa: E402
+from moegemm import cuda_ops, reference as ref  # noqa: E402
+
+torch.manual_seed(0)
+splits = [0, 17, 130, 1, 64]
+T, E, K, N = sum(splits), len(splits), 144, 272
+m = torch.tensor(splits, device="cuda", dtype=torch.int32)
+plan = cuda_ops.make_plan(m, T)
+for recipe in ["fp8_blockwise", "bf16"]:
+    for wdtype in [torch.bfloat16, torch.float32]:
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(E, N, K, device="cuda") * 0.05).to(wdtype).requires_grad_()
+        b = torch.randn(E, N, device="cuda", requires_grad=True)
+        y = moegemm.grouped_linear(x, w, m, b, recipe=recipe)
+        y.backward(torch.randn_like(y))
+        w.main_grad = torch.zeros(E, N, K, device="cuda")
+        moegemm.grouped_linear(x, w, m, recipe=recipe).backward(torch.randn_like(y))  # accumulate path
+        del w.main_grad
+for activation, recipe in [(a, r) for a in moegemm.reference.ACTIVATIONS for r in ("fp8_blockwise", "bf16")]:
+    # the fused activation kernels (FP8 multi-cast and bf16), forward and backward
+    mlp = moegemm.GroupedMLP(E, K, 144, activation=activation, bias=True, recipe=recipe, device="cuda",
+                             dtype=torch.bfloat16)
+    xm = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(T, device="cuda", requires_grad=True)
+    ym = mlp(xm, m, probs)
+    ym.backward(torch.randn_like(ym))
+    assert torch.isfinite(xm.grad).all() and torch.isfinite(probs.grad).all()
+# FP8 input (the column copy re-quantized from the rows) and the split backward (wgrad later)
+xs = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+lin = moegemm.GroupedLinear(E, K, N, bias=True, device="cuda", delay_wgrad_compute=True)
+yl = lin(moegemm.to_fp8_rows(xs), m)
+yl.backward(torch.randn_like(yl))
+lin.backward_dw()
+assert torch.isfinite(xs.grad).all() and torch.isfinite(lin.weight.grad).all()
+xf = torch.randn(T, K, device="cuda")  # fp32 activations through the multi-cast kernel
+q, s, qT, sT = cuda_ops.quantize_act(xf, plan, True, True)
+rq, rs, _, _ = ref.quantize_act(xf, ref.make_plan(m, T), True, False)
+assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+torch.cuda.synchronize()
+print("sanitize case ran every kernel")

@@ -23,7 +23,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t col_capacity(int64_t T, int64_t E) { return ceil_div(T + (kColAlign - 1) * E, kColAlign) * kColAlign; }
 inline int64_t block_capacity(int64_t T, int64_t E) { return (T + (kBlock - 1) * E) / kBlock; }
 
-// What a plan may address (the device-side check plan_fits, csrc/kernels/plan.cuh): tok[E] <= tok,
+// What a plan may address (the device-side check plan_fits, csrc/kernels/plan/plan.cuh): tok[E] <= tok,
 // col[E] <= col, blk[E] <= blk; kNoLimit where the caller's buffers set no bound of that kind.
 constexpr int64_t kNoLimit = 0x7fffffffffffffffLL;
 struct PlanLimits {

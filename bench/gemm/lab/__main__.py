@@ -1,7 +1,8 @@
-"""The GEMM lab: FP8 grouped GEMM tilings (csrc/kernels/gemm_configs.cuh) built side by side in one
+"""The GEMM lab: CUTLASS FP8 grouped GEMM tilings (csrc/kernels/gemm/cutlass/configs.cuh) built side by side in one
 extension (the sources beside this file) and timed on the operands of ``python -m bench.gemm.breakdown``
 (bench/gemm/mlp_problems.py), next to the tiling production uses; each variant's output is checked against
-production's. What wins goes into csrc/kernels/gemm_heuristics.h.
+production's. (moegemm's own sm90 kernel's tilings, csrc/kernels/gemm/heuristics.h, are timed by
+``python -m bench.gemm.ragged_rows``.)
 
     python -m bench.gemm.lab [--shapes SUBSTR,...] [--iters 20] [--json PATH]
 """
@@ -19,14 +20,14 @@ from bench.preflight import require_cuda_gpu, require_cuda_toolkit
 PROG = "python -m bench.gemm.lab"
 HERE = Path(__file__).resolve().parent  # the lab's C++/CUDA sources
 
-# tiling name (gemm_configs.cuh) -> the GEMMs built with it: m = ragged M (fprop/dgrad), kb = wgrad bf16,
+# tiling name (csrc/kernels/gemm/cutlass/configs.cuh) -> the GEMMs built with it: m = ragged M (fprop/dgrad), kb = wgrad bf16,
 # kf = wgrad fp32.
 VARIANTS = {
     # Also tried on an H200 and slower than production on (nearly) every GEMM (bench/NOTES.md, fifth
     # session; bench/results/logs/gemm_lab_h200_tilings.log, whose bf16-wgrad max|diff| column compared
     # against a zero tensor, a bug since fixed, and bench/results/logs/gemm_lab_h200_nosmem.log): clusters 2x2 and 2x1,
     # 128x192 wgrad tiles, the register-store epilogue (PtrArrayNoSmemWarpSpecialized) - taken out of
-    # gemm_configs.cuh again; 128x256 tiles do not compile with 128x128 B-scale blocks.
+    # configs.cuh again; 128x256 tiles do not compile with 128x128 B-scale blocks.
     "Tile128x128C1x1": "m",
     "Tile64x128C1x2Pingpong": "m",
 }
@@ -38,7 +39,7 @@ def build():
     gen = Path(tempfile.gettempdir()) / "moegemm_gemm_lab"  # fixed, so that a second build finds the first
     gen.mkdir(exist_ok=True)
     srcs = [str(HERE / "lab_binding.cpp"), str(HERE / "lab_registry.cu"),
-            str(_build.csrc_dir() / "kernels" / "plan.cu")]  # zero_empty_experts
+            str(_build.csrc_dir() / "kernels" / "plan" / "plan.cu")]  # zero_empty_experts
     for tiling, kinds in VARIANTS.items():
         for kind in kinds.split():
             f = gen / f"{tiling}_{kind}.cu"

@@ -26,8 +26,8 @@ at::Tensor ragged_m(const std::string& name, const at::Tensor& qa, const at::Ten
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   at::Tensor out = at::empty({T, N}, qa.options().dtype(at::kBFloat16));
   at::Tensor ws = at::empty({static_cast<int64_t>(v.workspace_size(E))}, qa.options().dtype(at::kByte));
-  v.run(bytes(qa), sa.data_ptr<float>(), bytes(qb), sb.data_ptr<float>(), plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr(),
-        ws.data_ptr(), at::cuda::getCurrentCUDAStream(), name.c_str());
+  v.run({plan.data_ptr<int32_t>(), E, T, N, K, out.data_ptr()}, {bytes(qa), sa.data_ptr<float>()},
+        {bytes(qb), sb.data_ptr<float>()}, ws.data_ptr(), at::cuda::getCurrentCUDAStream(), name.c_str());
   return out;
 }
 
@@ -38,8 +38,10 @@ void ragged_k(const std::string& name, const at::Tensor& qaT, const at::Tensor& 
   const int E = static_cast<int>(out.size(0));
   const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1), NB = saT.size(0);
   at::Tensor ws = at::empty({static_cast<int64_t>(v.workspace_size(E))}, qaT.options().dtype(at::kByte));
-  v.run(bytes(qaT), saT.data_ptr<float>(), bytes(qbT), sbT.data_ptr<float>(), plan.data_ptr<int32_t>(), E, Wc, NB, N, K,
-        out.data_ptr(), accumulate, ws.data_ptr(), at::cuda::getCurrentCUDAStream(), name.c_str());
+  const moegemm::WgradOut kind = !f32 ? moegemm::WgradOut::kBF16
+                                 : accumulate ? moegemm::WgradOut::kF32Accumulate : moegemm::WgradOut::kF32;
+  v.run({plan.data_ptr<int32_t>(), E, N, K, /*T=*/0, Wc, NB, out.data_ptr(), kind}, {bytes(qaT), saT.data_ptr<float>()},
+        {bytes(qbT), sbT.data_ptr<float>()}, ws.data_ptr(), at::cuda::getCurrentCUDAStream(), name.c_str());
 }
 
 std::vector<std::string> names(bool wgrad, bool f32) {

@@ -35,7 +35,7 @@ import sys
 import torch
 
 from shared import BENCH, log  # first: puts the repository root on sys.path
-from moegemm.workloads import GEMM_SHAPES, SHAPES
+from workloads import GEMM_SHAPES, SHAPES
 
 from peer_imports import ensure_carried_wheels
 from probes import PROBE_SPLITS, probe_main

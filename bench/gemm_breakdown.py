@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moegemm import cuda_ops as ops  # noqa: E402
-from moegemm.workloads import (GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits,  # noqa: E402
+from moegemm.backends import cuda as ops  # noqa: E402
+from workloads import (GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits,  # noqa: E402
                                zipf_splits)
 
 from measure import measure_ceilings, time_op  # noqa: E402  (bench/ is on sys.path: the script's folder)

@@ -17,8 +17,8 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 import moegemm  # noqa: E402
 from measure import host_overhead  # noqa: E402
-from moegemm import _validate, backend  # noqa: E402
-from moegemm.workloads import zipf_splits  # noqa: E402
+from moegemm import _validate, backends as backend  # noqa: E402
+from workloads import zipf_splits  # noqa: E402
 
 
 class _Empty(torch.autograd.Function):

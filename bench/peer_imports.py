@@ -60,12 +60,12 @@ def load_peers(dev: str, only=None) -> None:
     if "moegemm" in fams:
         try:
             import moegemm
-            from moegemm import backend
+            from moegemm import backends as backend
 
             if not backend.uses_cuda(torch.device(dev)):
                 raise RuntimeError("moegemm would run its plain-PyTorch reference path here "
                                    "(no Hopper GPU or MOEGEMM_BACKEND=reference)")
-            from moegemm import cuda_ops  # builds / loads the extension
+            from moegemm.backends import cuda as cuda_ops  # builds / loads the extension
 
             MOD["moegemm"], MOD["moegemm_ops"] = moegemm, cuda_ops
         except Exception as exc:

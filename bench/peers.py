@@ -13,7 +13,7 @@ import torch.nn.functional as F_
 from cases import Case
 from peer_imports import MOD
 from shared import BF16, FP8, FP8_MAX
-from moegemm.workloads import TorchGroupedLinearBF16
+from workloads import TorchGroupedLinearBF16
 
 
 def _offs(m):

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import moegemm  # noqa: E402
-from moegemm.workloads import SHAPES, zipf_splits  # noqa: E402
+from workloads import SHAPES, zipf_splits  # noqa: E402
 
 
 def family(name: str) -> str:

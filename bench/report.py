@@ -4,7 +4,7 @@ accuracy, host sweep, jitter), the grouped-GEMM targets table and the summary; n
 from __future__ import annotations
 
 import shared  # noqa: F401  first: puts the repository root on sys.path
-from moegemm.workloads import SHAPES
+from workloads import SHAPES
 
 from variants import BASELINE, VBY
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from shared import BENCH, DEV, cuda_alive, free, log, short  # first: puts the repository root on sys.path
-from moegemm.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
+from workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
 
 from cases import Case, mlp_errors, reference, rel_err
 from measure import count_syncs, host_overhead, jitter, measure_ceilings, peak_extra_mib, time_op

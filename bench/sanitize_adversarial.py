@@ -11,7 +11,7 @@ the covered tokens and prints a summary."""
 import torch
 
 import moegemm
-from moegemm import cuda_ops  # noqa: F401  (builds/loads the extension)
+from moegemm.backends import cuda as cuda_ops  # noqa: F401  (builds/loads the extension)
 
 DEV = "cuda"
 I64_MAX, I64_MIN = 2 ** 63 - 1, -2 ** 63

@@ -9,7 +9,8 @@ multiples of 128, so partial tiles and padding are exercised. Checks the results
 import torch
 
 import moegemm
-from moegemm import cuda_ops, reference as ref
+from moegemm import reference as ref
+from moegemm.backends import cuda as cuda_ops
 
 torch.manual_seed(0)
 splits = [0, 17, 130, 1, 64]

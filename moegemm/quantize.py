@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import backend
+from . import backends as backend
 from ._validate import SplitsLike, check_num_experts, check_weight, splits_to_device
 from .layout import BLOCK, MAX_TOKENS, ceil_div
 

@@ -67,7 +67,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import backend
+from . import backends as backend
 
 __all__ = ["FP8WeightCache", "weights_changed", "generation", "attach", "switch"]
 

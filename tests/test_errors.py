@@ -200,12 +200,12 @@ def test_public_quantizer_errors():
 
 def test_errors_raise_before_work(monkeypatch):
     """Validation runs before the backend is touched."""
-    from moegemm import backend
+    from moegemm import backends
 
     def boom(*a, **k):
         raise AssertionError("backend used before validation")
 
-    monkeypatch.setattr(backend, "select", boom)
+    monkeypatch.setattr(backends, "select", boom)
     x, w, _ = inputs()
     with pytest.raises(ValueError, match=r"sum\(m_splits\)"):
         grouped_linear(x, w, [1, 2, 3])

@@ -175,4 +175,4 @@ def test_cuda_fp8_input_no_host_sync_and_graph():
 
 
 if HAS_HOPPER:
-    from moegemm import cuda_ops  # noqa: F401
+    from moegemm.backends import cuda as cuda_ops  # noqa: F401

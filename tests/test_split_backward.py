@@ -149,7 +149,7 @@ def test_split_backward_refuses_non_leaf_weights():
 
 # ------------------------------------------------------------------------------------------------ GPU only
 if HAS_HOPPER:
-    from moegemm import cuda_ops  # noqa: F401
+    from moegemm.backends import cuda as cuda_ops  # noqa: F401
 
 
 @requires_cuda

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import reference_api
+from . import reference as reference_api
 
 FORCE_REFERENCE = os.environ.get("MOEGEMM_BACKEND", "") == "reference"
 
@@ -48,7 +48,7 @@ def select(device: torch.device):
     if not uses_cuda(device):
         return reference_api
     if not _CUDA_OPS:
-        from . import cuda_ops
+        from . import cuda as cuda_ops
 
         _CUDA_OPS.append(cuda_ops)
     return _CUDA_OPS[0]

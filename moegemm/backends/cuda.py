@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ._build import load_extension
-from .layout import (ACT_BF16_COLS, ACTIVATIONS, BLOCK, FP8_BLOCKWISE, PLAN_ROWS, act_width, block_capacity, ceil_div,
+from .._build import load_extension
+from ..layout import (ACT_BF16_COLS, ACTIVATIONS, BLOCK, FP8_BLOCKWISE, PLAN_ROWS, act_width, block_capacity, ceil_div,
                      col_capacity, wgrad_dtype)
 
 load_extension()

@@ -22,11 +22,11 @@ from typing import Optional
 
 import torch
 
-from . import backend
-from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
+from .. import backends as backend
+from .._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
-from .layout import BF16, RECIPE_IDS
-from .quantize import Fp8Rows, check_fp8_rows
+from ..layout import BF16, RECIPE_IDS
+from ..quantize import Fp8Rows, check_fp8_rows
 
 
 def refuse_double_backward(what: str) -> None:

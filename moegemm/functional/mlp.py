@@ -16,15 +16,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import backend
-from ._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight,
+from .. import backends as backend
+from .._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight,
                         splits_to_device)
-from .functional import (WgradStore, add_grad, check_deferrable, finish_sum, finish_weight_grad, grad_target,
+from .linear import (WgradStore, add_grad, check_deferrable, finish_sum, finish_weight_grad, grad_target,
                          refuse_double_backward, split_x, weight_grad_target)
-from .layout import ACTIVATIONS, BF16, GLU_ACTIVATIONS, RECIPE_IDS, act_width
-from .modules import GroupedLinear
-from .quantize import Fp8Rows
-from . import weight_cache
+from ..layout import ACTIVATIONS, BF16, GLU_ACTIVATIONS, RECIPE_IDS, act_width
+from ..modules.linear import GroupedLinear
+from ..quantize import Fp8Rows
+from .. import weight_cache
 
 _RELEASED = "released"
 

@@ -45,13 +45,13 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
     raise ImportError("moegemm.megatron needs megatron-core (pip install megatron-core); "
                       f"importing it failed: {e}") from e
 
-from . import backend
-from ._validate import check_recipe
-from .functional import WgradStore
-from .mlp import grouped_mlp
-from .quantize import Fp8Rows
-from . import weight_cache
-from .layout import GLU_ACTIVATIONS
+from .. import backends as backend
+from .._validate import check_recipe
+from ..functional.linear import WgradStore
+from ..functional.mlp import grouped_mlp
+from ..quantize import Fp8Rows
+from .. import weight_cache
+from ..layout import GLU_ACTIVATIONS
 
 __all__ = ["MoegemmExperts", "experts_builder", "patch_layer_spec", "get_moe_layer_spec", "get_gpt_layer_spec",
            "resolve_activation", "resolve_recipe"]

@@ -8,9 +8,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._validate import SplitsLike, check_recipe
-from .functional import WgradStore, grouped_linear
-from . import weight_cache
+from .._validate import SplitsLike, check_recipe
+from ..functional.linear import WgradStore, grouped_linear
+from .. import weight_cache
 
 
 class GroupedLinear(nn.Module):

@@ -1,11 +1,14 @@
-"""The one place that chooses between the CUDA extension and the plain-PyTorch reference.
+"""The backends and the one place that chooses between them.
 
-Both backends offer the same functions: the layer entries ``linear_fwd, linear_bwd, mlp_fwd, mlp_bwd``
-(one per layer and direction: ``cuda_ops`` wraps the C++ ops, ``reference_api`` builds them from the
-reference primitives) and the primitives ``make_plan, quantize_act, quantize_weight, ...`` with the same
-canonical layouts (see ``reference.py``). Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA
-ops (built on first use); everything else, or ``MOEGEMM_BACKEND=reference`` (read once, at import; tests
-set ``FORCE_REFERENCE``), goes to the reference.
+* ``protocol.py``: the interface both offer (``Backend``): the layer entries, one op per layer and
+  direction, and the primitives, one kernel each.
+* ``contract.py``: the layer ops' contract, declared once by name (schemas, saved and made slots, wgrad
+  operands, FP8 weights); the C++ header ``csrc/api/layer_contract.h`` is generated from it.
+* ``cuda.py``: the CUDA extension's ops (built or loaded on first use); ``reference.py``: the same ops in
+  plain PyTorch, from the oracle ``moegemm/reference.py``; ``fakes.py``: their meta functions.
+
+Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA ops; everything else, or
+``MOEGEMM_BACKEND=reference`` (read once, at import; tests set ``FORCE_REFERENCE``), goes to the reference.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import warnings
 
 import torch
 
-from . import reference as reference_api
+from . import reference
+from .protocol import Backend
 
 FORCE_REFERENCE = os.environ.get("MOEGEMM_BACKEND", "") == "reference"
 
 _HOPPER: dict = {}  # device index -> is it compute capability 9.0 (a plain dict: torch.compile traces it)
-_CUDA_OPS: list = []  # the cuda_ops module once imported (it builds or loads the extension)
+_CUDA: list = []  # the cuda backend module once imported (it builds or loads the extension)
 
 
 def _device_is_hopper(index: int) -> bool:
@@ -43,12 +47,12 @@ def _warn_not_hopper() -> None:
     warnings.warn("moegemm: the CUDA kernels need a Hopper GPU (sm_90a); using the slow reference path")
 
 
-def select(device: torch.device):
-    """The backend module for tensors on ``device``: ``cuda_ops`` or ``reference_api``."""
+def select(device: torch.device) -> Backend:
+    """The backend for tensors on ``device``: the ``cuda`` or the ``reference`` module."""
     if not uses_cuda(device):
-        return reference_api
-    if not _CUDA_OPS:
-        from . import cuda as cuda_ops
+        return reference
+    if not _CUDA:
+        from . import cuda
 
-        _CUDA_OPS.append(cuda_ops)
-    return _CUDA_OPS[0]
+        _CUDA.append(cuda)
+    return _CUDA[0]

@@ -1,11 +1,13 @@
-"""The layer entries of the reference path: ``linear_fwd, linear_bwd, mlp_fwd, mlp_bwd`` with the
-signatures and return conventions of the C++ ops (``torch.ops.moegemm.*``, see ``csrc/api/layers.h``),
-built from the reference primitives of ``reference.py``. The autograd shells (``functional.py``,
-``mlp.py``) call these or the C++ ops through ``backend.select``, the same way.
+"""The reference backend: the layer ops ``linear_fwd, linear_bwd, linear_wgrad, mlp_fwd, mlp_bwd, mlp_wgrad``
+built from the primitives of ``moegemm/reference.py`` (the oracle) and registered as torch ops,
+``torch.ops.moegemm_reference.*``, with the C++ ops' schemas, output slots and fakes (``contract.py``,
+``fakes.py``). The autograd shells call them as they call the C++ ops, and torch.compile traces either
+backend whole (fullgraph=True): an op is one node of the graph, run eagerly, whatever loops it has inside.
 
-The primitives are re-exported, so that this module offers the whole backend interface as ``cuda_ops``
-does. Parts not asked for come back as None (the C++ ops return [0] placeholders; the shells look at their
-``need_*`` flags, never at these values). Sums (bias and probs gradients) are fp32; the shells cast.
+Each op reads its lists (saved, wgrad_operands, fp8 weights) and names its results by the contract's slot
+names; ``contract.outputs`` turns them into the op's outputs (placeholders where a slot is not wanted).
+Sums (bias and probs gradients) are fp32; the shells cast. The primitives are re-exported, so that this
+module offers the whole backend interface (``protocol.py``) as ``cuda.py`` does.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import torch
 from .. import reference as R
 from ..layout import ACTIVATION_NAMES, FP8_BLOCKWISE, wgrad_dtype
 from ..reference import (act_backward_bf16, act_backward_quantize, act_bf16, act_quantize,  # noqa: F401
-                        gemm_bf16_dgrad, gemm_bf16_fprop, gemm_bf16_wgrad, gemm_fp8_ragged_k, gemm_fp8_ragged_m,
-                        make_plan, quantize_act, quantize_weight, requantize_cols)
+                         gemm_bf16_dgrad, gemm_bf16_fprop, gemm_bf16_wgrad, gemm_fp8_ragged_k, gemm_fp8_ragged_m,
+                         make_plan, quantize_act, quantize_weight)
+from . import contract as C
+from . import fakes
+
+NAMESPACE = "moegemm_reference"
 
 
 def _add_bias(y, bias, plan):
@@ -29,182 +35,196 @@ def _weight_grad(gemm, operands: tuple, plan, weight, main_grad):
     return None if main_grad is not None else dw
 
 
-# ------------------------------------------------------------------------------------- grouped linear
 def _x_fp8(x, x_scales, plan, cols: bool):
     """(q, s, qT, sT) of x: quantized here (bf16 x), or an FP8 x's rows as given with their column copy
     made from them (x_scales given)."""
     if x_scales is None:
         return R.quantize_act(x, plan, rows=True, cols=cols)
-    if x.dtype != R.FP8:
-        raise TypeError(f"x given with x_scales must be float8_e4m3fn, got {x.dtype}")
     qT, sT = R.requantize_cols(x, x_scales, plan) if cols else (None, None)
     return x, x_scales, qT, sT
 
 
-def _out_dtype(x):
-    return torch.bfloat16 if x.dtype == R.FP8 else x.dtype
+def _fp8_weight(op, flat, name: str, weight) -> C.Fp8Weight:
+    """The FP8 copies of ``weight``: given in the op's list, else quantized here."""
+    given = C.fp8_weight(op, flat, name)
+    return given if given is not None else C.Fp8Weight(*R.quantize_weight(weight.contiguous()))
 
 
-def linear_fwd(x, weight, m_splits, bias, recipe: int, need_dx: bool, need_dw: bool, x_scales=None, fp8_weight=None):
-    """-> (y, plan, saved): fp8 saved [qxT, sxT, qwT, swT]; bf16 saved [w in x's dtype]. With x_scales, x is
-    FP8 (the row copy of quantize_act; fp8_blockwise only) and y is bf16. fp8_weight: empty, or
-    quantize_weight(weight) kept by the caller (then saved has None for qwT, swT: linear_bwd gets them)."""
-    plan = R.make_plan(m_splits, x.shape[0])
-    if x_scales is not None and recipe != FP8_BLOCKWISE:
-        raise ValueError("an FP8 x (x_scales given) needs the fp8_blockwise recipe")
-    if recipe == FP8_BLOCKWISE:
-        qx, sx, qxT, sxT = _x_fp8(x, x_scales, plan, need_dw)
-        given = len(fp8_weight or ()) == 4
-        qw, sw, qwT, swT = fp8_weight if given else R.quantize_weight(weight.contiguous())
-        y = R.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, _out_dtype(x))
-        keep = need_dx and not given
-        saved = [qxT, sxT, qwT if keep else None, swT if keep else None]
+def _in_act_dtype(weight, act):
+    """A bf16-recipe weight as the GEMMs read it; the ``*_bf16`` saved slot when its dtype differs."""
+    return weight.to(act).contiguous()
+
+
+# ------------------------------------------------------------------------------------- grouped linear
+def _linear_fwd(a) -> dict:
+    plan = R.make_plan(a.m_splits, a.x.shape[0])
+    if a.recipe == FP8_BLOCKWISE:
+        qx, sx, qxT, sxT = _x_fp8(a.x, a.x_scales, plan, a.need_dw)
+        w = _fp8_weight(C.LINEAR_FWD, a.fp8_weight, "weight", a.weight)
+        y = R.gemm_fp8_ragged_m(qx, sx, w.q, w.s, plan, a.act)
+        values = dict(qxT=qxT, sxT=sxT, qwT=w.qT, swT=w.sT)
     else:
-        w = weight.to(x.dtype).contiguous()
-        y = R.gemm_bf16_fprop(x, w, plan)
-        saved = [w if need_dx else None]
-    return _add_bias(y, bias, plan), plan, saved
+        w = _in_act_dtype(a.weight, a.act)
+        y = R.gemm_bf16_fprop(a.x, w, plan)
+        values = dict(w_bf16=w)
+    return dict(values, y=_add_bias(y, a.bias, plan), plan=plan)
 
 
-def linear_bwd(dy, plan, saved, x, weight, main_grad, recipe: int, need_dx: bool, need_dw: bool, need_db: bool,
-               defer_wgrad: bool = False, fp8_weight=None):
-    """-> (dx, dw (None when accumulated into main_grad or deferred), db fp32, made0, made1): with
-    defer_wgrad (and need_dw) the weight gradient is left to linear_wgrad over fp8 [qdyT, sdyT, qxT, sxT] /
-    bf16 [dy, x]; made0, made1 are the ones made here (fp8 qdyT, sdyT; bf16 none), the caller keeps the
-    rest. Else (and for bf16) they are None."""
-    dy = dy.contiguous()
-    dx = dw = db = None
-    defer = defer_wgrad and need_dw
-    operands = [None, None]
-    if recipe == FP8_BLOCKWISE:
-        qxT, sxT, qwT, swT = saved
-        if len(fp8_weight or ()) == 4:  # the caller's kept copies (linear_fwd saved no Wᵀ)
-            qwT, swT = fp8_weight[2], fp8_weight[3]
-        if need_dx or need_dw:
-            qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=need_dx, cols=need_dw)
-        if need_dx:
-            dx = R.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, dy.dtype)
-        if defer:
-            operands = [qdyT, sdyT]
-        elif need_dw:
-            dw = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, qxT, sxT), plan, weight, main_grad)
+def _linear_bwd(a) -> dict:
+    dy, plan, out = a.dy.contiguous(), a.plan, {}
+    saved = C.by_name(C.LINEAR_FWD.saved[a.recipe], a.saved)
+    if a.recipe == FP8_BLOCKWISE:
+        given = C.fp8_weight(C.LINEAR_BWD, a.fp8_weight, "weight")  # the caller's copies: forward saved no Wᵀ
+        qwT, swT = (given.qT, given.sT) if given is not None else (saved["qwT"], saved["swT"])
+        if a.need_dx or a.need_dw:
+            qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=a.need_dx, cols=a.need_dw)
+        if a.need_dx:
+            out["dx"] = R.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, dy.dtype)
+        if a.defer:
+            out.update(qdyT=qdyT, sdyT=sdyT)
+        elif a.need_dw:
+            out["dw"] = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, saved["qxT"], saved["sxT"]), plan, a.weight,
+                                     a.main_grad)
     else:
-        (w,) = saved
-        if need_dx:
-            dx = R.gemm_bf16_dgrad(dy, w, plan)
-        if defer:
-            pass  # dy and x: the caller has them
-        elif need_dw:
-            dw = _weight_grad(R.gemm_bf16_wgrad, (dy, x), plan, weight, main_grad)
-    if need_db:
-        db = R.bias_grad(dy, plan)
-    return dx, dw, db, *operands
+        if a.need_dx:
+            w = saved["w_bf16"] if a.weight.dtype != a.act else a.weight
+            out["dx"] = R.gemm_bf16_dgrad(dy, w, plan)
+        if a.need_dw and not a.defer:  # deferred: dy and x, the caller has them
+            out["dw"] = _weight_grad(R.gemm_bf16_wgrad, (dy, a.x), plan, a.weight, a.main_grad)
+    if a.need_db:
+        out["db"] = R.bias_grad(dy, plan)
+    return out
 
 
-def _deferred_weight_grad(operands, plan, weight, main_grad, recipe: int):
+def _deferred_weight_grad(ops: dict, grad: tuple, inp: tuple, plan, weight, main_grad, recipe: int):
+    """One weight's deferred gradient from its wgrad operands: the gradient's pair ``grad`` and the
+    input's pair ``inp`` (names of ``ops``; bf16: one name each)."""
     if recipe == FP8_BLOCKWISE:
-        return _weight_grad(R.gemm_fp8_ragged_k, tuple(operands[:4]), plan, weight, main_grad)
-    return _weight_grad(R.gemm_bf16_wgrad, tuple(operands[:2]), plan, weight, main_grad)
+        return _weight_grad(R.gemm_fp8_ragged_k, tuple(ops[n] for n in grad + inp), plan, weight, main_grad)
+    return _weight_grad(R.gemm_bf16_wgrad, (ops[grad[0]], ops[inp[0]]), plan, weight, main_grad)
 
 
-def linear_wgrad(plan, wgrad_operands, weight, main_grad, recipe: int):
-    """The deferred weight gradient of a ``defer_wgrad`` linear_bwd: dw, or None when accumulated into main_grad."""
-    return _deferred_weight_grad(wgrad_operands, plan, weight, main_grad, recipe)
+def _linear_wgrad(a) -> dict:
+    ops = C.by_name(C.LINEAR_WGRAD.wgrad_operands[a.recipe], a.wgrad_operands)
+    grad, inp = (("qdyT", "sdyT"), ("qxT", "sxT")) if a.recipe == FP8_BLOCKWISE else (("dy",), ("x",))
+    return dict(dw=_deferred_weight_grad(ops, grad, inp, a.plan, a.weight, a.main_grad, a.recipe))
 
 
 # ----------------------------------------------------------------------------------------- expert MLP
-def _fp8_weight(fp8_weights, i: int, w):
-    return tuple(fp8_weights[4 * i: 4 * i + 4]) if fp8_weights else R.quantize_weight(w.contiguous())
-
-
-def mlp_fwd(x, fc1_weight, fc2_weight, m_splits, fc1_bias, fc2_bias, probs, activation: int, recipe: int, fp8_weights,
-            save: bool, need_dw1: bool, need_dw2: bool, x_scales=None):
-    """-> (y, plan, saved); saved (empty unless ``save``): fp8 [qxT, sxT, h, qaT, saT, qw1T, sw1T, qw2T, sw2T]
-    (the weights' parts None when ``fp8_weights`` holds them), bf16 [h, a, w1, w2] in x's dtype."""
-    act = ACTIVATION_NAMES[activation]
-    plan = R.make_plan(m_splits, x.shape[0])
-    p32 = probs.float() if probs is not None else None
-    if x_scales is not None and recipe != FP8_BLOCKWISE:
-        raise ValueError("an FP8 x (x_scales given) needs the fp8_blockwise recipe")
-    if recipe == FP8_BLOCKWISE:
-        qw1, sw1, qw1T, sw1T = _fp8_weight(fp8_weights, 0, fc1_weight)
-        qx, sx, qxT, sxT = _x_fp8(x, x_scales, plan, need_dw1)
-        h = _add_bias(R.gemm_fp8_ragged_m(qx, sx, qw1, sw1, plan, _out_dtype(x)), fc1_bias, plan)
-        qw2, sw2, qw2T, sw2T = _fp8_weight(fp8_weights, 1, fc2_weight)
-        qa, sa, qaT, saT = R.act_quantize(h, p32, act, plan, rows=True, cols=need_dw2)
-        y = R.gemm_fp8_ragged_m(qa, sa, qw2, sw2, plan, _out_dtype(x))
-        weights_T = [None] * 4 if fp8_weights else [qw1T, sw1T, qw2T, sw2T]
-        saved = [qxT, sxT, h, qaT, saT, *weights_T]
+def _mlp_fwd(a) -> dict:
+    act = ACTIVATION_NAMES[a.activation]
+    plan = R.make_plan(a.m_splits, a.x.shape[0])
+    p32 = a.probs.float() if a.probs is not None else None
+    if a.recipe == FP8_BLOCKWISE:
+        w1 = _fp8_weight(C.MLP_FWD, a.fp8_weights, "fc1_weight", a.fc1_weight)
+        qx, sx, qxT, sxT = _x_fp8(a.x, a.x_scales, plan, a.need_dw1)
+        h = _add_bias(R.gemm_fp8_ragged_m(qx, sx, w1.q, w1.s, plan, a.act), a.fc1_bias, plan)
+        w2 = _fp8_weight(C.MLP_FWD, a.fp8_weights, "fc2_weight", a.fc2_weight)
+        qa, sa, qaT, saT = R.act_quantize(h, p32, act, plan, rows=True, cols=a.need_dw2)
+        y = R.gemm_fp8_ragged_m(qa, sa, w2.q, w2.s, plan, a.act)
+        values = dict(qxT=qxT, sxT=sxT, h=h, qaT=qaT, saT=saT, qw1T=w1.qT, sw1T=w1.sT, qw2T=w2.qT, sw2T=w2.sT)
     else:
-        w1, w2 = fc1_weight.to(x.dtype).contiguous(), fc2_weight.to(x.dtype).contiguous()
-        h = _add_bias(R.gemm_bf16_fprop(x, w1, plan), fc1_bias, plan)
-        a = R.act_bf16(h, p32, act)
-        y = R.gemm_bf16_fprop(a, w2, plan)
-        saved = [h, a, w1, w2]
-    return _add_bias(y, fc2_bias, plan), plan, saved if save else []
+        w1, w2 = _in_act_dtype(a.fc1_weight, a.act), _in_act_dtype(a.fc2_weight, a.act)
+        h = _add_bias(R.gemm_bf16_fprop(a.x, w1, plan), a.fc1_bias, plan)
+        act_out = R.act_bf16(h, p32, act)
+        y = R.gemm_bf16_fprop(act_out, w2, plan)
+        values = dict(h=h, a=act_out, w1_bf16=w1, w2_bf16=w2)
+    return dict(values, y=_add_bias(y, a.fc2_bias, plan), plan=plan)
 
 
-def mlp_bwd(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, fc1_main_grad, fc2_main_grad,
-            activation: int, recipe: int, need_dx: bool, need_dw1: bool, need_dw2: bool, need_db1: bool, need_db2: bool,
-            need_dprobs: bool, release_saved: bool, defer_wgrad: bool = False):
-    """-> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs fp32, made0, made1, made2, made3); ``release_saved`` is
-    for the C++ op only. With defer_wgrad (and a weight gradient needed) dw1/dw2 are None and mlp_wgrad takes
-    fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT] / bf16 [dy, a, dh, x]; made0..3 are the ones made here
-    (fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh), the caller keeps the saved rest; None where not made."""
-    act = ACTIVATION_NAMES[activation]
-    dy = dy.contiguous()
-    p32 = probs.float() if probs is not None else None
-    need_dh = need_dx or need_dw1 or need_db1
-    dx = dw1 = dw2 = db1 = dprobs = None
-    defer = defer_wgrad and (need_dw1 or need_dw2)
-    fp8 = recipe == FP8_BLOCKWISE
-    operands = [None] * 4
-    if fp8:
-        qxT, sxT, h, qaT, saT, qw1T, sw1T, qw2T, sw2T = saved
-        if fp8_weights:
-            qw1T, sw1T, qw2T, sw2T = fp8_weights[2], fp8_weights[3], fp8_weights[6], fp8_weights[7]
-        qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=need_dh or need_dprobs, cols=need_dw2)
-        if need_dw2 and defer:
-            operands[:2] = [qdyT, sdyT]
-        elif need_dw2:
-            dw2 = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, qaT, saT), plan, fc2_weight, fc2_main_grad)
-        if need_dh or need_dprobs:
+def _mlp_bwd(a) -> dict:
+    """``release_saved`` is for the C++ op only (it frees saved tensors after their last use)."""
+    act = ACTIVATION_NAMES[a.activation]
+    dy, plan, out = a.dy.contiguous(), a.plan, {}
+    p32 = a.probs.float() if a.probs is not None else None
+    need_dh = a.need_dx or a.need_dw1 or a.need_db1
+    saved = C.by_name(C.MLP_FWD.saved[a.recipe], a.saved)
+    if a.recipe == FP8_BLOCKWISE:
+        w1 = C.fp8_weight(C.MLP_BWD, a.fp8_weights, "fc1_weight")  # the caller's copies: forward saved no Wᵀ
+        w2 = C.fp8_weight(C.MLP_BWD, a.fp8_weights, "fc2_weight")
+        qw1T, sw1T = (w1.qT, w1.sT) if w1 is not None else (saved["qw1T"], saved["sw1T"])
+        qw2T, sw2T = (w2.qT, w2.sT) if w2 is not None else (saved["qw2T"], saved["sw2T"])
+        qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=need_dh or a.need_dprobs, cols=a.need_dw2)
+        if a.need_dw2 and a.defer:
+            out.update(qdyT=qdyT, sdyT=sdyT)
+        elif a.need_dw2:
+            out["dw2"] = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, saved["qaT"], saved["saT"]), plan, a.fc2_weight,
+                                      a.fc2_main_grad)
+        if need_dh or a.need_dprobs:
+            h = saved["h"]
             da = R.gemm_fp8_ragged_m(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
-            qdh, sdh, qdhT, sdhT, dprobs = R.act_backward_quantize(da, h, p32, act, plan, rows=need_dx, cols=need_dw1)
-            if need_db1:  # fc1's bias gradient needs dh itself (in bf16), which the fused kernel only quantizes
-                db1 = R.bias_grad(R.act_backward_bf16(da, h, p32, act)[0], plan)
-            if need_dx:
-                dx = R.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
-            if need_dw1 and defer:
-                operands[2:] = [qdhT, sdhT]
-            elif need_dw1:
-                dw1 = _weight_grad(R.gemm_fp8_ragged_k, (qdhT, sdhT, qxT, sxT), plan, fc1_weight, fc1_main_grad)
+            qdh, sdh, qdhT, sdhT, out["dprobs"] = R.act_backward_quantize(da, h, p32, act, plan, rows=a.need_dx,
+                                                                          cols=a.need_dw1)
+            if a.need_db1:  # fc1's bias gradient needs dh itself (in bf16), which the fused kernel only quantizes
+                out["db1"] = R.bias_grad(R.act_backward_bf16(da, h, p32, act)[0], plan)
+            if a.need_dx:
+                out["dx"] = R.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
+            if a.need_dw1 and a.defer:
+                out.update(qdhT=qdhT, sdhT=sdhT)
+            elif a.need_dw1:
+                out["dw1"] = _weight_grad(R.gemm_fp8_ragged_k, (qdhT, sdhT, saved["qxT"], saved["sxT"]), plan,
+                                          a.fc1_weight, a.fc1_main_grad)
     else:
-        h, a, w1, w2 = saved
-        if need_dw2 and defer:
-            pass  # dy and a: the caller has them
-        elif need_dw2:
-            dw2 = _weight_grad(R.gemm_bf16_wgrad, (dy, a), plan, fc2_weight, fc2_main_grad)
-        if need_dh or need_dprobs:
+        w1 = saved["w1_bf16"] if a.fc1_weight.dtype != a.act else a.fc1_weight
+        w2 = saved["w2_bf16"] if a.fc2_weight.dtype != a.act else a.fc2_weight
+        if a.need_dw2 and not a.defer:  # deferred: dy and a, the caller has them
+            out["dw2"] = _weight_grad(R.gemm_bf16_wgrad, (dy, saved["a"]), plan, a.fc2_weight, a.fc2_main_grad)
+        if need_dh or a.need_dprobs:
             da = R.gemm_bf16_dgrad(dy, w2, plan)
-            dh, dprobs = R.act_backward_bf16(da, h, p32, act)
-            if need_dx:
-                dx = R.gemm_bf16_dgrad(dh, w1, plan)
-            if need_dw1 and defer:
-                operands[0] = dh
-            elif need_dw1:
-                dw1 = _weight_grad(R.gemm_bf16_wgrad, (dh, x), plan, fc1_weight, fc1_main_grad)
-            if need_db1:
-                db1 = R.bias_grad(dh, plan)
-    db2 = R.bias_grad(dy, plan) if need_db2 else None
-    return dx, dw1, dw2, db1, db2, dprobs if need_dprobs else None, *operands
+            dh, out["dprobs"] = R.act_backward_bf16(da, saved["h"], p32, act)
+            if a.need_dx:
+                out["dx"] = R.gemm_bf16_dgrad(dh, w1, plan)
+            if a.need_dw1 and a.defer:
+                out["dh"] = dh
+            elif a.need_dw1:
+                out["dw1"] = _weight_grad(R.gemm_bf16_wgrad, (dh, a.x), plan, a.fc1_weight, a.fc1_main_grad)
+            if a.need_db1:
+                out["db1"] = R.bias_grad(dh, plan)
+    if a.need_db2:
+        out["db2"] = R.bias_grad(dy, plan)
+    return out
 
 
-def mlp_wgrad(plan, wgrad_operands, fc1_weight, fc2_weight, fc1_main_grad, fc2_main_grad, recipe: int, need_dw1: bool,
-              need_dw2: bool):
-    """The deferred weight gradients (dw1, dw2) of a ``defer_wgrad`` mlp_bwd (None where not needed or
-    accumulated into a main_grad)."""
-    n = 4 if recipe == FP8_BLOCKWISE else 2
-    dw2 = _deferred_weight_grad(wgrad_operands[:n], plan, fc2_weight, fc2_main_grad, recipe) if need_dw2 else None
-    dw1 = _deferred_weight_grad(wgrad_operands[n:], plan, fc1_weight, fc1_main_grad, recipe) if need_dw1 else None
-    return dw1, dw2
+def _mlp_wgrad(a) -> dict:
+    ops = C.by_name(C.MLP_WGRAD.wgrad_operands[a.recipe], a.wgrad_operands)
+    if a.recipe == FP8_BLOCKWISE:
+        fc2, fc1 = (("qdyT", "sdyT"), ("qaT", "saT")), (("qdhT", "sdhT"), ("qxT", "sxT"))
+    else:
+        fc2, fc1 = (("dy",), ("a",)), (("dh",), ("x",))
+    out = {}
+    if a.need_dw2:
+        out["dw2"] = _deferred_weight_grad(ops, *fc2, a.plan, a.fc2_weight, a.fc2_main_grad, a.recipe)
+    if a.need_dw1:
+        out["dw1"] = _deferred_weight_grad(ops, *fc1, a.plan, a.fc1_weight, a.fc1_main_grad, a.recipe)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- registration
+_COMPUTE = {"linear_fwd": _linear_fwd, "linear_bwd": _linear_bwd, "linear_wgrad": _linear_wgrad,
+            "mlp_fwd": _mlp_fwd, "mlp_bwd": _mlp_bwd, "mlp_wgrad": _mlp_wgrad}
+
+
+def _kernel(op: C.LayerOp):
+    compute = _COMPUTE[op.name]
+
+    def kernel(*args, **kwargs):
+        a = C.bind(op, args, kwargs)
+        return C.outputs(op, a, compute(a))
+    kernel.__name__ = op.name
+    return kernel
+
+
+_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+for _op in C.OPS:
+    _LIBRARY.define(_op.schema)
+    for _key in ("CPU", "CUDA"):
+        _LIBRARY.impl(_op.name, _kernel(_op), _key)
+fakes.register_layer_ops(NAMESPACE)
+
+_ops = getattr(torch.ops, NAMESPACE)
+linear_fwd = _ops.linear_fwd.default
+linear_bwd = _ops.linear_bwd.default
+linear_wgrad = _ops.linear_wgrad.default
+mlp_fwd = _ops.mlp_fwd.default
+mlp_bwd = _ops.mlp_bwd.default
+mlp_wgrad = _ops.mlp_wgrad.default

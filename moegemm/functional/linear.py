@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .. import backends as backend
+from ..backends import contract
 from .._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, check_x,
                         splits_to_device)
 from ..layout import BF16, RECIPE_IDS
@@ -131,6 +132,9 @@ def add_grad(param: torch.Tensor, dw) -> None:
         param.grad.add_(dw)
 
 
+_WGRAD_GATHER = {recipe: contract.LINEAR.wgrad_gather(recipe) for recipe in RECIPE_IDS.values()}
+
+
 def _linear_wgrad_job(plan, operands, weight, recipe: int):
     def job():
         target = grad_target(weight)
@@ -163,8 +167,9 @@ class _GroupedLinear(torch.autograd.Function):
         main_grad = None if defer else weight_grad_target(ctx.weight, need_dw)
         dx, dw, db, *made = backend.select(dy.device).linear_bwd(dy, plan, saved, x, weight, main_grad, ctx.recipe,
                                                                 need_dx, need_dw, need_db, defer, fp8_weight or None)
-        if defer:  # the wgrad GEMM's operands: fp8 [qdyT, sdyT] made here + x's column copy; bf16 [dy, x]
-            operands = [*made, saved[0], saved[1]] if ctx.recipe != BF16 else [dy.contiguous(), x]
+        if defer:  # the wgrad op's operands, by name from what this backward has (contract.LINEAR)
+            pool = (*made, *saved, dy.contiguous(), x)
+            operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]
             ctx.store.push(_linear_wgrad_job(plan, operands, ctx.weight, ctx.recipe))
         return (dx if need_dx else None, None if defer else finish_weight_grad(dw, need_dw, ctx.weight, main_grad),
                 finish_sum(db, need_db, ctx.bias_dtype), None, None, None, None, None, None)

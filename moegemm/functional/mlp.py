@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import backends as backend
+from ..backends import contract
 from .._validate import (SplitsLike, check_bias, check_main_grad, check_recipe, check_weight,
                         splits_to_device)
 from .linear import (WgradStore, add_grad, check_deferrable, finish_sum, finish_weight_grad, grad_target,
@@ -50,6 +51,9 @@ def _unstash(ctx):
                            "saved tensors during the first one (retain_graph=True is not supported)")
     tensors, ctx.stash = ctx.stash, _RELEASED
     return tensors, True
+
+
+_WGRAD_GATHER = {recipe: contract.MLP.wgrad_gather(recipe) for recipe in RECIPE_IDS.values()}
 
 
 def _mlp_wgrad_job(plan, operands, w1, w2, recipe: int, need_dw1: bool, need_dw2: bool):
@@ -91,16 +95,12 @@ class _GroupedMLP(torch.autograd.Function):
         (plan, x, w1, w2, probs), rest = tensors[:5], tensors[5:]
         fp8_weights, saved = rest[:ctx.num_fp8_weights], rest[ctx.num_fp8_weights:]
         del tensors, rest  # the op holds the last references to what it frees
-        # deferred wgrad: the saved operands it needs stay here (the op does not free them)
-        kept = (saved[3], saved[4], saved[0], saved[1]) if defer and ctx.recipe != BF16 else (saved[1] if defer else None)
         dx, dw1, dw2, db1, db2, dp, *made = backend.select(dy.device).mlp_bwd(
             dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
             need_dw2, need_db1, need_db2, need_dp, release, defer)
-        if defer:  # fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT], bf16 [dy, a, dh, x]
-            if ctx.recipe != BF16:
-                operands = [made[0], made[1], kept[0], kept[1], made[2], made[3], kept[2], kept[3]]
-            else:
-                operands = [dy.contiguous(), kept, made[0], x]
+        if defer:  # the wgrad op's operands, by name (contract.MLP); the op never frees the saved ones it needs
+            pool = (*made, *saved, dy.contiguous(), x)
+            operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]
             ctx.store.push(_mlp_wgrad_job(plan, operands, ctx.w1, ctx.w2, ctx.recipe, need_dw1, need_dw2))
             dw1 = dw2 = None
         return (dx if need_dx else None, None if defer else finish_weight_grad(dw1, need_dw1, ctx.w1, mg1),

@@ -6,9 +6,8 @@ oracle ``moegemm.reference``.
 """
 
 from . import reference
-from .functional.linear import WgradStore, grouped_linear
-from .functional.mlp import GroupedMLP, grouped_mlp
-from .modules.linear import GroupedLinear
+from .functional import WgradStore, grouped_linear, grouped_mlp
+from .modules import GroupedLinear, GroupedMLP
 from .quantize import Fp8Rows, make_plan, quantize_act, quantize_weight, to_fp8_rows
 from .weight_cache import weights_changed
 

@@ -67,7 +67,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import backends as backend
+from . import backends
 
 __all__ = ["FP8WeightCache", "weights_changed", "generation", "attach", "switch"]
 
@@ -115,7 +115,7 @@ def _version(w: torch.Tensor) -> Optional[int]:
 
 def quantize(w: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """``quantize_weight(w)`` of the backend of w's device, as ordinary (non-inference) tensors."""
-    ops = backend.select(w.device)
+    ops = backends.select(w.device)
     with torch.no_grad(), torch.inference_mode(False):
         return tuple(ops.quantize_weight(w.detach().contiguous()))
 

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import moegemm
-from moegemm.backends import contract, fakes, protocol
+from moegemm.backends import contract, protocol
 from moegemm.backends import reference as reference_backend
-from moegemm.layout import ACTIVATIONS, BF16, FP8_BLOCKWISE, RECIPE_IDS
+from moegemm.layout import ACTIVATIONS, BF16, FP8_BLOCKWISE
 
-from conftest import HAS_HOPPER, requires_cuda, zipf_splits
+from conftest import requires_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = [BF16, FP8_BLOCKWISE]

@@ -49,8 +49,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   const c10::List<std::optional<Tensor>> fp8_weight = fp8_weight_list(fp8_weight_in, recipe);
   const bool weight_given = fp8_weight.size() == kFp8Weight;
   const bool fp8_x = x_scales.has_value();
-  TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
-  const Quantized given = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
+  const Quantized given = fp8_x ? fp8_x_input(x_in, *x_scales, recipe) : Quantized{};
   const Tensor x = fp8_x ? given.q : x_input(x_in, "x");
   check_weight(weight, "weight", x);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = x.size(0);

@@ -84,8 +84,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   const Recipe recipe = to_recipe(recipe_id);
   const Activation act = to_activation(activation);
   const bool fp8_x = x_scales.has_value();
-  TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
-  const Quantized given_x = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
+  const Quantized given_x = fp8_x ? fp8_x_input(x_in, *x_scales, recipe) : Quantized{};
   const Tensor x = fp8_x ? given_x.q : x_input(x_in, "x");
   const MlpShape s = check_mlp_weights(fc1_weight, fc2_weight, act, x.size(0), x);
   TORCH_CHECK(x.size(1) == s.H, "moegemm: x.shape[1] must equal fc1_weight.shape[2] = ", num(s.H), ", got ", num(x.size(1)));

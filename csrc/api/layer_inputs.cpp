@@ -103,7 +103,8 @@ Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name,
   return *main_grad;
 }
 
-Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales) {
+Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe) {
+  TORCH_CHECK(recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
   TORCH_CHECK(x.scalar_type() == at::kFloat8_e4m3fn, "moegemm: x given with x_scales must be float8_e4m3fn (the row copy of ",
               "quantize_act), got ", c10::toString(x.scalar_type()));
   const Tensor q = input(x, "x", at::kFloat8_e4m3fn, 2, x);

@@ -288,9 +288,7 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
 
     def _forward_fp8(self, x: Fp8Rows, tokens_per_expert, permuted_probs):
         """The experts of FP8 tokens (``Fp8Rows``: q [T, H] e4m3, s [T, H/128] fp32, grad_target receiving
-        the bf16 input gradient): fc1 reads the rows as they are (fp8_blockwise only)."""
-        if self.recipe != "fp8_blockwise":
-            raise ValueError(f"FP8 tokens (Fp8Rows) need recipe='fp8_blockwise', got {self.recipe!r}")
+        the bf16 input gradient): fc1 reads the rows as they are (fp8_blockwise only, as grouped_mlp checks)."""
         T = x.q.shape[0]
         probs = None if permuted_probs is None else permuted_probs.reshape(-1)
         if probs is not None and probs.numel() != T:

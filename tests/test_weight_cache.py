@@ -365,8 +365,8 @@ def test_deepcopy_and_pickle_start_empty():
 # ----------------------------------------------------------------------------------------- torch.compile
 def test_torch_compile_bypasses_the_cache(quant):
     """Under torch.compile the weights are quantized inside the traced call, whatever the flag; the
-    eager cache is left alone. (The reference path is not fullgraph-traceable: graph breaks in the op;
-    fullgraph=True on the CUDA path is tested in test_cuda_mlp.py and below.)"""
+    eager cache is left alone. (fullgraph=True: on the reference path in test_compile_cpu.py, on the CUDA
+    path in test_cuda_mlp.py and below.)"""
     torch._dynamo.reset()
     m = make_mlp("cpu")
     x, s, p, dy = batch("cpu")

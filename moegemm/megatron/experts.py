@@ -275,7 +275,7 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
         else:
             w1, w2 = _weight_for_op(p1), _weight_for_op(p2)
         return grouped_mlp(x, w1, w2, splits, probs=probs, fc1_bias=b1, fc2_bias=None, activation=self.activation,
-                           recipe=self.recipe, fp8_weights=fp8_weights, wgrad_store=self._wgrad_store_for_call())
+                           recipe=self.recipe, fp8_weights=fp8_weights, wgrad_store=self._wgrad_store if self.delay_wgrad_compute else None)
 
     @staticmethod
     def _weight_deferred(param):

@@ -63,9 +63,6 @@ class ExpertLayer:
         if self.recipe == "fp8_blockwise" and self._fp8_inference is None:
             self._fp8_cache.refresh(self.expert_weights())
 
-    def _wgrad_store_for_call(self) -> Optional[WgradStore]:
-        return self._wgrad_store if self.delay_wgrad_compute else None
-
     def backward_dw(self) -> None:
         """The weight gradients of every backward since the last call (delay_wgrad_compute)."""
         self._wgrad_store.backward_dw()

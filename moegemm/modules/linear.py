@@ -50,8 +50,10 @@ class GroupedLinear(ExpertLayer, nn.Module):
 
     def forward(self, x: torch.Tensor, m_splits: SplitsLike, check_splits: Optional[bool] = None,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        copies = self.fp8_weights(is_first_microbatch)
         return grouped_linear(x, self.weight, m_splits, self.bias, self.recipe, check_splits,
-                              self._wgrad_store_for_call(), self.fp8_weight(is_first_microbatch))
+                              self._wgrad_store if self.delay_wgrad_compute else None,
+                              copies[0] if copies is not None else None)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "

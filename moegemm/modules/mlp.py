@@ -80,7 +80,7 @@ class GroupedMLP(ExpertLayer, nn.Module):
                                "run it under torch.no_grad() or with inputs that do not require grad")
         return grouped_mlp(x, self.fc1.weight, self.fc2.weight, m_splits, probs, self.fc1.bias, self.fc2.bias,
                            self.activation, self.recipe, self.fp8_weights(is_first_microbatch), check_splits,
-                           self._wgrad_store_for_call())
+                           self._wgrad_store if self.delay_wgrad_compute else None)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, recipe={self.recipe!r}"

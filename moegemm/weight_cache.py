@@ -265,6 +265,6 @@ def _set_switch(module, on: bool) -> None:
         module._fp8_cache.clear()
 
 
-# A layer's ``fp8_weight_cache`` attribute (``moegemm.modules.base.ExpertLayer``: ``fp8_weight_cache = weight_cache.switch``).
+# A layer's ``fp8_weight_cache`` attribute (``moegemm.modules.base.ExpertLayer``: ``fp8_weight_cache = switch``).
 switch = property(_get_switch, _set_switch, doc="Whether is_first_microbatch=None reuses the FP8 weights while "
                   "they are valid (else each call quantizes); setting it to False frees the kept copies.")

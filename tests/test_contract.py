@@ -62,7 +62,8 @@ def test_reference_ops_have_the_contract_schema(op):
 def test_cuda_ops_have_the_contract_schema(op):
     from moegemm.backends import cuda  # noqa: F401  (builds/loads the extension)
 
-    assert str(getattr(torch.ops.moegemm, op.name).default._schema) == str(torch._C.parse_schema(f"moegemm::{op.schema}"))
+    registered = getattr(torch.ops.moegemm, op.name).default._schema
+    assert str(registered) == str(torch._C.parse_schema(f"moegemm::{op.schema}"))
 
 
 def _protocol_members():
@@ -104,7 +105,9 @@ def test_contract_is_consistent():
             assert len(layer.bwd.made[recipe]) <= layer.bwd.made_count
             gather = layer.wgrad_gather(recipe)  # every operand is found: made, saved, or dy / x
             assert len(gather) == len(layer.wgrad.wgrad_operands[recipe])
-        assert all(d in contract.DIMS for op in (layer.fwd, layer.bwd, layer.wgrad) for s in op.outputs for d in s.shape)
+        slots = [s for op in (layer.fwd, layer.bwd, layer.wgrad) for s in op.outputs]
+        slots += [s for recipe in RECIPES for s in layer.fwd.saved[recipe] + layer.bwd.made[recipe]]
+        assert all(d in contract.DIMS for s in slots for d in s.shape)
         for op in (layer.fwd, layer.bwd):
             assert op.fp8_weights and all(w in op.arguments for w in op.fp8_weights)
 

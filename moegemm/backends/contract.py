@@ -25,7 +25,9 @@ Who derives what from this module:
   placeholders where the slots say;
 * the autograd shells: a split backward's wgrad operands, gathered by name (``Layer.wgrad_gather``).
 
-C++ owns the checks of shapes and dtypes; nothing here checks a tensor.
+Adding an output to an op: one ``slot(...)`` line here and ``python -m moegemm.backends.contract``; then the
+C++ entry and the reference entry compute it (the fakes follow by themselves). C++ owns the checks of
+shapes and dtypes; nothing here checks a tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..layout import BF16, FP8_BLOCKWISE, PLAN_ROWS, act_width, block_capacity, ceil_div, col_capacity, wgrad_dtype
+from ..layout import (BF16, BLOCK, FP8_BLOCKWISE, PLAN_ROWS, act_width, block_capacity, ceil_div, col_capacity,
+                      wgrad_dtype)
 
 F8, F32, I32 = torch.float8_e4m3fn, torch.float32, torch.int32
 ACT = "act"  # the activations' dtype: x's (bf16 for an FP8 x) forward, dy's backward; always bf16 in C++
@@ -106,7 +109,7 @@ def _tokens(a, rows: torch.Tensor) -> None:
 
 def _blocks(a, *names: str) -> None:
     for n in names:
-        setattr(a, n + "b", ceil_div(getattr(a, n), 128))
+        setattr(a, n + "b", ceil_div(getattr(a, n), BLOCK))
 
 
 def _linear(a, rows: Optional[str]) -> None:

@@ -3,8 +3,9 @@
 The public function checks its arguments once on the host (``_validate.py``); the autograd Function is
 a thin shell that calls one op per direction, ``linear_fwd`` and ``linear_bwd``, of the backend chosen by
 ``moegemm.backends.select`` (the C++ entries of ``csrc/api/grouped_linear.cpp`` or the reference ones,
-which share one contract: ``backends/contract.py``). For ``fp8_blockwise`` the forward quantizes ``x`` once into its row copy (fprop) and its
-per-expert transposed copy (saved for wgrad), so backward never re-reads ``x`` in bf16.
+which share one contract: ``backends/contract.py``). For ``fp8_blockwise`` the forward quantizes ``x`` once
+into its row copy (fprop) and its per-expert transposed copy (saved for wgrad), so backward never re-reads
+``x`` in bf16.
 
 Two options (issue 16):
 * an FP8 ``x`` (``Fp8Rows``: quantize_act's row copy and scales, as an FP8 dispatcher delivers it): fprop

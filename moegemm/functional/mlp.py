@@ -2,9 +2,9 @@
 
 The public function checks its arguments once on the host; the autograd Function is a thin shell that
 calls one op per direction, ``mlp_fwd`` and ``mlp_bwd``, of the backend chosen by ``moegemm.backends.select``
-(the C++ entries of ``csrc/api/grouped_mlp.cpp`` or the reference ones: ``backends/contract.py``). For ``fp8_blockwise`` the activation is
-fused with the FP8 quantization of its result, and its backward with quantizing the gradient, so no bf16
-copy of the activation is written or saved. Saved for backward: the FP8 copies (x's and the
+(the C++ entries of ``csrc/api/grouped_mlp.cpp`` or the reference ones: ``backends/contract.py``). For
+``fp8_blockwise`` the activation is fused with the FP8 quantization of its result, and its backward with
+quantizing the gradient, so no bf16 copy of the activation is written or saved. Saved for backward: the FP8 copies (x's and the
 activation's column copies, the weights' transposed copies) and fc1's bf16 output h; the backward op
 frees each after its last use.
 """

@@ -2,32 +2,24 @@
 // Functions, torch.compile and CUDA graphs see ordinary ops. Two families:
 //   - the layer entries, one op per layer and direction (csrc/api/layers.h): the layers' path;
 //   - the primitives, one kernel each (csrc/api/primitives.h): for tests and benchmarks.
-// Their fake (meta) implementations are in moegemm/cuda_ops.py.
+// Their fake (meta) implementations are in moegemm/backends/fakes.py.
 #include <torch/library.h>
 
+#include "api/layer_contract.h"
 #include "api/layers.h"
 #include "api/primitives.h"
 
 namespace moegemm::api {
 
 TORCH_LIBRARY(moegemm, m) {
-  // layer entries (recipe: 0 bf16, 1 fp8_blockwise; activation: csrc/moegemm.h Activation)
-  m.def("linear_fwd(Tensor x, Tensor weight, Tensor m_splits, Tensor? bias, int recipe, bool need_dx, bool need_dw, "
-        "Tensor? x_scales=None, Tensor[]? fp8_weight=None) -> (Tensor y, Tensor plan, Tensor[] saved)");
-  m.def("linear_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, int recipe, "
-        "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, Tensor[]? fp8_weight=None) "
-        "-> (Tensor dx, Tensor dw, Tensor db, Tensor made0, Tensor made1)");
-  m.def("linear_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, int recipe) -> Tensor dw");
-  m.def("mlp_fwd(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor m_splits, Tensor? fc1_bias, Tensor? fc2_bias, "
-        "Tensor? probs, int activation, int recipe, Tensor?[] fp8_weights, bool save, bool need_dw1, bool need_dw2, "
-        "Tensor? x_scales=None) -> (Tensor y, Tensor plan, Tensor[] saved)");
-  m.def("mlp_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor fc1_weight, Tensor fc2_weight, Tensor? probs, "
-        "Tensor?[] fp8_weights, Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int activation, int recipe, "
-        "bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, "
-        "bool defer_wgrad=False) -> (Tensor dx, Tensor dw1, Tensor dw2, Tensor db1, Tensor db2, Tensor dprobs, "
-        "Tensor made0, Tensor made1, Tensor made2, Tensor made3)");
-  m.def("mlp_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor fc1_weight, Tensor fc2_weight, Tensor(a!)? fc1_main_grad, "
-        "Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, bool need_dw2) -> (Tensor dw1, Tensor dw2)");
+  // layer entries (recipe: 0 bf16, 1 fp8_blockwise; activation: csrc/moegemm.h Activation); their schemas
+  // are declared once in moegemm/backends/contract.py (api/layer_contract.h is generated from it)
+  m.def(contract::linear::kFwdSchema);
+  m.def(contract::linear::kBwdSchema);
+  m.def(contract::linear::kWgradSchema);
+  m.def(contract::mlp::kFwdSchema);
+  m.def(contract::mlp::kBwdSchema);
+  m.def(contract::mlp::kWgradSchema);
   // primitives
   m.def("make_plan(Tensor m_splits, int T) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");

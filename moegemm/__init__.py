@@ -3,12 +3,18 @@
 Public API: ``grouped_linear``, ``GroupedLinear``, ``grouped_mlp``, ``GroupedMLP``, the quantizers ``quantize_act`` / ``quantize_weight``
 / ``make_plan``, ``weights_changed`` (the one explicit call of the FP8 weight cache, ``weight_cache.py``), and the
 oracle ``moegemm.reference``.
+
+The package by job: ``functional/`` (the differentiable functions: thin autograd shells over one op per
+layer and direction), ``modules/`` (the layer modules on their shared base), ``backends/`` (the backend
+protocol, the layer ops' contract, the CUDA and reference backends and their fakes), ``megatron/`` (the
+optional Megatron-core integration), ``quantize.py``, ``weight_cache.py``, ``_validate.py`` (argument
+checks), ``layout.py`` (layout constants), ``reference.py`` (the oracle), ``build.py`` / ``_build.py`` (the
+extension's build) and ``__main__.py`` (``python -m moegemm``, the quick start).
 """
 
 from . import reference
-from .functional import WgradStore, grouped_linear
-from .mlp import GroupedMLP, grouped_mlp
-from .modules import GroupedLinear
+from .functional import WgradStore, grouped_linear, grouped_mlp
+from .modules import GroupedLinear, GroupedMLP
 from .quantize import Fp8Rows, make_plan, quantize_act, quantize_weight, to_fp8_rows
 from .weight_cache import weights_changed
 

@@ -13,6 +13,7 @@ kernels.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -22,10 +23,41 @@ import torch
 import torch.nn.functional as F
 
 import moegemm
-from moegemm import backend
-from moegemm.workloads import SHAPES, TorchGroupedLinearBF16, zipf_splits
+from moegemm import backends
 
 ERROR_BOUND = {"fp8_blockwise": 0.10, "bf16": 0.02}  # FP8 E4M3: ~3-5 % per GEMM (SPEC §4), ~6-7 % through the MLP
+DEEPSEEK_V2_LITE = (64, 2048, 1408, 24576)  # experts, hidden, ffn per expert, routed tokens
+SMALL_SHAPE = (8, 256, 128, 1000)  # the reference path's shape (plain PyTorch, slow)
+
+
+def zipf_splits(E: int, T: int, alpha: float = 1.2, empty_frac: float = 0.125, seed: int = 0) -> list:
+    """Zipf-skewed counts summing to T in a shuffled expert order, with at least one empty expert (E > 1)."""
+    rng = random.Random(seed)
+    w = [1.0 / (r + 1) ** alpha for r in range(E)]
+    rng.shuffle(w)
+    for e in rng.sample(range(E), max(1, int(E * empty_frac)) if E > 1 else 0):
+        w[e] = 0.0
+    counts = [int(T * x / sum(w)) for x in w]
+    counts[max(range(E), key=lambda e: w[e])] += T - sum(counts)
+    return counts
+
+
+class TorchGroupedLinearBF16(torch.autograd.Function):
+    """The torch baseline: y = x @ W[e]^T with torch._grouped_mm over the token offsets ``offs`` (wgrad:
+    dy^T column-major times x row-major, the layout torch allows empty groups in)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, w, offs=offs) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(dy.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -94,7 +126,7 @@ def wall_ms(step, iters: int = 3) -> float:
 
 def run(E: int, H: int, Fh: int, T: int, device: str, name: str, iters: int) -> int:
     dev = torch.device(device)
-    kernels = backend.uses_cuda(dev)
+    kernels = backends.uses_cuda(dev)
     torch.manual_seed(0)
     splits = zipf_splits(E, T)
     m = torch.tensor(splits, device=dev)
@@ -200,14 +232,14 @@ def main() -> int:
     # torch's first backward on a fresh autograd thread may warn about a missing CUDA context: harmless
     warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     gpu = torch.cuda.is_available() and not args.cpu
-    if gpu and backend.uses_cuda(torch.device("cuda")):
-        name, shape = "DeepSeek-V2-Lite", SHAPES["DeepSeek-V2-Lite"]
+    if gpu and backends.uses_cuda(torch.device("cuda")):
+        name, shape = "DeepSeek-V2-Lite", DEEPSEEK_V2_LITE
         device = "cuda"
     else:
         if gpu:
             print("moegemm: this GPU is not a Hopper (sm_90): the CUDA kernels need one; running the reference "
                   "path on a small shape")
-        name, shape, device = "small shape", (8, 256, 128, 1000), "cuda" if gpu else "cpu"
+        name, shape, device = "small shape", SMALL_SHAPE, "cuda" if gpu else "cpu"
     if args.shape:
         name, shape = "--shape", tuple(args.shape)
     return run(*shape, device=device, name=name, iters=args.iters)

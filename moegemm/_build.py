@@ -236,7 +236,40 @@ class _NinjaProgress:
                 self.last = time.time()
 
 
-def _prebuilt() -> Path | None:
+class BuildEnvironmentError(RuntimeError):
+    """The extension cannot be built (or loaded) here: no CUDA build of torch, CUDA toolkit or CUDA GPU."""
+
+
+def missing_for_build(toolkit: bool = True) -> list[str]:
+    """What building and running the extension here lacks, in words (empty: nothing): a CUDA build of
+    torch, the CUDA toolkit (nvcc, as torch's just-in-time build finds it; only with ``toolkit``) and a
+    CUDA GPU."""
+    import torch
+
+    missing = []
+    if torch.version.cuda is None:
+        missing.append(f"a CUDA build of torch (the installed torch {torch.__version__} is CPU-only)")
+    if toolkit:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+            missing.append("the CUDA toolkit (no nvcc found: set CUDA_HOME or put nvcc on PATH)")
+    if not torch.cuda.is_available():
+        missing.append("a CUDA GPU (none is visible)")
+    return missing
+
+
+def require_build_environment(toolkit: bool = True) -> None:
+    """Raise ``BuildEnvironmentError`` with one plain sentence naming what is missing, if anything."""
+    missing = missing_for_build(toolkit)
+    if missing:
+        needs = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
+        raise BuildEnvironmentError(f"moegemm: cannot build the CUDA extension here: it needs {needs}; without "
+                                    "them moegemm runs its reference path (plain PyTorch), which needs no build.")
+
+
+def prebuilt_extension() -> Path | None:
+    """The extension built by setup.py (``moegemm/_C*.so``), if any."""
     found = sorted(PKG.glob("_C*.so"))  # built by setup.py
     return found[0] if found else None
 
@@ -244,14 +277,16 @@ def _prebuilt() -> Path | None:
 @functools.lru_cache(maxsize=None)
 def load_extension():
     """Load the extension built by setup.py, or build it just in time (about a minute on 16 cores,
-    several minutes on few; later runs only check the cache) and load it."""
+    several minutes on few; later runs only check the cache) and load it. Without a CUDA build of torch,
+    the CUDA toolkit or a GPU, building fails at once with ``BuildEnvironmentError``."""
     import torch
     from torch.utils.cpp_extension import load
 
-    prebuilt = _prebuilt()
+    prebuilt = prebuilt_extension()
     if prebuilt is not None:
         torch.ops.load_library(str(prebuilt))
         return str(prebuilt)
+    require_build_environment()
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     os.environ.setdefault("MAX_JOBS", str(default_jobs()))

@@ -1,7 +1,10 @@
-"""Input validation of SPEC §6, shared by the CUDA and the reference path.
+"""Input validation of SPEC §6, shared by the CUDA and the reference path, the functions and the layers.
 
 Every check runs on the host before any kernel is launched and names the argument, the expected and the
-actual value. ``m_splits`` given as a list or CPU tensor is checked here (negative counts, sum ≠ T);
+actual value. The layers (``GroupedLinear``, ``GroupedMLP``, the Megatron experts) check their sizes at
+construction with the same functions (``check_expert_dims``, ``check_mlp_dims``) as the functions check
+their weights. The C++ ops check their own arguments again (they are public ops); nothing here repeats
+what only they can see. ``m_splits`` given as a list or CPU tensor is checked here (negative counts, sum ≠ T);
 a device tensor is never read on the host unless the checked mode is on (``check_splits=True`` or
 ``MOEGEMM_CHECK_SPLITS=1``, read once at import), which validates it on the device and raises.
 """
@@ -14,7 +17,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .layout import MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS
+from .layout import ACTIVATIONS, GLU_ACTIVATIONS, MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS, act_width
 
 # The default of check_splits, read once at import (tests set it directly).
 CHECK_SPLITS = os.environ.get("MOEGEMM_CHECK_SPLITS", "0") not in ("", "0")
@@ -31,9 +34,25 @@ def check_recipe(recipe: str) -> str:
     return recipe
 
 
+def check_activation(activation: str) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    return activation
+
+
 def check_num_experts(E: int, what: str) -> None:
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"{what} must be in [1, {MAX_EXPERTS}], got {E}")
+
+
+def check_expert_dims(E: int, N: int, K: int, name: str = "weight") -> None:
+    """The sizes of an expert weight ``name`` [E, N, K]: 1 <= E <= MAX_EXPERTS, N and K positive multiples
+    of 16. The functions check their weights' shapes with it, the layers their sizes at construction."""
+    check_num_experts(E, f"{name}.shape[0] (number of experts)")
+    if N <= 0 or N % 16:
+        raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of 16, got {N}")
+    if K <= 0 or K % 16:
+        raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of 16, got {K}")
 
 
 def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
@@ -44,12 +63,50 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
         raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(shape)}")
     if weight.dtype not in W_DTYPES:
         raise TypeError(f"{name}.dtype must be one of {W_DTYPES}, got {weight.dtype}")
-    E, N, K = shape
-    check_num_experts(E, f"{name}.shape[0] (number of experts)")
-    if N <= 0 or N % 16:
-        raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of 16, got {N}")
-    if K <= 0 or K % 16:
-        raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of 16, got {K}")
+    check_expert_dims(*shape, name)
+
+
+def _check_mlp_pair(E: int, F1: int, H: int, fc2_shape: tuple, activation: str) -> int:
+    """fc1 [E, F1, H] and fc2 of an expert MLP agree (F1 = 2F for GLU activations); -> F."""
+    F = act_width(F1, activation)
+    if activation in GLU_ACTIVATIONS and F % 16:
+        raise ValueError(f"fc1_weight.shape[1] must be 2*ffn with ffn a multiple of 16 for {activation}, got {F1}")
+    if tuple(fc2_shape) != (E, H, F):
+        raise ValueError(f"fc2_weight must have shape {(E, H, F)} to match fc1_weight {(E, F1, H)}, got "
+                         f"{tuple(fc2_shape)}")
+    return F
+
+
+def check_mlp_weights(fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, activation: str) -> tuple:
+    """The expert MLP's weights, fc1 [E, F1, H] and fc2 [E, H, F]; -> (E, F1, H, F)."""
+    check_weight(fc1_weight, "fc1_weight")
+    check_weight(fc2_weight, "fc2_weight")
+    E, F1, H = fc1_weight.shape
+    F = _check_mlp_pair(E, F1, H, fc2_weight.shape, activation)
+    if fc2_weight.device != fc1_weight.device:
+        raise ValueError(f"fc2_weight is on {fc2_weight.device} but fc1_weight is on {fc1_weight.device}")
+    return E, F1, H, F
+
+
+def check_mlp_dims(E: int, H: int, F: int, activation: str, names=("fc1_weight", "fc2_weight")) -> int:
+    """The sizes of an expert MLP (E experts, hidden H, ffn F) by the rules of ``check_mlp_weights``, before
+    its weights exist; -> F1, fc1's output width. ``names``: the weights' names in errors."""
+    F1 = 2 * F if activation in GLU_ACTIVATIONS else F
+    check_expert_dims(E, F1, H, names[0])
+    check_expert_dims(E, H, F, names[1])
+    _check_mlp_pair(E, F1, H, (E, H, F), activation)
+    return F1
+
+
+def check_probs(probs, T: int, device: torch.device) -> None:
+    if probs is None:
+        return
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+        raise TypeError(f"probs must be a floating-point tensor, got {getattr(probs, 'dtype', type(probs))}")
+    if tuple(probs.shape) != (T,):
+        raise ValueError(f"probs must have shape [T] = {(T,)}, got {tuple(probs.shape)}")
+    if probs.device != device:
+        raise ValueError(f"probs is on {probs.device} but x is on {device}")
 
 
 def check_x(x: torch.Tensor, K: int, device: torch.device, cuda_path: bool = False) -> None:
@@ -71,7 +128,7 @@ def check_x(x: torch.Tensor, K: int, device: torch.device, cuda_path: bool = Fal
     if x.device != device:
         raise ValueError(f"x is on {x.device} but weight is on {device}")
     if not x.is_contiguous():
-        raise ValueError("x must be contiguous")
+        raise ValueError(f"x must be contiguous, got strides {x.stride()} for shape {tuple(shape)}")
 
 
 def check_bias(bias, E: int, N: int, device: torch.device) -> None:
@@ -96,7 +153,8 @@ def check_main_grad(weight: torch.Tensor) -> None:
         raise TypeError(f"weight.main_grad must be a float32 tensor, got {getattr(main_grad, 'dtype', type(main_grad))}")
     if main_grad.shape != weight.shape or main_grad.device != weight.device or not main_grad.is_contiguous():
         raise ValueError(f"weight.main_grad must be contiguous with weight's shape {tuple(weight.shape)} on "
-                         f"{weight.device}, got {tuple(main_grad.shape)} on {main_grad.device}")
+                         f"{weight.device}, got {tuple(main_grad.shape)} with strides {main_grad.stride()} on "
+                         f"{main_grad.device}")
 
 
 def checked_mode(check_splits) -> bool:
@@ -107,7 +165,9 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
     """Validate ``m_splits`` and return it as an int32/int64 tensor on ``device``.
 
     Host input (list, tuple, CPU tensor) is checked on the host and copied asynchronously. A tensor on
-    ``device`` is returned as it is (never read on the host) unless the checked mode is on."""
+    ``device`` is returned as it is (never read on the host) unless the checked mode is on. Under
+    torch.compile a tensor's values are not read either (a traced graph cannot read data on the host): the
+    plan clamps them, as it does for device tensors."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1:
             raise ValueError(f"m_splits must be 1-D, got shape {tuple(m_splits.shape)}")
@@ -116,13 +176,15 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
         if m_splits.numel() != E:
             raise ValueError(f"len(m_splits) must equal the number of experts E = {E}, got {m_splits.numel()}")
         if m_splits.device.type == "cpu" and device.type != "cpu":
-            _check_host_counts(m_splits.tolist(), T)
+            if not torch.compiler.is_compiling():
+                _check_host_counts(m_splits.tolist(), T)
             src = m_splits.contiguous().pin_memory() if torch.cuda.is_available() else m_splits
             return src.to(device, non_blocking=True)
         if m_splits.device != device:
             raise ValueError(f"m_splits is on {m_splits.device} but x is on {device}")
         if m_splits.device.type == "cpu":
-            _check_host_counts(m_splits.tolist(), T)
+            if not torch.compiler.is_compiling():
+                _check_host_counts(m_splits.tolist(), T)
         elif checked_mode(check_splits):
             _check_device_counts(m_splits, T)
         return m_splits.contiguous()

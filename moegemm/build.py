@@ -1,6 +1,8 @@
 """Prebuild the CUDA extension into the just-in-time cache: ``python -m moegemm.build`` (on a GPU
 machine; ``pip install --no-build-isolation .`` builds it into the package instead).
 
+Without a CUDA build of torch, the CUDA toolkit or a GPU it stops at once and says which is missing.
+
 ``python -m moegemm.build --check`` only compiles every csrc/ translation unit (no GPU needed; CI):
 the kernels with nvcc for sm_90a, the binding against torch's headers in the C++ standard they
 demand. ``--torch-include DIR`` checks the binding against another torch's headers (``torch/include``
@@ -9,7 +11,8 @@ unpacked from a wheel) and ``--binding-only`` skips the kernels, which include n
 import argparse
 import sys
 
-from ._build import compile_check, load_extension
+from ._build import (BuildEnvironmentError, compile_check, load_extension, prebuilt_extension,
+                     require_build_environment)
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -20,4 +23,9 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.check:
         sys.exit(1 if compile_check(args.jobs, args.torch_include, args.binding_only) else 0)
-    print(f"moegemm: extension ready: {load_extension()}")
+    try:
+        require_build_environment(toolkit=prebuilt_extension() is None)  # a prebuilt one needs no toolkit
+        path = load_extension()
+    except BuildEnvironmentError as e:
+        sys.exit(str(e))
+    print(f"moegemm: extension ready: {path}")

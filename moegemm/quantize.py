@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import backend
+from . import backends
 from ._validate import SplitsLike, check_num_experts, check_weight, splits_to_device
 from .layout import BLOCK, MAX_TOKENS, ceil_div
 
@@ -19,7 +19,7 @@ def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> t
     device = torch.device(device)
     check_num_experts(len(m_splits), "len(m_splits) (the number of experts)")  # the layers check weight.shape[0]
     m = splits_to_device(m_splits, len(m_splits), T, device, check_splits)
-    return backend.select(device).make_plan(m, T)
+    return backends.select(device).make_plan(m, T)
 
 
 def quantize_act(x: torch.Tensor, m_splits: SplitsLike, rows: bool = True, cols: bool = True):
@@ -29,13 +29,13 @@ def quantize_act(x: torch.Tensor, m_splits: SplitsLike, rows: bool = True, cols:
     if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % 16:
         raise ValueError(f"x must be [T, K] with K a positive multiple of 16, got shape {tuple(x.shape)}")
     plan = make_plan(m_splits, x.shape[0], device=x.device)
-    return backend.select(x.device).quantize_act(x.contiguous(), plan, rows=rows, cols=cols)
+    return backends.select(x.device).quantize_act(x.contiguous(), plan, rows=rows, cols=cols)
 
 
 def quantize_weight(weight: torch.Tensor):
     """128×128-block quantization: ``(q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb])``."""
     check_weight(weight)
-    return backend.select(weight.device).quantize_weight(weight.contiguous())
+    return backends.select(weight.device).quantize_weight(weight.contiguous())
 
 
 class Fp8Rows(NamedTuple):
@@ -60,13 +60,13 @@ def check_fp8_rows(x: Fp8Rows, K: int, device) -> None:
     if q.device != torch.device(device):
         raise ValueError(f"Fp8Rows.q is on {q.device} but weight is on {device}")
     if not q.is_contiguous():
-        raise ValueError("Fp8Rows.q must be contiguous")
+        raise ValueError(f"Fp8Rows.q must be contiguous, got strides {q.stride()} for shape {tuple(q.shape)}")
     want = (q.shape[0], ceil_div(K, BLOCK))
     if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != want:
         raise ValueError(f"Fp8Rows.s must be a float32 tensor of shape {want}, got "
                          f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
     if s.device != q.device or not s.is_contiguous():
-        raise ValueError(f"Fp8Rows.s must be contiguous on {q.device}, got one on {s.device}")
+        raise ValueError(f"Fp8Rows.s must be contiguous on {q.device}, got one on {s.device} with strides {s.stride()}")
     if g is not None:
         if not isinstance(g, torch.Tensor) or not g.is_floating_point() or tuple(g.shape) != tuple(q.shape):
             raise ValueError(f"Fp8Rows.grad_target must be a floating-point tensor of shape {tuple(q.shape)}, got "

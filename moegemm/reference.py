@@ -1,7 +1,7 @@
 """Plain-PyTorch reference of SPEC §2–§4: the oracle of every test and the CPU fallback.
 
-It implements the same backend interface as the CUDA extension (see ``moegemm/backend.py``), with the
-same canonical layouts, so the CUDA outputs can be compared with it bitwise:
+Its primitives have the same canonical layouts as the CUDA extension's, so the CUDA outputs can be compared
+with it bitwise; ``moegemm/backends/reference.py`` builds the reference backend (the layer ops) from them:
 
 * plan ``[3, E+1]`` int32 — row 0: token starts ``start_e`` (cumulative ``m_splits``); row 1: column
   starts of each expert in the transposed activation copy (segments padded to 16 tokens, so every

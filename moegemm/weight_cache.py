@@ -67,7 +67,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import backend
+from . import backends
 
 __all__ = ["FP8WeightCache", "weights_changed", "generation", "attach", "switch"]
 
@@ -115,7 +115,7 @@ def _version(w: torch.Tensor) -> Optional[int]:
 
 def quantize(w: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """``quantize_weight(w)`` of the backend of w's device, as ordinary (non-inference) tensors."""
-    ops = backend.select(w.device)
+    ops = backends.select(w.device)
     with torch.no_grad(), torch.inference_mode(False):
         return tuple(ops.quantize_weight(w.detach().contiguous()))
 
@@ -265,6 +265,6 @@ def _set_switch(module, on: bool) -> None:
         module._fp8_cache.clear()
 
 
-# A layer's ``fp8_weight_cache`` attribute (GroupedLinear, GroupedMLP: ``fp8_weight_cache = weight_cache.switch``).
+# A layer's ``fp8_weight_cache`` attribute (``moegemm.modules.base.ExpertLayer``: ``fp8_weight_cache = switch``).
 switch = property(_get_switch, _set_switch, doc="Whether is_first_microbatch=None reuses the FP8 weights while "
                   "they are valid (else each call quantizes); setting it to False frees the kept copies.")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moegemm
-from moegemm import backend
+from moegemm import backends
 from moegemm import reference as R
 
 from conftest import cuda_alive, requires_cuda
@@ -165,7 +165,7 @@ def test_zero_N_or_K_rejected_before_any_kernel(device, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("backend used before validation")
 
-    monkeypatch.setattr(backend, "select", boom)
+    monkeypatch.setattr(backends, "select", boom)
     bf = torch.bfloat16
     x = torch.randn(T, K, device=device, dtype=bf)
     with pytest.raises(ValueError, match=r"weight\.shape\[1\]"):

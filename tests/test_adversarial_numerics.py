@@ -147,7 +147,7 @@ def test_cuda_nonfinite_masks_match_reference(recipe, activation, where, value, 
     """Wherever the reference is non-finite the CUDA path is too; y's masks are equal."""
     inputs = poison(mlp_inputs("cuda", activation), where, value)
     got = run_mlp(inputs, activation, recipe)
-    monkeypatch.setattr(moegemm.backend, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
+    monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
     exp = run_mlp(inputs, activation, recipe)
     for name in got:
         g_bad, e_bad = ~torch.isfinite(got[name]), ~torch.isfinite(exp[name])
@@ -188,7 +188,7 @@ def test_linear_nonfinite(device, recipe, where, value, monkeypatch):
         assert (~torch.isfinite(got["dx"][rows])).any(1).all()
     assert torch.isfinite(got["dx"][others]).all()
     if device == "cuda":
-        monkeypatch.setattr(moegemm.backend, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
+        monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
         exp = run()
         for name in got:
             g_bad, e_bad = ~torch.isfinite(got[name]), ~torch.isfinite(exp[name])

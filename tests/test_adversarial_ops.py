@@ -18,7 +18,7 @@ from conftest import HAS_HOPPER, cuda_alive, requires_cuda
 pytestmark = requires_cuda
 
 if HAS_HOPPER:
-    from moegemm import cuda_ops  # noqa: F401  (builds/loads the extension)
+    from moegemm.backends import cuda as cuda_ops  # noqa: F401  (builds/loads the extension)
 
 DEV = "cuda"
 # m_e ≡ 1 (mod 128): the transposed copies' padded columns and scale-block rows are all covered, so

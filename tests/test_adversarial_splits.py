@@ -265,7 +265,7 @@ def test_invalid_device_splits_linear(recipe, name, dt, monkeypatch):
         if c == 0:
             assert (dw[e] == 0).all() and (db[e] == 0).all()
     # the reference backend on the same device counts
-    monkeypatch.setattr(moegemm.backend, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
+    monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
     expected = run_linear(x, w, b, m, dy, recipe)
     assert_close(got, expected, 2e-3 if recipe == "fp8_blockwise" else 8e-3, "reference backend")
 
@@ -462,13 +462,13 @@ def test_max_experts(recipe, monkeypatch):
     dy = torch.randn(Tm, Nm, device=DEV, dtype=torch.bfloat16)
     m = torch.tensor(splits, device=DEV)
     got = run_linear(x, w, b, m, dy, recipe)
-    monkeypatch.setattr(moegemm.backend, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
+    monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
     expected = run_linear(x, w, b, m, dy, recipe)
     assert_close(got, expected, 2e-3 if recipe == "fp8_blockwise" else 8e-3, "E=1024")
     empty = [e for e, c in enumerate(splits) if c == 0]
     assert (got[2][empty] == 0).all() and (got[3][empty] == 0).all()
     # invalid counts at the maximum E
-    monkeypatch.setattr(moegemm.backend, "FORCE_REFERENCE", False)
+    monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", False)
     garbage = torch.randint(I64_MIN, I64_MAX, (Em,), dtype=torch.int64)
     cov = sum(covered_counts(garbage.tolist(), Tm))
     y, dx, _, _ = run_linear(x, w, b, garbage.to(DEV), dy, recipe)

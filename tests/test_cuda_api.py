@@ -1,5 +1,5 @@
 """The layer entries on the GPU (issue 13): exactly one ``torch.ops.moegemm`` op per layer and direction,
-and every entry's fake (``cuda_ops.py``) agrees with the real op in shape, dtype and strides. Skipped
+and every entry's fake (``moegemm/backends/fakes.py``, from the contract) agrees with the real op in shape, dtype and strides. Skipped
 without a Hopper GPU."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import HAS_HOPPER, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 if HAS_HOPPER:
-    from moegemm import cuda_ops  # noqa: F401  (builds/loads the extension)
+    from moegemm.backends import cuda as cuda_ops  # noqa: F401  (builds/loads the extension)
 
 DEV = "cuda"
 RECIPES = ["fp8_blockwise", "bf16"]
@@ -214,7 +214,7 @@ def backward_peak(mlp, x, m, probs):
 def test_mlp_backward_frees_saved_tensors_early(recipe, monkeypatch):
     """The backward op frees each saved tensor after its last use (eager autograd hands them over): its
     peak is lower than with the saved tensors kept to the end (as under torch.compile)."""
-    from moegemm import mlp as mlp_module
+    from moegemm.functional import mlp as mlp_module
 
     E, T, H, F = 8, 8192, 1024, 1024
     mlp = moegemm.GroupedMLP(E, H, F, recipe=recipe, device=DEV)

@@ -16,7 +16,7 @@ from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 if HAS_HOPPER:
-    from moegemm import cuda_ops
+    from moegemm.backends import cuda as cuda_ops
 
 DEV = "cuda"
 ACTS = list(ref.ACTIVATIONS)
@@ -103,7 +103,7 @@ def test_mlp_cuda_matches_reference_backend(activation, recipe, bias, monkeypatc
         return [y.detach(), x.grad, probs.grad] + [p.grad for p in mlp.parameters()]
 
     got = run()
-    monkeypatch.setattr(moegemm.backend, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
+    monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
     expected = run()
     tol = 1e-2 if recipe == "fp8_blockwise" else 1e-2
     if activation == "squared_relu" and recipe == "fp8_blockwise":

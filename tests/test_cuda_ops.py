@@ -16,7 +16,7 @@ from conftest import HAS_HOPPER, capture_step, rel, requires_cuda, zipf_splits
 pytestmark = requires_cuda
 
 if HAS_HOPPER:
-    from moegemm import cuda_ops
+    from moegemm.backends import cuda as cuda_ops
 
 DEV = "cuda"
 
@@ -207,7 +207,7 @@ def test_grouped_linear_cuda_matches_reference_backend(recipe, monkeypatch):
         return y.detach(), x.grad, w.grad, b.grad
 
     got = run()
-    monkeypatch.setattr(moegemm.backend, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
+    monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", True)  # MOEGEMM_BACKEND=reference, read at import
     expected = run()
     tol = 2e-3 if recipe == "fp8_blockwise" else 8e-3
     for g, e in zip(got, expected):

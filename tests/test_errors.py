@@ -64,8 +64,40 @@ def test_x_non_contiguous():
     x, w, _ = inputs()
     xt = torch.randn(K, T, dtype=torch.bfloat16).t()
     assert not xt.is_contiguous()
-    with pytest.raises(ValueError, match=r"\bx\b.*contiguous"):
+    with pytest.raises(ValueError, match=r"\bx\b.*contiguous, got strides \(1, 40\)"):
         grouped_linear(xt, w, SPLITS)
+
+
+# Sizes no allocation could hold: the layers must refuse them before allocating their weights.
+HUGE = 1 << 40
+
+
+@pytest.mark.parametrize("args, match", [
+    ((2000, 128, 128), r"weight\.shape\[0\] \(number of experts\) must be in \[1, 1024\], got 2000"),
+    ((0, 128, 128), r"weight\.shape\[0\]"),
+    ((2000, HUGE, HUGE), r"weight\.shape\[0\]"),
+    ((4, HUGE + 8, 128), r"weight\.shape\[2\] \(K, in_features\).*multiple of 16"),
+    ((4, 128, HUGE + 8), r"weight\.shape\[1\] \(N, out_features\).*multiple of 16"),
+])
+def test_grouped_linear_sizes_checked_at_construction(args, match):
+    """GroupedLinear(E, in, out) refuses what grouped_linear would, at construction, before allocating."""
+    with pytest.raises(ValueError, match=match):
+        GroupedLinear(*args)
+    with pytest.raises(ValueError, match=r"recipe"):
+        GroupedLinear(4, 128, 128, recipe="fp4")
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((2000, HUGE, HUGE), {}, r"fc1_weight\.shape\[0\] \(number of experts\)"),
+    ((4, HUGE + 8, 128), {}, r"fc1_weight\.shape\[2\]"),
+    ((4, 128, HUGE + 8), {"activation": "relu"}, r"fc1_weight\.shape\[1\]"),
+    ((4, 128, 72), {}, r"fc2_weight\.shape\[2\]"),
+    ((4, 128, 128), {"activation": "tanh"}, r"activation"),
+    ((4, 128, 128), {"recipe": "fp4"}, r"recipe"),
+])
+def test_grouped_mlp_sizes_checked_at_construction(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        moegemm.GroupedMLP(*args, **kwargs)
 
 
 @pytest.mark.parametrize("ms", [[10, 30], [10, 0, 30, 0], [], torch.tensor([10, 30]), torch.tensor([10, 0, 0, 30])])
@@ -200,12 +232,12 @@ def test_public_quantizer_errors():
 
 def test_errors_raise_before_work(monkeypatch):
     """Validation runs before the backend is touched."""
-    from moegemm import backend
+    from moegemm import backends
 
     def boom(*a, **k):
         raise AssertionError("backend used before validation")
 
-    monkeypatch.setattr(backend, "select", boom)
+    monkeypatch.setattr(backends, "select", boom)
     x, w, _ = inputs()
     with pytest.raises(ValueError, match=r"sum\(m_splits\)"):
         grouped_linear(x, w, [1, 2, 3])

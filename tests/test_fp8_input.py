@@ -18,6 +18,7 @@ import torch
 
 import moegemm
 from moegemm import reference as R
+from moegemm.backends import contract
 from moegemm.layout import RECIPE_IDS
 
 from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
@@ -85,8 +86,9 @@ def test_linear_fp8_input_against_reference_and_float64(device):
         qT, sT = R.requantize_cols(xr.q.cpu(), xr.s.cpu(), plan_ref)
         # the columns and block rows the plan uses (the kernel leaves the capacity's unused tail alone)
         cols, blks = int(plan_ref[1, E]), int(plan_ref[2, E])
-        assert torch.equal(saved[0].cpu()[:, :cols].view(torch.uint8), qT[:, :cols].view(torch.uint8))
-        assert torch.equal(saved[1].cpu()[:blks], sT[:blks])
+        saved = contract.by_name(contract.LINEAR_FWD.saved[RECIPE_IDS["fp8_blockwise"]], saved)
+        assert torch.equal(saved["qxT"].cpu()[:, :cols].view(torch.uint8), qT[:, :cols].view(torch.uint8))
+        assert torch.equal(saved["sxT"].cpu()[:blks], sT[:blks])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -175,4 +177,4 @@ def test_cuda_fp8_input_no_host_sync_and_graph():
 
 
 if HAS_HOPPER:
-    from moegemm import cuda_ops  # noqa: F401
+    from moegemm.backends import cuda as cuda_ops  # noqa: F401

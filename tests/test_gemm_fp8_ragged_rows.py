@@ -18,7 +18,7 @@ from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
 pytestmark = requires_cuda
 
 if HAS_HOPPER:
-    from moegemm import cuda_ops
+    from moegemm.backends import cuda as cuda_ops
 
 DEV = "cuda"
 KERNELS = {"cutlass": (1, -1), "sm90_default": (2, -1), **{f"sm90_tiling{i}": (2, i) for i in range(4)}}

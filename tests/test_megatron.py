@@ -614,6 +614,8 @@ def test_unsupported_config_errors(cpu):
         MoegemmExperts(4, bad)
     with pytest.raises(ValueError, match="multiple of 16"):
         MoegemmExperts(4, make_config(cpu, "swiglu", ffn=40))
+    with pytest.raises(ValueError, match=r"number of experts\) must be in \[1, 1024\], got 2000"):
+        MoegemmExperts(2000, make_config(cpu, "swiglu", H=1 << 20, ffn=1 << 20))  # refused before allocating
     ex = MoegemmExperts(4, cfg)
     with pytest.raises(NotImplementedError, match="output_buffer"):
         ex(torch.zeros(0, 64), [0, 0, 0, 0], torch.zeros(0), output_buffer=torch.zeros(1))

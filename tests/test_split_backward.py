@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import moegemm
+from moegemm.backends import contract
 from moegemm.layout import ACTIVATIONS, RECIPE_IDS
 
 from conftest import HAS_HOPPER, capture_step, rel, requires_cuda, zipf_splits
@@ -149,7 +150,7 @@ def test_split_backward_refuses_non_leaf_weights():
 
 # ------------------------------------------------------------------------------------------------ GPU only
 if HAS_HOPPER:
-    from moegemm import cuda_ops  # noqa: F401
+    from moegemm.backends import cuda as cuda_ops  # noqa: F401
 
 
 @requires_cuda
@@ -189,7 +190,8 @@ def test_cuda_split_fakes_match_real(recipe, weight_dtype):
     y, plan, saved = ops.linear_fwd(x, w, m, b, rid, True, True)
     dy = torch.randn_like(y)
     dx, dw, db, *made = check_fake(ops.linear_bwd.default, dy, plan, saved, x, w, None, rid, True, True, True, True)
-    operands = [*made, saved[0], saved[1]] if recipe == "fp8_blockwise" else [dy, x]
+    pool = (*made, *saved, dy, x)  # what a split backward has; the wgrad operands by name (contract.py)
+    operands = [pool[i] for i in contract.LINEAR.wgrad_gather(rid)]
     for mg in (None, torch.zeros(w.shape, device="cuda")):
         check_fake(ops.linear_wgrad.default, plan, operands, w, mg, rid)
     E, T, H, F = 8, 777, 256, 384
@@ -203,9 +205,8 @@ def test_cuda_split_fakes_match_real(recipe, weight_dtype):
         dy = torch.randn_like(y)
         out = check_fake(ops.mlp_bwd.default, dy, plan, saved, x, w1, w2, probs, [], None, None, act, rid, True,
                          need_dw1, need_dw2, False, False, True, False, True)
-        made = out[6:]
-        operands = ([made[0], made[1], saved[3], saved[4], made[2], made[3], saved[0], saved[1]]
-                    if recipe == "fp8_blockwise" else [dy, saved[1], made[0], x])
+        pool = (*out[len(contract.MLP_BWD.outputs):], *saved, dy, x)  # made, saved, dy, x
+        operands = [pool[i] for i in contract.MLP.wgrad_gather(rid)]
         check_fake(ops.mlp_wgrad.default, plan, operands, w1, w2, None, None, rid, need_dw1, need_dw2)
 
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import moegemm
-from moegemm import GroupedMLP, reference, reference_api, weight_cache
+from moegemm import GroupedMLP, reference, weight_cache
+from moegemm.backends import reference as reference_backend
 
 from conftest import HAS_HOPPER, capture_step, rel, requires_cuda, zipf_splits
 
@@ -40,9 +41,9 @@ requires_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="needs megatron-
 
 
 # ----------------------------------------------------------------------------------------- helpers
-_QUANTIZE = {"cpu": reference_api.quantize_weight}  # the unpatched quantizers (the fixture counts calls)
+_QUANTIZE = {"cpu": reference_backend.quantize_weight}  # the unpatched quantizers (the fixture counts calls)
 if HAS_HOPPER:
-    from moegemm import cuda_ops
+    from moegemm.backends import cuda as cuda_ops
 
     _QUANTIZE["cuda"] = cuda_ops.quantize_weight
 
@@ -59,7 +60,7 @@ def quant(monkeypatch):
             return fn(w)
         return wrapped
 
-    monkeypatch.setattr(reference_api, "quantize_weight", counting(reference_api.quantize_weight, "cache"))
+    monkeypatch.setattr(reference_backend, "quantize_weight", counting(reference_backend.quantize_weight, "cache"))
     monkeypatch.setattr(reference, "quantize_weight", counting(reference.quantize_weight, "op"))
     if HAS_HOPPER:
         monkeypatch.setattr(cuda_ops, "quantize_weight", counting(cuda_ops.quantize_weight, "cache"))
@@ -364,8 +365,8 @@ def test_deepcopy_and_pickle_start_empty():
 # ----------------------------------------------------------------------------------------- torch.compile
 def test_torch_compile_bypasses_the_cache(quant):
     """Under torch.compile the weights are quantized inside the traced call, whatever the flag; the
-    eager cache is left alone. (The reference path is not fullgraph-traceable: graph breaks in the op;
-    fullgraph=True on the CUDA path is tested in test_cuda_mlp.py and below.)"""
+    eager cache is left alone. (fullgraph=True: on the reference path in test_compile_cpu.py, on the CUDA
+    path in test_cuda_mlp.py and below.)"""
     torch._dynamo.reset()
     m = make_mlp("cpu")
     x, s, p, dy = batch("cpu")

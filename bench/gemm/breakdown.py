@@ -1,5 +1,5 @@
 """Each FP8 grouped GEMM of the expert MLP (fc1/fc2 fprop, dgrad, wgrad) timed alone against its
-roofline, on the benchmark's model shapes (moegemm/workloads.py; Zipf and balanced splits), the
+roofline, on the benchmark's model shapes (bench/workloads.py; Zipf and balanced splits), the
 small-experts workload and issue 6's two GEMM shapes: where the GEMM time of the MLP goes, and how far
 each GEMM is from its floor.
 

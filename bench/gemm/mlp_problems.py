@@ -1,6 +1,6 @@
 """The grouped GEMMs of a SwiGLU expert MLP on fixed FP8 operands (fc1/fc2 fprop, dgrad, wgrad with bf16
 output and with fp32 accumulation), built with moegemm's own quantization, for every benchmark point
-(the model shapes of moegemm/workloads.py with Zipf and balanced splits, the small-experts workload, issue
+(the model shapes of bench/workloads.py with Zipf and balanced splits, the small-experts workload, issue
 6's two GEMM shapes); each GEMM's roofline, and the timing the GEMM tools share. Importing this module
 builds or loads moegemm's extension: the tools import it after their machine check."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from moegemm import cuda_ops as ops
-from moegemm.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
+from moegemm.backends import cuda as ops
+from bench.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
 
 from bench.suite.measure import measure_ceilings, time_op
 

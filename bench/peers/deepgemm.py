@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     require_cuda_gpu(PROG, hopper=True)
     require_cuda_toolkit(PROG)
     import torch
-    from moegemm.workloads import SHAPES, SMALL_EXPERTS, zipf_splits
+    from bench.workloads import SHAPES, SMALL_EXPERTS, zipf_splits
 
     root = Path(args.root)
     try:

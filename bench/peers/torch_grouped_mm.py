@@ -5,7 +5,7 @@ plus the FP8 "GEMM only" fc1 row (operands quantized beforehand)."""
 from __future__ import annotations
 
 import torch
-from moegemm.workloads import TorchGroupedLinearBF16
+from bench.workloads import TorchGroupedLinearBF16
 
 from bench.peers.interface import MLPImpl, offsets, swiglu_probs
 

@@ -41,7 +41,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"  # the committed resul
 
 
 def make_cfg(args) -> dict:
-    from moegemm.workloads import GEMM_SHAPES, SHAPES
+    from bench.workloads import GEMM_SHAPES, SHAPES
 
     from bench.suite.runner import JITTER_SHAPE, SWEEP_E, SWEEP_SHAPE
 

@@ -11,8 +11,8 @@ import argparse
 
 import moegemm
 import torch
-from moegemm import _validate, backend
-from moegemm.workloads import zipf_splits
+from moegemm import _validate, backends as backend
+from bench.workloads import zipf_splits
 
 from bench.preflight import require_cuda_gpu
 from bench.suite.measure import host_overhead

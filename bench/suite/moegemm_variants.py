@@ -14,12 +14,12 @@ _MOEGEMM: list = []  # moegemm and its cuda_ops, once imported
 
 def load(key):
     import moegemm
-    from moegemm import backend
+    from moegemm import backends as backend
 
     if not backend.uses_cuda(torch.device(DEV)):
         raise RuntimeError("moegemm would run its plain-PyTorch reference path here "
                            "(no Hopper GPU or MOEGEMM_BACKEND=reference)")
-    from moegemm import cuda_ops  # builds / loads the extension
+    from moegemm.backends import cuda as cuda_ops  # builds / loads the extension
 
     _MOEGEMM[:] = [moegemm, cuda_ops]
 

@@ -1,5 +1,5 @@
 """Where the time goes: GPU kernel time of one expert-MLP (SwiGLU, probs) forward+backward per kernel
-family, from torch.profiler, for the benchmark's model shapes (moegemm/workloads.py).
+family, from torch.profiler, for the benchmark's model shapes (bench/workloads.py).
 
     python -m bench.suite.profile_mlp [--recipe fp8_blockwise] [--shapes DeepSeek-V2-Lite ...]
 """
@@ -11,7 +11,7 @@ import collections
 
 import moegemm
 import torch
-from moegemm.workloads import SHAPES, zipf_splits
+from bench.workloads import SHAPES, zipf_splits
 
 from bench.preflight import require_cuda_gpu
 

@@ -3,11 +3,11 @@ accuracy, host sweep, jitter), the grouped-GEMM targets table and the summary; n
 
 from __future__ import annotations
 
-from moegemm.workloads import SHAPES
+from bench.workloads import SHAPES
 
 from bench.suite.variants import BASELINE, VBY
 
-# Issue 6: TFLOP/s targets of the grouped-GEMM problems (moegemm.workloads.GEMM_SHAPES), fc1 forward.
+# Issue 6: TFLOP/s targets of the grouped-GEMM problems (bench.workloads.GEMM_SHAPES), fc1 forward.
 GEMM_TARGETS = {"GEMM 4x8192 N=4096 K=7168": 1300.0, "GEMM 64x2304 N=2816 K=2048": 1100.0}
 
 

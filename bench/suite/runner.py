@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from moegemm.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
+from bench.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
 
 from bench.suite import plot
 from bench.suite.cases import Case, mlp_errors, reference, rel_err

@@ -1,24 +1,31 @@
 // The grouped linear layer y[t] = x[t] · weight[e(t)]ᵀ (+ bias[e(t)]): one entry per direction.
 //
-// Saved for backward (a list whose length depends on the recipe only; [0] placeholders where a part is
-// not needed):
-//   fp8_blockwise: [qxT, sxT, qwT, swT] — x's per-expert column copy (wgrad) and Wᵀ's copy (dgrad);
-//   bf16:          [w_bf16] — the bf16 copy of an fp32 weight (dgrad); backward reads x and a bf16
+// Saved for backward (a list whose slots depend on the recipe only, named in moegemm/backends/contract.py;
+// [0] placeholders where a part is not needed):
+//   fp8_blockwise: qxT, sxT — x's per-expert column copy (wgrad); qwT, swT — Wᵀ's copy (dgrad);
+//   bf16:          w_bf16 — the bf16 copy of an fp32 weight (dgrad); backward reads x and a bf16
 //                  weight from its own arguments.
 // An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fprop reads it as it is, and its column
 // copy for wgrad is made from it (requantize_cols).
 // With defer_wgrad the backward computes dx and db only; the weight gradient is left to linear_wgrad over
-// [qdyT, sdyT, qxT, sxT] (fp8) or [dy, x] (bf16). Of these, backward returns the ones it made (made0, made1:
-// fp8 qdyT, sdyT; bf16 none); the caller keeps the others (outputs of an op never alias its inputs).
+// wgrad_operands fp8 (qdyT, sdyT, qxT, sxT) or bf16 (dy, x). Of these, backward returns the ones it made
+// (the made slots: fp8 qdyT, sdyT; bf16 none); the caller keeps the others (outputs of an op never alias
+// its inputs).
 #include <c10/core/DeviceGuard.h>
 
+#include <array>
+
+#include "api/layer_contract.h"
 #include "api/layer_inputs.h"
 #include "api/layers.h"
 
 namespace moegemm::api {
 
 namespace {
-constexpr size_t kFp8Saved = 4, kBf16Saved = 1, kFp8Weight = 4;
+namespace saved_fp8 = contract::linear::saved_fp8;
+namespace saved_bf16 = contract::linear::saved_bf16;
+namespace made_fp8 = contract::linear::made_fp8;
+constexpr size_t kFp8Weight = contract::linear::fp8_weights::kCount;
 
 // The weight's FP8 copies given by the caller (quantize_weight's four tensors, kept across calls) as the
 // list fp8_weight_input reads, or an empty list (None or []): then the forward quantizes the weight itself.
@@ -42,8 +49,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   const c10::List<std::optional<Tensor>> fp8_weight = fp8_weight_list(fp8_weight_in, recipe);
   const bool weight_given = fp8_weight.size() == kFp8Weight;
   const bool fp8_x = x_scales.has_value();
-  TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
-  const Quantized given = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
+  const Quantized given = fp8_x ? fp8_x_input(x_in, *x_scales, recipe) : Quantized{};
   const Tensor x = fp8_x ? given.q : x_input(x_in, "x");
   check_weight(weight, "weight", x);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2), T = x.size(0);
@@ -56,17 +62,22 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   if (recipe == Recipe::kFp8Blockwise) {
     Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw)
                          : run_quantize_act(x, DType::kBF16, plan, true, need_dw);
-    Quantized qw = weight_given ? fp8_weight_input(fp8_weight, 0, kLinearFp8Names, E, N, K, need_dx, x)
+    Quantized qw = weight_given ? fp8_weight_input(fp8_weight, contract::linear::fp8_weights::kWeight, kLinearFp8Names,
+                                                   E, N, K, need_dx, x)
                                 : run_quantize_weight(weight_input(weight), to_dtype(weight, "weight"));
     y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
     const bool keep_wT = need_dx && !weight_given;
-    saved = {qx.qT, qx.sT, keep_wT ? qw.qT : none_like(x, at::kFloat8_e4m3fn), keep_wT ? qw.sT : none_like(x, at::kFloat)};
+    saved.resize(saved_fp8::kCount);
+    saved[saved_fp8::kQxT] = qx.qT, saved[saved_fp8::kSxT] = qx.sT;
+    saved[saved_fp8::kQwT] = keep_wT ? qw.qT : none_like(x, at::kFloat8_e4m3fn);
+    saved[saved_fp8::kSwT] = keep_wT ? qw.sT : none_like(x, at::kFloat);
   } else {
     const Tensor w = weight_bf16(weight);
     y = run_gemm_bf16_ragged_m(x, w, plan, false);
-    saved = {need_dx && weight.scalar_type() != at::kBFloat16 ? w : none_like(x, at::kBFloat16)};
+    saved.resize(saved_bf16::kCount);
+    saved[saved_bf16::kWBf16] = need_dx && weight.scalar_type() != at::kBFloat16 ? w : none_like(x, at::kBFloat16);
   }
   if (bias.defined()) run_add_bias(y, bias, plan);
   return {y, plan, saved};
@@ -89,39 +100,43 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
   c10::DeviceGuard guard(dy.device());
   Tensor dx = none_like(dy, at::kBFloat16), dw = none_like(dy, wgrad_dtype(weight)), db = none_like(dy, at::kFloat);
   const bool fp8 = recipe == Recipe::kFp8Blockwise;
-  Tensor made0 = none_like(dy, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16), made1 = none_like(dy, fp8 ? at::kFloat : at::kBFloat16);
+  std::array<Tensor, contract::linear::kMadeCount> made;  // [0] placeholders until made (bf16 makes none)
   if (fp8) {
-    TORCH_CHECK(saved.size() == kFp8Saved, "moegemm: saved must hold ", num(kFp8Saved), " tensors, got ", num(saved.size()));
+    made[made_fp8::kQdyT] = none_like(dy, at::kFloat8_e4m3fn), made[made_fp8::kSdyT] = none_like(dy, at::kFloat);
+    TORCH_CHECK(saved.size() == saved_fp8::kCount, "moegemm: saved must hold ", num(saved_fp8::kCount), " tensors, got ",
+                num(saved.size()));
     if (need_dx || need_dw) {
       Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_dx, need_dw);
       if (need_dx) {
         Quantized wT;
         if (weight_given) {
-          wT = fp8_weight_input(fp8_weight, 0, kLinearFp8Names, E, N, K, true, dy);
+          wT = fp8_weight_input(fp8_weight, contract::linear::fp8_weights::kWeight, kLinearFp8Names, E, N, K, true, dy);
         } else {
           const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
-          check_tensor(saved[2], "saved qwT", at::kFloat8_e4m3fn, {E, K, N}, dy);
-          check_tensor(saved[3], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
-          wT.qT = aligned(saved[2]), wT.sT = aligned(saved[3]);
+          check_tensor(saved[saved_fp8::kQwT], "saved qwT", at::kFloat8_e4m3fn, {E, K, N}, dy);
+          check_tensor(saved[saved_fp8::kSwT], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
+          wT.qT = aligned(saved[saved_fp8::kQwT]), wT.sT = aligned(saved[saved_fp8::kSwT]);
         }
         dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, wT.qT, wT.sT, plan);
       }
       if (need_dw) {
-        check_tensor(saved[0], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);
-        check_tensor(saved[1], "saved sxT", at::kFloat, {block_capacity(T, E), K}, dy);
-        const Tensor qxT = aligned(saved[0]), sxT = aligned(saved[1]);
-        if (defer) made0 = qdy.qT, made1 = qdy.sT;
+        check_tensor(saved[saved_fp8::kQxT], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);
+        check_tensor(saved[saved_fp8::kSxT], "saved sxT", at::kFloat, {block_capacity(T, E), K}, dy);
+        const Tensor qxT = aligned(saved[saved_fp8::kQxT]), sxT = aligned(saved[saved_fp8::kSxT]);
+        if (defer) made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
         if (!defer) dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qxT, sxT, plan, out, accumulate);
         });
       }
     }
   } else {
-    TORCH_CHECK(saved.size() == kBf16Saved, "moegemm: saved must hold ", num(kBf16Saved), " tensor, got ", num(saved.size()));
+    for (Tensor& t : made) t = none_like(dy, at::kBFloat16);
+    TORCH_CHECK(saved.size() == saved_bf16::kCount, "moegemm: saved must hold ", num(saved_bf16::kCount), " tensor, got ",
+                num(saved.size()));
     if (need_dx) {
       const bool kept = weight.scalar_type() != at::kBFloat16;  // forward saved the bf16 copy of an fp32 weight
-      if (kept) check_tensor(saved[0], "saved w_bf16", at::kBFloat16, {E, N, K}, dy);
-      dx = run_gemm_bf16_ragged_m(dy, kept ? aligned(saved[0]) : weight_bf16(weight), plan, true);
+      if (kept) check_tensor(saved[saved_bf16::kWBf16], "saved w_bf16", at::kBFloat16, {E, N, K}, dy);
+      dx = run_gemm_bf16_ragged_m(dy, kept ? aligned(saved[saved_bf16::kWBf16]) : weight_bf16(weight), plan, true);
     }
     if (need_dw) {
       TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's weight gradient needs x");
@@ -133,7 +148,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     }
   }
   if (need_db) db = run_bias_grad(dy, plan);
-  return {dx, dw, db, made0, made1};
+  return {dx, dw, db, made[0], made[1]};
 }
 
 Tensor linear_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& weight,
@@ -142,12 +157,14 @@ Tensor linear_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& w
   TORCH_CHECK(plan.is_cuda(), "moegemm: plan must be a CUDA tensor, got one on ", plan.device().str());
   check_weight(weight, "weight", plan);
   check_plan(plan, weight.size(0), plan);
-  TORCH_CHECK(operands.size() == wgrad_operand_count(recipe), "moegemm: wgrad_operands must hold ",
-              num(static_cast<int64_t>(wgrad_operand_count(recipe))), " tensors, got ",
-              num(static_cast<int64_t>(operands.size())));
+  const bool fp8 = recipe == Recipe::kFp8Blockwise;
+  const size_t count = fp8 ? contract::linear::wgrad_operands_fp8::kCount : contract::linear::wgrad_operands_bf16::kCount;
+  TORCH_CHECK(operands.size() == count, "moegemm: wgrad_operands must hold ", num(static_cast<int64_t>(count)),
+              " tensors, got ", num(static_cast<int64_t>(operands.size())));
   const Tensor main_grad = main_grad_input(main_grad_in, "main_grad", weight, plan);
   c10::DeviceGuard guard(plan.device());
-  return deferred_weight_grad(recipe, operands, 0, "wgrad_operands", weight, main_grad, plan);
+  const size_t first = fp8 ? contract::linear::wgrad_operands_fp8::kQdyT : contract::linear::wgrad_operands_bf16::kDy;
+  return deferred_weight_grad(recipe, operands, first, "wgrad_operands", weight, main_grad, plan);
 }
 
 }  // namespace moegemm::api

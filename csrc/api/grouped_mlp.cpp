@@ -2,23 +2,24 @@
 //
 // With fp8_blockwise the activation is fused with the FP8 quantization of its result (fc2's input and its
 // per-expert transposed copy for wgrad), and its backward with quantizing the gradient, so no bf16 copy
-// of the activation is written or saved. Saved for backward (only when `save`; [0] placeholders where a
-// part is not needed):
-//   fp8_blockwise: [qxT, sxT, h, qaT, saT, qw1T, sw1T, qw2T, sw2T] — the weights' transposed copies only
+// of the activation is written or saved. Saved for backward (only when `save`; the slots are named in
+// moegemm/backends/contract.py; [0] placeholders where a part is not needed):
+//   fp8_blockwise: qxT, sxT, h, qaT, saT, qw1T, sw1T, qw2T, sw2T — the weights' transposed copies only
 //                  when quantized here (pre-quantized weights come back through fp8_weights);
-//   bf16:          [h, a, w1_bf16, w2_bf16] — the bf16 copies only of fp32 weights.
+//   bf16:          h, a, w1_bf16, w2_bf16 — the bf16 copies only of fp32 weights.
 // The backward entry drops each after its last use, and with release_saved (eager autograd hands the
 // list over) frees its memory right there: peak memory, as the order below is laid out for.
 // An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fc1 reads it as it is, and its column
 // copy for wgrad is made from it (requantize_cols).
 // With defer_wgrad the backward computes dx, the bias and probs gradients only; the weight gradients are
-// left to mlp_wgrad over [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT] (fp8) or [dy, a, dh, x] (bf16). Of
-// these, backward returns the ones it made (made0..3: fp8 qdyT, sdyT, qdhT, sdhT, bf16 dh; [0]
-// where not needed); the caller keeps the saved ones, which this entry then never frees.
+// left to mlp_wgrad over wgrad_operands fp8 (qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT) or bf16 (dy, a,
+// dh, x). Of these, backward returns the ones it made (the made slots: fp8 qdyT, sdyT, qdhT, sdhT, bf16
+// dh; [0] where not needed); the caller keeps the saved ones, which this entry then never frees.
 #include <c10/core/DeviceGuard.h>
 
 #include <array>
 
+#include "api/layer_contract.h"
 #include "api/layer_inputs.h"
 #include "api/layers.h"
 
@@ -26,9 +27,12 @@ namespace moegemm::api {
 
 namespace {
 
-constexpr size_t kFp8Saved = 9, kBf16Saved = 4, kFp8Weights = 8;
-enum Fp8Slot : size_t { kQxT, kSxT, kH, kQaT, kSaT, kQw1T, kSw1T, kQw2T, kSw2T };
-enum Bf16Slot : size_t { kBH, kBA, kW1, kW2 };
+namespace fp8 = contract::mlp::saved_fp8;
+namespace bf16 = contract::mlp::saved_bf16;
+namespace made_fp8 = contract::mlp::made_fp8;
+namespace made_bf16 = contract::mlp::made_bf16;
+namespace fp8_weights_of = contract::mlp::fp8_weights;
+constexpr size_t kFp8Weights = fp8_weights_of::kCount;
 
 // The shapes every MLP entry agrees on: x [T, H], fc1 [E, F1, H], fc2 [E, H, F] with F1 = 2F for GLU.
 struct MlpShape {
@@ -57,13 +61,13 @@ bool pre_quantized(const c10::List<std::optional<Tensor>>& fp8_weights) {
 Quantized fc1_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
                   const Tensor& like) {
   if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc1_weight"));
-  return fp8_weight_input(fp8_weights, 0, kFc1Fp8Names, s.E, s.F1, s.H, transposed, like);
+  return fp8_weight_input(fp8_weights, fp8_weights_of::kFc1Weight, kFc1Fp8Names, s.E, s.F1, s.H, transposed, like);
 }
 
 Quantized fc2_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
                   const Tensor& like) {
   if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc2_weight"));
-  return fp8_weight_input(fp8_weights, 4, kFc2Fp8Names, s.E, s.H, s.F, transposed, like);
+  return fp8_weight_input(fp8_weights, fp8_weights_of::kFc2Weight, kFc2Fp8Names, s.E, s.H, s.F, transposed, like);
 }
 
 Tensor dprobs_of(const Tensor& partial, bool wanted, const Tensor& like) {
@@ -80,8 +84,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   const Recipe recipe = to_recipe(recipe_id);
   const Activation act = to_activation(activation);
   const bool fp8_x = x_scales.has_value();
-  TORCH_CHECK(!fp8_x || recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
-  const Quantized given_x = fp8_x ? fp8_x_input(x_in, *x_scales) : Quantized{};
+  const Quantized given_x = fp8_x ? fp8_x_input(x_in, *x_scales, recipe) : Quantized{};
   const Tensor x = fp8_x ? given_x.q : x_input(x_in, "x");
   const MlpShape s = check_mlp_weights(fc1_weight, fc2_weight, act, x.size(0), x);
   TORCH_CHECK(x.size(1) == s.H, "moegemm: x.shape[1] must equal fc1_weight.shape[2] = ", num(s.H), ", got ", num(x.size(1)));
@@ -109,8 +112,11 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
       // a fresh empty tensor per unused slot: outputs of an op may not alias each other
       auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };
       auto none32 = [&] { return none_like(x, at::kFloat); };
-      saved = {qx.qT, qx.sT, h, qa.qT, qa.sT, given ? none8() : qw1.qT, given ? none32() : qw1.sT,
-               given ? none8() : qw2.qT, given ? none32() : qw2.sT};
+      saved.resize(fp8::kCount);
+      saved[fp8::kQxT] = qx.qT, saved[fp8::kSxT] = qx.sT, saved[fp8::kH] = h;
+      saved[fp8::kQaT] = qa.qT, saved[fp8::kSaT] = qa.sT;
+      saved[fp8::kQw1T] = given ? none8() : qw1.qT, saved[fp8::kSw1T] = given ? none32() : qw1.sT;
+      saved[fp8::kQw2T] = given ? none8() : qw2.qT, saved[fp8::kSw2T] = given ? none32() : qw2.sT;
     }
   } else {
     const Tensor w1 = weight_bf16(fc1_weight);
@@ -121,8 +127,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     y = run_gemm_bf16_ragged_m(a, w2, plan, false);
     if (save) {
       auto none = [&] { return none_like(x, at::kBFloat16); };  // one fresh empty tensor per unused slot
-      saved = {h, a, fc1_weight.scalar_type() == at::kBFloat16 ? none() : w1,
-               fc2_weight.scalar_type() == at::kBFloat16 ? none() : w2};
+      saved.resize(bf16::kCount);
+      saved[bf16::kH] = h, saved[bf16::kA] = a;
+      saved[bf16::kW1Bf16] = fc1_weight.scalar_type() == at::kBFloat16 ? none() : w1;
+      saved[bf16::kW2Bf16] = fc2_weight.scalar_type() == at::kBFloat16 ? none() : w2;
     }
   }
   if (b2.defined()) run_add_bias(y, b2, plan);
@@ -153,38 +161,43 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   std::vector<Tensor> saved(saved_in.begin(), saved_in.end());
   // Drops a tensor after its last use; frees its memory now if it is one of the saved tensors handed over.
   auto drop_saved = [&](size_t slot) { release(saved[slot], release_saved); };
-  // defer: the wgrad operands made here (fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh), each a [0] placeholder until
-  // it is known; four slots whatever the mode.
-  std::array<Tensor, 4> operands;
-  for (size_t i = 0; i < 4; ++i)
-    operands[i] = none_like(dy, recipe == Recipe::kBf16 ? at::kBFloat16 : (i % 2 ? at::kFloat : at::kFloat8_e4m3fn));
+  // defer: the wgrad operands made here (the made slots: fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh), each a [0]
+  // placeholder until it is known; kMadeCount slots whatever the mode (bf16 placeholders past bf16's one).
+  std::array<Tensor, contract::mlp::kMadeCount> made;
+  if (recipe == Recipe::kBf16) {
+    for (Tensor& t : made) t = none_like(dy, at::kBFloat16);
+  } else {
+    made[made_fp8::kQdyT] = none_like(dy, at::kFloat8_e4m3fn), made[made_fp8::kSdyT] = none_like(dy, at::kFloat);
+    made[made_fp8::kQdhT] = none_like(dy, at::kFloat8_e4m3fn), made[made_fp8::kSdhT] = none_like(dy, at::kFloat);
+  }
   // A saved tensor that the deferred wgrad needs (the caller keeps it): dropped here, never freed.
   auto keep = [&](size_t slot) { saved[slot].reset(); };
   Tensor dx = none_like(dy, at::kBFloat16), dw1 = none_like(dy, wgrad_dtype(fc1_weight));
   Tensor dw2 = none_like(dy, wgrad_dtype(fc2_weight)), db1 = none_like(dy, at::kFloat), dprobs = none_like(dy, at::kFloat);
   if (recipe == Recipe::kFp8Blockwise) {
-    TORCH_CHECK(saved.size() == kFp8Saved, "moegemm: saved must hold ", num(kFp8Saved), " tensors, got ", num(saved.size()));
+    TORCH_CHECK(saved.size() == fp8::kCount, "moegemm: saved must hold ", num(fp8::kCount), " tensors, got ", num(saved.size()));
     if (need_dw1) {
-      check_tensor(saved[kQxT], "saved qxT", at::kFloat8_e4m3fn, {s.H, col_capacity(T, s.E)}, dy);
-      check_tensor(saved[kSxT], "saved sxT", at::kFloat, {block_capacity(T, s.E), s.H}, dy);
+      check_tensor(saved[fp8::kQxT], "saved qxT", at::kFloat8_e4m3fn, {s.H, col_capacity(T, s.E)}, dy);
+      check_tensor(saved[fp8::kSxT], "saved sxT", at::kFloat, {block_capacity(T, s.E), s.H}, dy);
     }
-    if (need_da) check_tensor(saved[kH], "saved h", at::kBFloat16, {T, s.F1}, dy);
+    if (need_da) check_tensor(saved[fp8::kH], "saved h", at::kBFloat16, {T, s.F1}, dy);
     if (need_dw2) {
-      check_tensor(saved[kQaT], "saved qaT", at::kFloat8_e4m3fn, {s.F, col_capacity(T, s.E)}, dy);
-      check_tensor(saved[kSaT], "saved saT", at::kFloat, {block_capacity(T, s.E), s.F}, dy);
+      check_tensor(saved[fp8::kQaT], "saved qaT", at::kFloat8_e4m3fn, {s.F, col_capacity(T, s.E)}, dy);
+      check_tensor(saved[fp8::kSaT], "saved saT", at::kFloat, {block_capacity(T, s.E), s.F}, dy);
     }
     // Wᵀ copies: saved when quantized in forward, else the pre-quantized ones (never freed here).
     Quantized w1T, w2T;
     if (given) {
-      if (need_dx) w1T = fp8_weight_input(fp8_weights, 0, kFc1Fp8Names, s.E, s.F1, s.H, true, dy);
-      if (need_da) w2T = fp8_weight_input(fp8_weights, 4, kFc2Fp8Names, s.E, s.H, s.F, true, dy);
+      if (need_dx) w1T = fp8_weight_input(fp8_weights, fp8_weights_of::kFc1Weight, kFc1Fp8Names, s.E, s.F1, s.H, true, dy);
+      if (need_da) w2T = fp8_weight_input(fp8_weights, fp8_weights_of::kFc2Weight, kFc2Fp8Names, s.E, s.H, s.F, true, dy);
     } else {
       const int64_t Hb = ceil_div(s.H, kBlock), Fb = ceil_div(s.F, kBlock), F1b = ceil_div(s.F1, kBlock);
-      if (need_dx) check_tensor(saved[kQw1T], "saved qw1T", at::kFloat8_e4m3fn, {s.E, s.H, s.F1}, dy);
-      if (need_dx) check_tensor(saved[kSw1T], "saved sw1T", at::kFloat, {s.E, Hb, F1b}, dy);
-      if (need_da) check_tensor(saved[kQw2T], "saved qw2T", at::kFloat8_e4m3fn, {s.E, s.F, s.H}, dy);
-      if (need_da) check_tensor(saved[kSw2T], "saved sw2T", at::kFloat, {s.E, Fb, Hb}, dy);
-      w1T.qT = aligned(saved[kQw1T]), w1T.sT = aligned(saved[kSw1T]), w2T.qT = aligned(saved[kQw2T]), w2T.sT = aligned(saved[kSw2T]);
+      if (need_dx) check_tensor(saved[fp8::kQw1T], "saved qw1T", at::kFloat8_e4m3fn, {s.E, s.H, s.F1}, dy);
+      if (need_dx) check_tensor(saved[fp8::kSw1T], "saved sw1T", at::kFloat, {s.E, Hb, F1b}, dy);
+      if (need_da) check_tensor(saved[fp8::kQw2T], "saved qw2T", at::kFloat8_e4m3fn, {s.E, s.F, s.H}, dy);
+      if (need_da) check_tensor(saved[fp8::kSw2T], "saved sw2T", at::kFloat, {s.E, Fb, Hb}, dy);
+      w1T.qT = aligned(saved[fp8::kQw1T]), w1T.sT = aligned(saved[fp8::kSw1T]);
+      w2T.qT = aligned(saved[fp8::kQw2T]), w2T.sT = aligned(saved[fp8::kSw2T]);
     }
     auto drop_weight = [&](Tensor& t, size_t slot) {
       t.reset();
@@ -192,19 +205,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     };
     Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2);
     if (need_dw2 && defer) {
-      operands[0] = qdy.qT, operands[1] = qdy.sT;
-      keep(kQaT), keep(kSaT);
+      made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
+      keep(fp8::kQaT), keep(fp8::kSaT);
     } else if (need_dw2) {
-      const Tensor qaT = aligned(saved[kQaT]), saT = aligned(saved[kSaT]);
+      const Tensor qaT = aligned(saved[fp8::kQaT]), saT = aligned(saved[fp8::kSaT]);
       dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
         run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qaT, saT, plan, out, accumulate);
       });
     }
-    qdy.qT.reset(), qdy.sT.reset(), drop_saved(kQaT), drop_saved(kSaT);
+    qdy.qT.reset(), qdy.sT.reset(), drop_saved(fp8::kQaT), drop_saved(fp8::kSaT);
     if (need_da) {
       Tensor da = run_gemm_fp8_ragged_m(qdy.q, qdy.s, w2T.qT, w2T.sT, plan);
-      qdy.q.reset(), qdy.s.reset(), drop_weight(w2T.qT, kQw2T), drop_weight(w2T.sT, kSw2T);
-      const Tensor h = aligned(saved[kH]);
+      qdy.q.reset(), qdy.s.reset(), drop_weight(w2T.qT, fp8::kQw2T), drop_weight(w2T.sT, fp8::kSw2T);
+      const Tensor h = aligned(saved[fp8::kH]);
       Tensor partial;
       Quantized qdh = run_act_backward_quantize(da, h, probs, act, plan, need_dx, need_dw1, partial);
       // fc1's bias gradient needs dh itself (in bf16), which the fused kernel only quantizes.
@@ -212,14 +225,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
         Tensor unused_partial;
         db1 = run_bias_grad(run_act_backward_bf16(da, h, probs, act, unused_partial), plan);
       }
-      da.reset(), drop_saved(kH);
+      da.reset(), drop_saved(fp8::kH);
       if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
-      qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, kQw1T), drop_weight(w1T.sT, kSw1T);
+      qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, fp8::kQw1T), drop_weight(w1T.sT, fp8::kSw1T);
       if (need_dw1 && defer) {
-        operands[2] = qdh.qT, operands[3] = qdh.sT;
-        keep(kQxT), keep(kSxT);
+        made[made_fp8::kQdhT] = qdh.qT, made[made_fp8::kSdhT] = qdh.sT;
+        keep(fp8::kQxT), keep(fp8::kSxT);
       } else if (need_dw1) {
-        const Tensor qxT = aligned(saved[kQxT]), sxT = aligned(saved[kSxT]);
+        const Tensor qxT = aligned(saved[fp8::kQxT]), sxT = aligned(saved[fp8::kSxT]);
         dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_fp8_ragged_k(qdh.qT, qdh.sT, qxT, sxT, plan, out, accumulate);
         });
@@ -227,18 +240,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       dprobs = dprobs_of(partial, need_dprobs, dy);
     }
   } else {
-    TORCH_CHECK(saved.size() == kBf16Saved, "moegemm: saved must hold ", num(kBf16Saved), " tensors, got ", num(saved.size()));
-    if (need_da) check_tensor(saved[kBH], "saved h", at::kBFloat16, {T, s.F1}, dy);
-    if (need_dw2) check_tensor(saved[kBA], "saved a", at::kBFloat16, {T, s.F}, dy);
+    TORCH_CHECK(saved.size() == bf16::kCount, "moegemm: saved must hold ", num(bf16::kCount), " tensors, got ", num(saved.size()));
+    if (need_da) check_tensor(saved[bf16::kH], "saved h", at::kBFloat16, {T, s.F1}, dy);
+    if (need_dw2) check_tensor(saved[bf16::kA], "saved a", at::kBFloat16, {T, s.F}, dy);
     if (need_dw2 && defer) {
-      keep(kBA);
+      keep(bf16::kA);
     } else if (need_dw2) {
-      const Tensor a = aligned(saved[kBA]);
+      const Tensor a = aligned(saved[bf16::kA]);
       dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
         run_gemm_bf16_wgrad(dy, a, plan, out, accumulate);
       });
     }
-    drop_saved(kBA);
+    drop_saved(bf16::kA);
     if (need_da) {
       // The bf16 copies of fp32 weights were saved; bf16 weights are read in place.
       auto bf16_weight = [&](const Tensor& w, size_t slot, const char* name) {
@@ -246,18 +259,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
         check_tensor(saved[slot], name, at::kBFloat16, {w.size(0), w.size(1), w.size(2)}, dy);
         return aligned(saved[slot]);
       };
-      Tensor da = run_gemm_bf16_ragged_m(dy, bf16_weight(fc2_weight, kW2, "saved w2_bf16"), plan, true);
-      drop_saved(kW2);
+      Tensor da = run_gemm_bf16_ragged_m(dy, bf16_weight(fc2_weight, bf16::kW2Bf16, "saved w2_bf16"), plan, true);
+      drop_saved(bf16::kW2Bf16);
       Tensor partial;
-      Tensor dh = run_act_backward_bf16(da, aligned(saved[kBH]), probs, act, partial);
-      da.reset(), drop_saved(kBH);
-      if (need_dx) dx = run_gemm_bf16_ragged_m(dh, bf16_weight(fc1_weight, kW1, "saved w1_bf16"), plan, true);
-      drop_saved(kW1);
+      Tensor dh = run_act_backward_bf16(da, aligned(saved[bf16::kH]), probs, act, partial);
+      da.reset(), drop_saved(bf16::kH);
+      if (need_dx) dx = run_gemm_bf16_ragged_m(dh, bf16_weight(fc1_weight, bf16::kW1Bf16, "saved w1_bf16"), plan, true);
+      drop_saved(bf16::kW1Bf16);
       if (need_dw1) {
         TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's fc1 weight gradient needs x");
         const Tensor x = x_input(*x_in, "x");
         TORCH_CHECK(x.size(0) == T && x.size(1) == s.H, "moegemm: x must be [", num(T), ", ", num(s.H), "], got ", shape(x));
-        if (defer) operands[0] = dh;
+        if (defer) made[made_bf16::kDh] = dh;
         if (!defer) dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
           run_gemm_bf16_wgrad(dh, x, plan, out, accumulate);
         });
@@ -267,7 +280,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     }
   }
   Tensor db2 = need_db2 ? run_bias_grad(dy, plan) : none_like(dy, at::kFloat);
-  return {dx, dw1, dw2, db1, db2, dprobs, operands[0], operands[1], operands[2], operands[3]};
+  return {dx, dw1, dw2, db1, db2, dprobs, made[0], made[1], made[2], made[3]};
 }
 
 std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& fc1_weight,
@@ -282,15 +295,20 @@ std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands
   TORCH_CHECK(fc2_weight.size(0) == E && fc2_weight.size(1) == fc1_weight.size(2), "moegemm: fc2_weight ",
               shape(fc2_weight), " does not match fc1_weight ", shape(fc1_weight));
   check_plan(plan, E, plan);
-  const size_t n = wgrad_operand_count(recipe);
-  TORCH_CHECK(operands.size() == 2 * n, "moegemm: wgrad_operands must hold ", num(static_cast<int64_t>(2 * n)),
+  // each weight's group of wgrad_operands starts at its gradient operand (fc2: dy's, fc1: dh's)
+  namespace ops_fp8 = contract::mlp::wgrad_operands_fp8;
+  namespace ops_bf16 = contract::mlp::wgrad_operands_bf16;
+  const bool fp8 = recipe == Recipe::kFp8Blockwise;
+  const size_t count = fp8 ? ops_fp8::kCount : ops_bf16::kCount;
+  const size_t fc2_first = fp8 ? ops_fp8::kQdyT : ops_bf16::kDy, fc1_first = fp8 ? ops_fp8::kQdhT : ops_bf16::kDh;
+  TORCH_CHECK(operands.size() == count, "moegemm: wgrad_operands must hold ", num(static_cast<int64_t>(count)),
               " tensors, got ", num(static_cast<int64_t>(operands.size())));
   const Tensor mg1 = need_dw1 ? main_grad_input(fc1_main_grad, "fc1_main_grad", fc1_weight, plan) : Tensor();
   const Tensor mg2 = need_dw2 ? main_grad_input(fc2_main_grad, "fc2_main_grad", fc2_weight, plan) : Tensor();
   c10::DeviceGuard guard(plan.device());
-  Tensor dw2 = need_dw2 ? deferred_weight_grad(recipe, operands, 0, "wgrad_operands (fc2)", fc2_weight, mg2, plan)
+  Tensor dw2 = need_dw2 ? deferred_weight_grad(recipe, operands, fc2_first, "wgrad_operands (fc2)", fc2_weight, mg2, plan)
                         : none_like(plan, wgrad_dtype(fc2_weight));
-  Tensor dw1 = need_dw1 ? deferred_weight_grad(recipe, operands, n, "wgrad_operands (fc1)", fc1_weight, mg1, plan)
+  Tensor dw1 = need_dw1 ? deferred_weight_grad(recipe, operands, fc1_first, "wgrad_operands (fc1)", fc1_weight, mg1, plan)
                         : none_like(plan, wgrad_dtype(fc1_weight));
   return {dw1, dw2};
 }

@@ -1,5 +1,7 @@
 #include "api/layer_inputs.h"
 
+#include "api/layer_contract.h"
+
 namespace moegemm::api {
 
 Tensor x_input(const Tensor& x, const char* name) { return input(x, name, at::kBFloat16, 2, x); }
@@ -81,7 +83,8 @@ Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t 
     std::optional<Tensor> t = list.get(first + i);
     return t.has_value() ? *t : Tensor();
   };
-  Quantized w{at_(0), at_(1), at_(2), at_(3)};
+  namespace part = contract::fp8_weight_part;
+  Quantized w{at_(part::kQ), at_(part::kS), at_(part::kQT), at_(part::kST)};
   const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
   check_tensor(w.q, names[0], at::kFloat8_e4m3fn, {E, N, K}, like);
   check_tensor(w.s, names[1], at::kFloat, {E, Nb, Kb}, like);
@@ -100,7 +103,8 @@ Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name,
   return *main_grad;
 }
 
-Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales) {
+Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe) {
+  TORCH_CHECK(recipe == Recipe::kFp8Blockwise, "moegemm: an FP8 x (x_scales given) needs the fp8_blockwise recipe");
   TORCH_CHECK(x.scalar_type() == at::kFloat8_e4m3fn, "moegemm: x given with x_scales must be float8_e4m3fn (the row copy of ",
               "quantize_act), got ", c10::toString(x.scalar_type()));
   const Tensor q = input(x, "x", at::kFloat8_e4m3fn, 2, x);

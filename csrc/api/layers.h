@@ -1,7 +1,8 @@
 // The layer entries: one op per layer and direction (registered in csrc/binding.cpp). Each checks its
 // tensors once, builds or reuses the plan, allocates from host-known sizes, launches the kernels of
 // csrc/moegemm.h in order on the current stream, and returns what autograd saves. Outputs not asked for
-// come back as [0] placeholders (the Python shells map them to None). No host sync anywhere.
+// come back as [0] placeholders (the Python shells map them to None). No host sync anywhere. The slots of
+// saved, made and wgrad_operands are declared by name in moegemm/backends/contract.py (api/layer_contract.h).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -21,7 +21,7 @@ require_cuda_gpu(PROG, hopper=True)
 import torch  # noqa: E402  (after the machine check)
 
 import moegemm  # noqa: E402
-from moegemm import cuda_ops  # noqa: E402, F401  (builds/loads the extension)
+from moegemm.backends import cuda as cuda_ops  # noqa: E402, F401  (builds/loads the extension)
 
 DEV = "cuda"
 I64_MAX, I64_MIN = 2 ** 63 - 1, -2 ** 63

@@ -20,7 +20,8 @@ require_cuda_gpu(PROG, hopper=True)
 import torch  # noqa: E402  (after the machine check)
 
 import moegemm  # noqa: E402
-from moegemm import cuda_ops, reference as ref  # noqa: E402
+from moegemm import reference as ref  # noqa: E402
+from moegemm.backends import cuda as cuda_ops  # noqa: E402
 
 torch.manual_seed(0)
 splits = [0, 17, 130, 1, 64]

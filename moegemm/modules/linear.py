@@ -2,73 +2,58 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import nn
 
-from ._validate import SplitsLike, check_recipe
-from .functional import WgradStore, grouped_linear
-from . import weight_cache
+from .._validate import SplitsLike, check_expert_dims
+from ..functional import grouped_linear
+from .base import ExpertLayer, init_uniform_
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(ExpertLayer, nn.Module):
     """Per-expert ``Linear(in_features, out_features)``; ``weight`` is ``[E, out, in]``.
 
     ``forward(x, m_splits)`` with ``x [T, in_features]`` sorted by expert (bf16, or an FP8 ``Fp8Rows``) and
     ``m_splits`` the tokens per expert (a device tensor is never read on the host).
     ``delay_wgrad_compute=True``: split backward; the weight gradient waits for ``backward_dw()``.
     FP8 weights (``fp8_blockwise``): the layer keeps the weight's FP8 copies (``W`` and ``Wᵀ``) and
-    re-quantizes them only when the weight changed, with GroupedMLP's rules (``weight_cache.py``):
+    re-quantizes them only when the weight changed (``ExpertLayer``; ``weight_cache.py`` has the rules):
     ``forward(..., is_first_microbatch=True)`` forces it, ``False`` reuses the copies unchecked, ``None``
     decides automatically; after a write through ``.data`` call ``moegemm.weights_changed()`` or
-    ``refresh_fp8_weights()``. ``fp8_weight_cache=False``: quantize inside every call."""
+    ``refresh_fp8_weights()``. ``fp8_weight_cache=False``: quantize inside every call. The sizes are
+    checked here, with grouped_linear's rules, before any memory is allocated."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
                  recipe: str = "fp8_blockwise", device=None, dtype=None, delay_wgrad_compute: bool = False,
                  fp8_weight_cache: bool = True):
+        check_expert_dims(num_experts, out_features, in_features)
         super().__init__()
-        weight_cache.attach(self, fp8_weight_cache)
-        self.delay_wgrad_compute = delay_wgrad_compute
-        self._wgrad_store = WgradStore()
+        self._init_expert_layer(recipe, fp8_weight_cache, delay_wgrad_compute)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
-        self.recipe = check_recipe(recipe)
         factory = {"device": device, "dtype": dtype if dtype is not None else torch.bfloat16}
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default, per expert
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
-            if self.bias is not None:
-                self.bias.uniform_(-bound, bound)
+        init_uniform_(self.weight, self.bias)
 
-    fp8_weight_cache = weight_cache.switch
+    def expert_weights(self) -> tuple:
+        return (self.weight,)
 
     def fp8_weight(self, is_first_microbatch: Optional[bool] = None):
         """The weight's FP8 copies for this call (None: quantize inside the call)."""
-        if self.recipe != "fp8_blockwise":
-            return None
-        copies = self._fp8_cache.get((self.weight,), is_first_microbatch)
+        copies = self.fp8_weights(is_first_microbatch)
         return copies[0] if copies is not None else None
-
-    def refresh_fp8_weights(self) -> None:
-        """Quantize the current weight into the FP8 cache now (after writes no check can see)."""
-        if self.recipe == "fp8_blockwise":
-            self._fp8_cache.refresh((self.weight,))
 
     def forward(self, x: torch.Tensor, m_splits: SplitsLike, check_splits: Optional[bool] = None,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        copies = self.fp8_weights(is_first_microbatch)
         return grouped_linear(x, self.weight, m_splits, self.bias, self.recipe, check_splits,
                               self._wgrad_store if self.delay_wgrad_compute else None,
-                              self.fp8_weight(is_first_microbatch))
-
-    def backward_dw(self) -> None:
-        """The weight gradients of every backward since the last call (delay_wgrad_compute)."""
-        self._wgrad_store.backward_dw()
+                              copies[0] if copies is not None else None)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "

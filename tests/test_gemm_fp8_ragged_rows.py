@@ -17,11 +17,13 @@ from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
+DEV = "cuda"
+KERNELS = {}  # test id -> (kernel, tiling) of torch.ops.moegemm.gemm_fp8_ragged_m
 if HAS_HOPPER:
     from moegemm.backends import cuda as cuda_ops
 
-DEV = "cuda"
-KERNELS = {"cutlass": (1, -1), "sm90_default": (2, -1), **{f"sm90_tiling{i}": (2, i) for i in range(4)}}
+    KERNELS = {"cutlass": (cuda_ops.GEMM_CUTLASS, -1), "sm90_default": (cuda_ops.GEMM_SM90, -1),
+               **{f"sm90_tiling{i}": (cuda_ops.GEMM_SM90, i) for i in range(cuda_ops.SM90_RAGGED_ROWS_TILINGS)}}
 
 
 def operands(T, E, N, K, gen):
@@ -35,6 +37,17 @@ def poisoned_call(fn, T, N):
     poison = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     del poison
     return fn()
+
+
+def test_tiling_table_size():
+    """SM90_RAGGED_ROWS_TILINGS is the size of heuristics.h's table: its last index runs, the next is refused."""
+    x, w = operands(64, 2, 128, 128, torch.Generator(device=DEV).manual_seed(1))
+    plan = cuda_ops.make_plan(torch.tensor([30, 34], device=DEV), 64)
+    qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
+    qw, sw, _, _ = cuda_ops.quantize_weight(w)
+    run(qx, sx, qw, sw, plan, (cuda_ops.GEMM_SM90, cuda_ops.SM90_RAGGED_ROWS_TILINGS - 1))
+    with pytest.raises(RuntimeError, match="tiling must be"):
+        run(qx, sx, qw, sw, plan, (cuda_ops.GEMM_SM90, cuda_ops.SM90_RAGGED_ROWS_TILINGS))
 
 
 def run(qa, sa, qb, sb, plan, kernel):
@@ -148,3 +161,13 @@ def test_past_int32_elements(kernel):
     a = qa[rows].double() * sa[rows].double().repeat_interleave(128, dim=1)
     b = qb[2].double() * sb[2].double().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:N, :K]
     assert rel(out[rows], a @ b.T) <= 2e-3
+
+
+def test_non_contiguous_operand_error_shows_strides():
+    x, w = operands(64, 2, 128, 256, torch.Generator(device=DEV).manual_seed(2))
+    plan = cuda_ops.make_plan(torch.tensor([30, 34], device=DEV), 64)
+    qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
+    qw, sw, _, _ = cuda_ops.quantize_weight(w)
+    wide = torch.empty(64, 512, device=DEV, dtype=qx.dtype)
+    with pytest.raises(RuntimeError, match=r"qa must be contiguous, got shape \[64, 256\] with strides \[512, 1\]"):
+        torch.ops.moegemm.gemm_fp8_ragged_m(wide[:, :256], sx, qw, sw, plan)

@@ -19,6 +19,12 @@ std::string shape(const Tensor& t) {
   return out + "]";
 }
 
+std::string strides(const Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.stride(i));
+  return out + "]";
+}
+
 cudaStream_t current_stream(const Tensor& t) {
   auto stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
   return static_cast<cudaStream_t>(stream.native_handle());
@@ -32,7 +38,7 @@ void check_placement(const Tensor& t, const char* name, int64_t dim, const Tenso
   TORCH_CHECK(t.is_cuda(), "moegemm: ", name, " must be a CUDA tensor, got one on ", t.device().str());
   TORCH_CHECK(t.device() == like.device(), "moegemm: ", name, " is on ", t.device().str(), ", expected ", like.device().str());
   TORCH_CHECK(t.dim() == dim, "moegemm: ", name, " must have ", num(dim), " dims, got shape ", shape(t));
-  TORCH_CHECK(t.is_contiguous(), "moegemm: ", name, " must be contiguous");
+  TORCH_CHECK(t.is_contiguous(), "moegemm: ", name, " must be contiguous, got shape ", shape(t), " with strides ", strides(t));
 }
 
 void check(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const Tensor& like) {

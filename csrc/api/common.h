@@ -25,6 +25,7 @@ Recipe to_recipe(int64_t recipe);
 
 std::string num(int64_t v);
 std::string shape(const Tensor& t);
+std::string strides(const Tensor& t);
 
 cudaStream_t current_stream(const Tensor& t);
 

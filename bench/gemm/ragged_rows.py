@@ -1,7 +1,8 @@
 """The FP8 ragged-row GEMM table (fprop and dgrad): moegemm's own sm90 kernel (each tiling of
 csrc/kernels/gemm/heuristics.h and the heuristic's choice), CUTLASS's ptr-array kernel and, when its source
 is carried (``bench/peers/deepgemm.py``), DeepGEMM's m-grouped contiguous GEMM, side by side in one run
-with the dense FP8 ceiling measured in the same run.
+with the benchmark's dense FP8 ceiling measured in the same run (bench/gemm/mlp_problems.py: the same
+ceiling and the same back-to-back timing as the other GEMM tools and the suite).
 
 Problems: DeepGEMM's six m-grouped shapes (groups x nominal rows, N, K; each group's rows uniform within
 ±30 % of the nominal) and the benchmark's model shapes (bench/workloads.py: fc1/fc2 fprop and dgrad, Zipf
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 
 from bench.preflight import require_cuda_gpu
 
@@ -65,34 +65,13 @@ def main() -> int:
     require_cuda_gpu(PROG, hopper=True)
     import torch
 
-    from moegemm.backends import cuda as ops  # builds / loads the extension
+    from bench.gemm.mlp_problems import ceilings, ops, time_ms  # builds / loads the extension
 
     iters = args.iters or (20 if args.quick else 50)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
-
-    def time_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-
-    # the dense FP8 ceiling of this run: torch._scaled_mm rowwise, 8192^3, fast accumulation
-    n = 8192
-    a8 = torch.randn(n, n, device=dev, generator=gen).to(torch.float8_e4m3fn)
-    b8 = torch.randn(n, n, device=dev, generator=gen).to(torch.float8_e4m3fn).t()
-    sa8, sb8 = torch.ones(n, 1, device=dev), torch.ones(1, n, device=dev)
-    ceiling = 2 * n**3 / time_ms(lambda: torch._scaled_mm(a8, b8, sa8, sb8, out_dtype=torch.bfloat16, use_fast_accum=True)) / 1e9
-    del a8, b8
-    print(f"dense FP8 ceiling (torch._scaled_mm rowwise 8192^3): {ceiling:.0f} TFLOP/s", flush=True)
+    ceiling_info = ceilings()
+    ceiling = ceiling_info["fp8_tflops"]
 
     dg = dg_peer = None
     if args.deepgemm:
@@ -119,7 +98,7 @@ def main() -> int:
         for v, kw in variants.items():
             out = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw).float()
             rec["rel_diff_vs_cutlass"][v] = ((out - base).norm() / base.norm().clamp_min(1e-30)).item()
-            rec["tflops"][v] = flops / time_ms(lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw)) / 1e9
+            rec["tflops"][v] = flops / time_ms(lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw), iters) / 1e9
         if dg:  # each group padded to 128 rows, as DeepGEMM requires
             padded = [-(-c // dg_peer.ALIGN) * dg_peer.ALIGN for c in splits]
             xp = torch.zeros(sum(padded), K, device=dev, dtype=torch.bfloat16)
@@ -133,7 +112,7 @@ def main() -> int:
             for e in range(E):
                 wq[e], ws[e] = dg_peer.quantize_blocks(w[e])
             call, _ = dg_peer.fprop(dg, xq, xs, wq, ws, padded)
-            rec["tflops"]["DeepGEMM"] = flops / time_ms(call) / 1e9
+            rec["tflops"]["DeepGEMM"] = flops / time_ms(call, iters) / 1e9
             del xp, xq, xs, wq, ws
         rows.append(rec)
         bad = {v: d for v, d in rec["rel_diff_vs_cutlass"].items() if d > 2e-3}
@@ -142,8 +121,11 @@ def main() -> int:
         del x, w, qx, sx, qw, sw, base, out
         torch.cuda.empty_cache()
 
-    md = [f"{torch.cuda.get_device_name()}; dense FP8 ceiling (torch._scaled_mm rowwise 8192³, same run): {ceiling:.0f} "
-          "TFLOP/s. TFLOP/s on real tokens (% of that ceiling).", "",
+    from bench.suite.meta import collect_meta
+
+    meta = collect_meta(args)
+    md = [f"{torch.cuda.get_device_name()}, commit {meta['git_commit']}, torch {torch.__version__}; dense FP8 ceiling ({ceiling_info['fp8_how']}, same run): {ceiling:.0f} "
+          f"TFLOP/s. TFLOP/s on real tokens (% of that ceiling); median of {iters} back-to-back calls.", "",
           "| problem | T | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for r in rows:
         md.append(f"| {r['problem']} | {r['T']} | "
@@ -152,7 +134,7 @@ def main() -> int:
     if args.md:
         open(args.md, "w").write("\n".join(md) + "\n")
     if args.json:
-        json.dump({"gpu": torch.cuda.get_device_name(), "ceiling_tflops": ceiling, "iters": iters, "rows": rows},
+        json.dump({"meta": meta, "gpu": torch.cuda.get_device_name(), "ceilings": ceiling_info, "iters": iters, "rows": rows},
                   open(args.json, "w"), indent=1)
     return 0
 

@@ -12,18 +12,19 @@ import pytest
 import torch
 
 from moegemm import reference as ref
+from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_ROWS_TILINGS
 
 from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
-DEV = "cuda"
-KERNELS = {}  # test id -> (kernel, tiling) of torch.ops.moegemm.gemm_fp8_ragged_m
 if HAS_HOPPER:
     from moegemm.backends import cuda as cuda_ops
 
-    KERNELS = {"cutlass": (cuda_ops.GEMM_CUTLASS, -1), "sm90_default": (cuda_ops.GEMM_SM90, -1),
-               **{f"sm90_tiling{i}": (cuda_ops.GEMM_SM90, i) for i in range(cuda_ops.SM90_RAGGED_ROWS_TILINGS)}}
+DEV = "cuda"
+# test id -> (kernel, tiling) of torch.ops.moegemm.gemm_fp8_ragged_m
+KERNELS = {"cutlass": (GEMM_CUTLASS, -1), "sm90_default": (GEMM_SM90, -1),
+           **{f"sm90_tiling{i}": (GEMM_SM90, i) for i in range(SM90_RAGGED_ROWS_TILINGS)}}
 
 
 def operands(T, E, N, K, gen):
@@ -45,9 +46,9 @@ def test_tiling_table_size():
     plan = cuda_ops.make_plan(torch.tensor([30, 34], device=DEV), 64)
     qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
     qw, sw, _, _ = cuda_ops.quantize_weight(w)
-    run(qx, sx, qw, sw, plan, (cuda_ops.GEMM_SM90, cuda_ops.SM90_RAGGED_ROWS_TILINGS - 1))
+    run(qx, sx, qw, sw, plan, (GEMM_SM90, SM90_RAGGED_ROWS_TILINGS - 1))
     with pytest.raises(RuntimeError, match="tiling must be"):
-        run(qx, sx, qw, sw, plan, (cuda_ops.GEMM_SM90, cuda_ops.SM90_RAGGED_ROWS_TILINGS))
+        run(qx, sx, qw, sw, plan, (GEMM_SM90, SM90_RAGGED_ROWS_TILINGS))
 
 
 def run(qa, sa, qb, sb, plan, kernel):

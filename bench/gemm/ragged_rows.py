@@ -79,9 +79,11 @@ def main() -> int:
 
         dg = dg_peer.load(dg_peer.build())
 
-    variants = {"CUTLASS": dict(kernel=1)}
-    variants.update({f"sm90 t{i}": dict(kernel=2, tiling=i) for i in range(args.tilings)})
-    variants["sm90"] = dict(kernel=2, tiling=-1)
+    from moegemm.layout import GEMM_CUTLASS, GEMM_SM90
+
+    variants = {"CUTLASS": dict(kernel=GEMM_CUTLASS)}
+    variants.update({f"sm90 t{i}": dict(kernel=GEMM_SM90, tiling=i) for i in range(args.tilings)})
+    variants["sm90"] = dict(kernel=GEMM_SM90, tiling=-1)
     cols = list(variants) + (["DeepGEMM"] if dg else [])
     rows = []
     print("TFLOP/s on real tokens\n" + f"{'problem':44s} {'T':>6s}" + "".join(f" {c:>9s}" for c in cols), flush=True)
@@ -94,7 +96,7 @@ def main() -> int:
         qw, sw, _, _ = ops.quantize_weight(w)
         flops = 2.0 * T * N * K
         rec = {"problem": label, "E": E, "T": T, "N": N, "K": K, "tflops": {}, "rel_diff_vs_cutlass": {}}
-        base = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, 1).float()
+        base = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, GEMM_CUTLASS).float()
         for v, kw in variants.items():
             out = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw).float()
             rec["rel_diff_vs_cutlass"][v] = ((out - base).norm() / base.norm().clamp_min(1e-30)).item()

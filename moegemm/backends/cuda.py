@@ -30,13 +30,6 @@ mlp_wgrad = _ops.mlp_wgrad.default
 
 
 # ----------------------------------------------------------------------------------------- primitives
-# The FP8 ragged-row GEMM's kernels (torch.ops.moegemm.gemm_fp8_ragged_m's `kernel`): the default choice,
-# CUTLASS's ptr-array kernel, moegemm's own sm90 kernel; and how many tilings the sm90 kernel is built with
-# (its `tiling` indexes csrc/kernels/gemm/heuristics.h's kRaggedRowsTilings; a GPU test holds the count).
-GEMM_DEFAULT, GEMM_CUTLASS, GEMM_SM90 = 0, 1, 2
-SM90_RAGGED_ROWS_TILINGS = 4
-
-
 def make_plan(m_splits: torch.Tensor, T: int) -> torch.Tensor:
     return _ops.make_plan(m_splits, T)
 

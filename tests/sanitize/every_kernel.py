@@ -22,6 +22,7 @@ import torch  # noqa: E402  (after the machine check)
 import moegemm  # noqa: E402
 from moegemm import reference as ref  # noqa: E402
 from moegemm.backends import cuda as cuda_ops  # noqa: E402
+from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_ROWS_TILINGS  # noqa: E402
 
 torch.manual_seed(0)
 splits = [0, 17, 130, 1, 64]
@@ -65,7 +66,7 @@ print("sanitize case ran every kernel")
 qx, sx, _, _ = cuda_ops.quantize_act(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), plan, cols=False)
 qw, sw, _, _ = cuda_ops.quantize_weight((torch.randn(E, N, K, device="cuda") * 0.05).to(torch.bfloat16))
 expect = ref.gemm_fp8_ragged_m(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
-for kernel, tiling in [(cuda_ops.GEMM_CUTLASS, -1)] + [(cuda_ops.GEMM_SM90, i) for i in range(cuda_ops.SM90_RAGGED_ROWS_TILINGS)]:
+for kernel, tiling in [(GEMM_CUTLASS, -1)] + [(GEMM_SM90, i) for i in range(SM90_RAGGED_ROWS_TILINGS)]:
     y = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, kernel, tiling)
     assert ((y.double() - expect).norm() / expect.norm()).item() < 2e-3, (kernel, tiling)
 torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""The standard MoE workloads of the benchmarks (SPEC §7): model shapes and token counts per expert
+"""The standard MoE workloads of the benchmarks (docs/design.md#performance-contract): model shapes and token counts per expert
 (Zipf-skewed with empty experts, or balanced), issue 6's two grouped-GEMM problems, and the torch bf16
 baseline they measure against (``torch._grouped_mm``). Deterministic for a given seed. (``python -m
 moegemm`` carries its own copy of the one shape, split and baseline it shows.)"""

@@ -93,7 +93,7 @@ void bias_grad(const void* dy_bf16, const int32_t* plan, int E, int64_t T, int64
 void sum_rows(const float* in, int64_t rows, int64_t cols, float* out, cudaStream_t stream);
 
 // Writes exact zeros into out[e] (bytes_per_expert bytes each) for every expert with no tokens (wgrad
-// of an empty expert gets no GEMM tiles, see SPEC §5).
+// of an empty expert gets no GEMM tiles, see docs/design.md#plan).
 // A plan that does not fit `limits` counts as the plan of no tokens: every out[e] is zeroed.
 void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t bytes_per_expert, void* out,
                         cudaStream_t stream);

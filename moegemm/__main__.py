@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import moegemm
 from moegemm import backends
 
-ERROR_BOUND = {"fp8_blockwise": 0.10, "bf16": 0.02}  # FP8 E4M3: ~3-5 % per GEMM (SPEC §4), ~6-7 % through the MLP
+ERROR_BOUND = {"fp8_blockwise": 0.10, "bf16": 0.02}  # FP8 E4M3: ~3-5 % per GEMM (docs/design.md#reference), ~6-7 % through the MLP
 DEEPSEEK_V2_LITE = (64, 2048, 1408, 24576)  # experts, hidden, ffn per expert, routed tokens
 SMALL_SHAPE = (8, 256, 128, 1000)  # the reference path's shape (plain PyTorch, slow)
 

@@ -1,4 +1,4 @@
-"""Input validation of SPEC §6, shared by the CUDA and the reference path, the functions and the layers.
+"""Input validation of docs/design.md#errors, shared by the CUDA and the reference path, the functions and the layers.
 
 Every check runs on the host before any kernel is launched and names the argument, the expected and the
 actual value. The layers (``GroupedLinear``, ``GroupedMLP``, the Megatron experts) check their sizes at

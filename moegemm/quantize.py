@@ -1,4 +1,4 @@
-"""Public entry points of the FP8 blockwise quantizers (SPEC §3), on whichever backend the tensor's
+"""Public entry points of the FP8 blockwise quantizers (docs/design.md#fp8-recipe), on whichever backend the tensor's
 device selects. Outputs use the canonical layouts described in ``reference.py``."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def quantize_weight(weight: torch.Tensor):
 
 class Fp8Rows(NamedTuple):
     """An FP8 activation as an FP8 dispatcher delivers it: ``q [T, K]`` float8_e4m3fn and its 1×128 row
-    scales ``s [T, ceil(K/128)]`` fp32 (quantize_act's row copy, SPEC §3), and ``grad_target``: the
+    scales ``s [T, ceil(K/128)]`` fp32 (quantize_act's row copy, docs/design.md#fp8-recipe), and ``grad_target``: the
     differentiable tensor ``[T, K]`` that receives the input gradient dx (bf16, cast to its dtype) in
     backward, or None (then no dx is computed). Pass it as ``x`` to grouped_linear / grouped_mlp /
     GroupedLinear / GroupedMLP / MoegemmExperts (fp8_blockwise only)."""

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of SPEC §2–§4: the oracle of every test and the CPU fallback.
+"""Plain-PyTorch reference of docs/design.md (operations, FP8 recipe, reference): the oracle of every test and the CPU fallback.
 
 Its primitives have the same canonical layouts as the CUDA extension's, so the CUDA outputs can be compared
 with it bitwise; ``moegemm/backends/reference.py`` builds the reference backend (the layer ops) from them:
@@ -14,7 +14,7 @@ with it bitwise; ``moegemm/backends/reference.py`` builds the reference backend 
 * weights: ``q [E, N, K]``, ``s [E, ceil(N/128), ceil(K/128)]``, plus the transposed copies
   ``qT [E, K, N]``, ``sT [E, ceil(K/128), ceil(N/128)]`` used by dgrad.
 
-Loops over experts are fine here: this module is exempt from the no-host-work rule of SPEC §5.
+Loops over experts are fine here: this module is exempt from the no-host-work rule of docs/design.md#plan.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def make_plan(m_splits: torch.Tensor, T: int) -> torch.Tensor:
     """Offsets of every expert, from device (or CPU) counts, without reading them on the host.
 
     Each count is clamped to [0, T] before the sum (int64 values near 2**63 cannot wrap) and the running
-    total to T, so that no kernel ever reads or writes out of bounds whatever the values (SPEC §6, fast
+    total to T, so that no kernel ever reads or writes out of bounds whatever the values (docs/design.md#errors, fast
     path). Tokens past the covered ones belong to no expert."""
     m = m_splits.to(torch.int64).clamp(min=0, max=T)
     zero = torch.zeros(1, dtype=torch.int64, device=m.device)
@@ -51,7 +51,7 @@ def _segments(plan: torch.Tensor):
 
 # ------------------------------------------------------------------------------------------ quantizer
 def block_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two ≥ fl32(amax / 448), from the exponent bits (SPEC §3 step 2).
+    """Smallest power of two ≥ fl32(amax / 448), from the exponent bits (docs/design.md#fp8-recipe step 2).
 
     amax == 0 gives 1; a non-finite amax gives +inf, so that every value of the block dequantizes to
     NaN (0·inf or NaN) and nothing downstream is silently finite."""
@@ -71,7 +71,7 @@ def _nan_amax(v: torch.Tensor, dim) -> torch.Tensor:
 
 
 def _cast(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3(v / scale), saturating at ±448 (NaN stays NaN). SPEC §3 says |v / scale| <= 448 by
+    """e4m3(v / scale), saturating at ±448 (NaN stays NaN). docs/design.md#fp8-recipe says |v / scale| <= 448 by
     construction, but when fl32(amax / 448) is subnormal (amax < 448 * 2^-126) it can round below
     amax / 448 and the quotient can pass 448; torch's cast would then give NaN, the kernels (cvt with
     satfinite) give ±448."""

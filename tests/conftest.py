@@ -4,7 +4,7 @@
   Use it as ``@requires_cuda`` (imported from this module) or ``@pytest.mark.requires_cuda``;
   such tests are skipped everywhere else.
 * ``zipf_splits(E, T, empty=True)``: Zipf-skewed token counts, with some empty experts.
-* ``rel(out, expected)``: ‖out − expected‖ / ‖expected‖ in float64 (SPEC §4's measure).
+* ``rel(out, expected)``: ‖out − expected‖ / ‖expected‖ in float64 (docs/design.md#reference's measure).
 * ``cuda_alive()``: asserts that the CUDA context still works (after an input that must not kill it).
 * ``capture_step(step)``: warms ``step`` up on a side stream and captures it in a CUDA graph.
 """

@@ -1,4 +1,4 @@
-"""The CUDA path against the reference (SPEC §4), on a Hopper GPU; skipped elsewhere.
+"""The CUDA path against the reference (docs/design.md#reference), on a Hopper GPU; skipped elsewhere.
 
 Quantizers: bitwise. GEMMs: ‖out − ref‖/‖ref‖ ≤ 2e-3 from the same quantized operands. Plus no host
 sync, CUDA-graph replay with new m_splits, launch count independent of E, determinism."""

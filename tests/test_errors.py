@@ -1,4 +1,4 @@
-"""SPEC §6: every bad input raises ValueError/TypeError naming the argument, before any work."""
+"""docs/design.md#errors: every bad input raises ValueError/TypeError naming the argument, before any work."""
 
 from __future__ import annotations
 

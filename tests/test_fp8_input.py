@@ -74,7 +74,7 @@ def test_linear_fp8_input_against_reference_and_float64(device):
     assert torch.equal(dx, x2.grad)
     assert torch.equal(y, y2)  # the rows are the ones quantize_act makes
     assert rel(dw, w2.grad) <= 0.05
-    # float64 math on the unquantized inputs (SPEC §4: 3-5 %)
+    # float64 math on the unquantized inputs (docs/design.md#reference: 3-5 %)
     x64, w64, dy64 = x.detach().double().cpu(), w.detach().double().cpu(), dy.double().cpu()
     y64 = torch.cat([xs @ w64[e].T for e, xs in enumerate(torch.split(x64, splits))])
     dw64 = torch.stack([dys.T @ xs for dys, xs in zip(torch.split(dy64, splits), torch.split(x64, splits))])

@@ -1,4 +1,4 @@
-"""Reference quantizers of SPEC §3 (moegemm.reference), checked against independent computations:
+"""Reference quantizers of docs/design.md#fp8-recipe (moegemm.reference), checked against independent computations:
 
 * scales from ``math.frexp`` on the fp32 quotient ``fl32(amax / 448)``;
 * FP8 E4M3 bytes from an independent round-to-nearest-even on the E4M3 grid in float64.

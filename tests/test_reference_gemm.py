@@ -77,7 +77,7 @@ def test_fp8_fprop(name, K, N, out_dtype):
 
 
 def test_fp8_fprop_matches_block_formula():
-    """SPEC §3: y[t,n] = Σ_j sx[t,j] sw[e,n/128,j] Σ_{k in block j} qx[t,k] qw[e,n,k]."""
+    """docs/design.md#fp8-recipe: y[t,n] = Σ_j sx[t,j] sw[e,n/128,j] Σ_{k in block j} qx[t,k] qw[e,n,k]."""
     splits = [70, 0, 190]
     E, T, K, N = 3, 260, 272, 144
     x = torch.randn(T, K) * torch.pow(10.0, torch.empty(T, 1).uniform_(-2, 2))

@@ -1,4 +1,4 @@
-"""``grouped_linear``: the differentiable grouped GEMM of SPEC §2.
+"""``grouped_linear``: the differentiable grouped GEMM of docs/design.md#operations.
 
 The public function checks its arguments once on the host (``_validate.py``); the autograd Function is
 a thin shell that calls one op per direction, ``linear_fwd`` and ``linear_bwd``, of the backend chosen by

@@ -1,4 +1,4 @@
-// The plan kernel: expert offsets from device m_splits (SPEC §5: never read on the host), and the
+// The plan kernel: expert offsets from device m_splits (docs/design.md#plan: never read on the host), and the
 // zero-fill of empty experts' weight gradients.
 #include <cub/block/block_scan.cuh>
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Device helpers of the FP8 blockwise recipe (SPEC §3), shared by the quantization kernels.
+// Device helpers of the FP8 blockwise recipe (docs/design.md#fp8-recipe), shared by the quantization kernels.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,4 +1,4 @@
-// The multi-cast FP8 quantization kernel (SPEC §3), generic over where its values come from.
+// The multi-cast FP8 quantization kernel (docs/design.md#fp8-recipe), generic over where its values come from.
 //
 // A tile is (expert 128-token block, 128 columns); persistent CTAs loop over the tiles. Each value is
 // read once, through a Loader, and written as the 1x128 row-block copy q [T, K] + s [T, Kb] and the

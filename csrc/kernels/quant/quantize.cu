@@ -1,4 +1,4 @@
-// FP8 blockwise quantization kernels (SPEC §3).
+// FP8 blockwise quantization kernels (docs/design.md#fp8-recipe).
 //   quantize_act: the multi-cast kernel (multicast.cuh) reading x as it is.
 //   requantize_cols: the same kernel reading an FP8 row copy (dequantized), writing only the column copy.
 //   quantize_weight_kernel: one CTA per 128x128 block of one expert; writes W and Wᵀ copies.

@@ -1,13 +1,12 @@
-"""The standard MoE workloads of the benchmarks (docs/design.md#performance-contract): model shapes and token counts per expert
-(Zipf-skewed with empty experts, or balanced), issue 6's two grouped-GEMM problems, and the torch bf16
-baseline they measure against (``torch._grouped_mm``). Deterministic for a given seed. (``python -m
-moegemm`` carries its own copy of the one shape, split and baseline it shows.)"""
+"""The standard MoE workloads of the benchmarks (docs/design.md#performance-contract): model shapes and
+token counts per expert (Zipf-skewed with empty experts, or balanced), the two grouped-GEMM target
+problems, and the torch bf16 baseline they measure against (``torch._grouped_mm``). Deterministic for a
+given seed."""
 
 from __future__ import annotations
 
-import random
-
-import torch
+# The Zipf splits and the torch bf16 baseline are the quick start's (python -m moegemm), defined once there.
+from moegemm.__main__ import TorchGroupedLinearBF16, zipf_splits  # noqa: F401  (re-exported for the bench)
 
 SHAPES = {  # name: (E, hidden, ffn per expert, routed tokens)
     "DeepSeek-V2-Lite": (64, 2048, 1408, 24576),
@@ -35,39 +34,7 @@ GEMM_SHAPES = {
 }
 
 
-def zipf_splits(E: int, T: int, alpha: float = 1.2, empty_frac: float = 0.125, seed: int = 0) -> list:
-    """Zipf-skewed counts summing to T in a shuffled expert order, with at least one empty expert (E > 1)."""
-    rng = random.Random(seed)
-    w = [1.0 / (r + 1) ** alpha for r in range(E)]
-    rng.shuffle(w)
-    for e in rng.sample(range(E), max(1, int(E * empty_frac)) if E > 1 else 0):
-        w[e] = 0.0
-    counts = [int(T * x / sum(w)) for x in w]
-    counts[max(range(E), key=lambda e: w[e])] += T - sum(counts)
-    return counts
-
-
 def balanced_splits(E: int, T: int) -> list:
     return [T // E + (1 if e < T % E else 0) for e in range(E)]
 
 
-class TorchGroupedLinearBF16(torch.autograd.Function):
-    """The torch baseline: y = x @ W[e]^T with torch._grouped_mm over the token offsets ``offs``
-    (fprop and dgrad 2d x 3d; wgrad 2d x 2d with dy^T column-major and x row-major, the layout torch
-    allows empty groups in)."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w, offs)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch._grouped_mm(dy, w, offs=offs)
-        if ctx.needs_input_grad[1]:
-            dw = torch._grouped_mm(dy.t(), x, offs=offs)
-        return dx, dw, None

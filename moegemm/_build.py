@@ -14,6 +14,7 @@ inside the functions that need it.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import sys
@@ -250,7 +251,15 @@ def missing_for_build(toolkit: bool = True) -> list[str]:
     if torch.version.cuda is None:
         missing.append(f"a CUDA build of torch (the installed torch {torch.__version__} is CPU-only)")
     if toolkit:
-        from torch.utils.cpp_extension import CUDA_HOME
+        # torch's extension builder logs "No CUDA runtime is found" at import on a machine without a GPU;
+        # the sentence below says so already
+        cpp_log = logging.getLogger("torch.utils.cpp_extension")
+        level = cpp_log.level
+        cpp_log.setLevel(logging.ERROR)
+        try:
+            from torch.utils.cpp_extension import CUDA_HOME
+        finally:
+            cpp_log.setLevel(level)
 
         if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
             missing.append("the CUDA toolkit (no nvcc found: set CUDA_HOME or put nvcc on PATH)")

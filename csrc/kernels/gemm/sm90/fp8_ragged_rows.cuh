@@ -11,7 +11,8 @@
 // - Clusters of two CTAs (kCluster = 2) take consecutive tiles; when both tiles need the same weight tile
 //   (one expert, same columns) or the same activation rows, each CTA loads half of it and multicasts that
 //   half into both CTAs' shared memory, halving that operand's L2 traffic. A stage is then refilled only
-//   when the consumers of both CTAs have released it (each consumer warp arrives on both CTAs' empty barrier).
+//   when the consumers of both CTAs have released it (each consumer thread arrives on both CTAs' empty
+//   barrier: an arrive releases only its own thread's reads).
 // - Two math warpgroups of 64 rows each. Per K block: wgmma chains over 128-column parts of the tile
 //   into a temporary accumulator, wait, release the stage at once, then promote into the output
 //   accumulator with the block's scale product (sa of the row x sb of the part) — the promotion of one

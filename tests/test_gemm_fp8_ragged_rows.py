@@ -49,6 +49,8 @@ def test_tiling_table_size():
     run(qx, sx, qw, sw, plan, (GEMM_SM90, SM90_RAGGED_ROWS_TILINGS - 1))
     with pytest.raises(RuntimeError, match="tiling must be"):
         run(qx, sx, qw, sw, plan, (GEMM_SM90, SM90_RAGGED_ROWS_TILINGS))
+    with pytest.raises(RuntimeError, match="pass it with kernel=2"):
+        run(qx, sx, qw, sw, plan, (GEMM_CUTLASS, 0))
 
 
 def run(qa, sa, qb, sb, plan, kernel):

@@ -172,6 +172,8 @@ Quad quantize_weight_op(const Tensor& w_in) {
 Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
                             const Tensor& plan, int64_t kernel, int64_t tiling) {
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "moegemm: kernel must be 0 (default), 1 (CUTLASS) or 2 (sm90), got ", num(kernel));
+  TORCH_CHECK(tiling == -1 || kernel == static_cast<int64_t>(GemmKernel::kSm90),
+              "moegemm: tiling selects one of the sm90 kernel's tilings: pass it with kernel=2, got kernel=", num(kernel));
   TORCH_CHECK(tiling >= -1 && tiling < num_ragged_rows_tilings(),
               "moegemm: tiling must be -1 (the heuristic's) or an index of the sm90 tilings [0, ", num(num_ragged_rows_tilings()),
               "), got ", num(tiling));

@@ -2,7 +2,7 @@
 #include <stdexcept>
 
 #include "kernels/gemm/heuristics.h"
-#include "kernels/gemm/sm90/tma.h"
+#include "kernels/common/device.h"
 #include "kernels/gemm/variants.h"
 
 namespace moegemm {
@@ -19,7 +19,7 @@ void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoi
     return gemm::cutlass_fp8_ragged_m(p, a, b, workspace, stream);
   if (choice.tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
   const gemm::RaggedRowsTiling tiling = choice.tiling >= 0 ? gemm::kRaggedRowsTilings[choice.tiling]
-                                                           : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm90::sm_count());
+                                                           : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count());
   gemm::sm90_fp8_ragged_rows(p, a, b, tiling, stream);
 }
 

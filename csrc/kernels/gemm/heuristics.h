@@ -11,14 +11,13 @@
 namespace moegemm::gemm {
 
 // moegemm's own ragged-row kernel (sm90/fp8_ragged_rows.cuh): BLOCK_M = 128, BLOCK_N = 128 * parts, alone or
-// in clusters of two CTAs that multicast a shared operand, tiles ordered in bands of band_rows row blocks.
+// in clusters of two CTAs that multicast a shared operand.
 // The table of tilings the kernel is built with; a raw op may ask for one by its index.
 struct RaggedRowsTiling {
   int parts;
   int cluster;
-  int band_rows;  // row blocks per band of the tile order (sm90/scheduler.cuh)
 };
-constexpr RaggedRowsTiling kRaggedRowsTilings[] = {{1, 1, 16}, {2, 1, 16}, {1, 2, 16}, {2, 2, 16}};
+constexpr RaggedRowsTiling kRaggedRowsTilings[] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}};
 constexpr int kNumRaggedRowsTilings = sizeof(kRaggedRowsTilings) / sizeof(kRaggedRowsTilings[0]);
 
 // Row blocks of 128 expected for T tokens over E experts: each non-empty expert's last block is partial.

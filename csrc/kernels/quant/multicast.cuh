@@ -20,6 +20,7 @@
 
 #include "moegemm.h"
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/device.h"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/plan/plan.cuh"
 
@@ -297,19 +298,6 @@ __global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader sr
   }
 }
 
-// The dynamic shared memory limit of kernel<Loader>, raised once per device to the most any launch
-// uses (the plan of kMaxExperts experts and a staged tile); a launch still takes only what it needs.
-template <class Loader>
-void allow_shared_memory(const char* name) {
-  static std::array<std::once_flag, 64> once;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  std::call_once(once[device], [&] {
-    const size_t most = plan_bytes(kMaxExperts) + sizeof(typename Loader::Stage) * kBlock * kBlock;
-    check_cuda(cudaFuncSetAttribute(kernel<Loader>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)), name);
-  });
-}
-
 // CTAs of kernel<Loader> with `smem` bytes of dynamic shared memory that the device runs at once
 // (the last answer is kept per thread: consecutive launches mostly ask the same question).
 template <class Loader>
@@ -337,7 +325,9 @@ void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan,
   if (T == 0) return;
   const size_t tile = sizeof(typename Loader::Stage) * kBlock * kBlock;
   const size_t smem = plan_bytes(E) + (qT != nullptr ? tile : 0);
-  allow_shared_memory<Loader>(name);
+  // the limit raised once to the most any launch uses (the plan of kMaxExperts experts and a staged tile);
+  // a launch still takes only what it needs
+  allow_shared_memory<kernel<Loader>>(int(plan_bytes(kMaxExperts) + tile), name);
   // Persistent: as many CTAs as fit on the device at once, never more than the tiles there can be.
   const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);
   const int64_t grid = std::min<int64_t>(most_tiles, resident_ctas<Loader>(smem, name));

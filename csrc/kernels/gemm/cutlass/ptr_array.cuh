@@ -24,6 +24,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/device.h"
 #include "kernels/plan/plan.cuh"
 
 namespace moegemm::grouped {
@@ -185,7 +186,7 @@ struct GroupedGemm {
   // cudaFuncSetAttribute calls: the shared-memory limit is raised once per device (the cluster sizes
   // here are portable, so the non-portable-cluster attribute is not needed).
   static void launch(const typename Kernel::Params& params, cudaStream_t stream, const char* name) {
-    allow_shared_memory(name);
+    moegemm::allow_shared_memory<cutlass::device_kernel<Kernel>>(int(Kernel::SharedStorageSize), name);
     static_assert(size(typename Kernel::DispatchPolicy::ClusterShape{}) <= 8, "portable cluster sizes only");
     cudaLaunchConfig_t config{};
     config.gridDim = Kernel::get_grid_shape(params);
@@ -200,17 +201,6 @@ struct GroupedGemm {
     config.attrs = cluster;
     config.numAttrs = 1;
     check_cuda(cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params), name);
-  }
-
-  // The kernel's dynamic shared memory limit, raised once per device.
-  static void allow_shared_memory(const char* name) {
-    static std::array<std::once_flag, 64> once;
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    std::call_once(once[device], [&] {
-      check_cuda(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(Kernel::SharedStorageSize)), name);
-    });
   }
 };
 
@@ -228,11 +218,7 @@ inline dim3 prep_grid_zeroing_rows(int E) { return dim3(prep_grid(E).x + kZeroBl
 __device__ inline bool zero_uncovered_rows(int64_t covered, int64_t T, int64_t row_bytes, void* out) {
   const int zero_block = static_cast<int>(blockIdx.x) - static_cast<int>(gridDim.x - kZeroBlocks);
   if (zero_block < 0) return false;
-  const int64_t end = T * row_bytes / 16;
-  uint4* dst = static_cast<uint4*>(out);
-  for (int64_t i = covered * row_bytes / 16 + int64_t(zero_block) * blockDim.x + threadIdx.x; i < end;
-       i += int64_t(kZeroBlocks) * blockDim.x)
-    dst[i] = make_uint4(0, 0, 0, 0);
+  zero_rows(out, covered, T, row_bytes, int64_t(zero_block) * blockDim.x + threadIdx.x, int64_t(kZeroBlocks) * blockDim.x);
   return true;
 }
 

@@ -8,14 +8,15 @@
 #include "kernels/gemm/heuristics.h"
 #include "kernels/gemm/variants.h"
 #include "kernels/gemm/sm90/fp8_ragged_rows.cuh"
+#include "kernels/common/device.h"
 #include "kernels/gemm/sm90/tma.h"
 
 namespace moegemm::gemm {
 namespace {
 
 // BLOCK_N 128 with five stages, 256 with four: as many as fit beside the epilogue buffer and the scales.
-template <int kParts, int kCluster, int kBandRows>
-using Config = sm90::Fp8RaggedRowsConfig<kParts, kParts == 1 ? 5 : 4, kCluster, kBandRows>;
+template <int kParts, int kCluster>
+using Config = sm90::Fp8RaggedRowsConfig<kParts, kParts == 1 ? 5 : 4, kCluster>;
 
 // Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device.
 template <class Cfg>
@@ -26,11 +27,11 @@ int max_active_clusters(const char* name) {
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   std::call_once(once[device], [&] {
     if (Cfg::kCluster == 1) {
-      count[device] = sm90::sm_count();
+      count[device] = sm_count();
       return;
     }
     cudaLaunchConfig_t config{};
-    config.gridDim = dim3(Cfg::kCluster * sm90::sm_count());
+    config.gridDim = dim3(Cfg::kCluster * sm_count());
     config.blockDim = dim3(Cfg::kThreads);
     config.dynamicSmemBytes = Cfg::kSmemBytes;
     cudaLaunchAttribute cluster{};
@@ -62,7 +63,7 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
   k.plan = p.plan;
   k.out = static_cast<__nv_bfloat16*>(p.out);
   k.E = p.E, k.T = int(p.T), k.N = int(p.N), k.K = int(p.K);
-  sm90::allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
+  allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   // as many clusters as fit at once, or one per group of tiles when there are fewer (an upper bound: the
   // row blocks live on the device)
   const int64_t max_groups = ceil_div(block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN), Cfg::kCluster);
@@ -84,13 +85,11 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
 
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, const RaggedRowsTiling& tiling, cudaStream_t stream) {
   // one instantiation per entry of heuristics.h's kRaggedRowsTilings
-  const auto is = [&](int parts, int cluster, int band) {
-    return tiling.parts == parts && tiling.cluster == cluster && tiling.band_rows == band;
-  };
-  if (is(1, 1, 16)) return launch<Config<1, 1, 16>>(p, a, b, stream);
-  if (is(2, 1, 16)) return launch<Config<2, 1, 16>>(p, a, b, stream);
-  if (is(1, 2, 16)) return launch<Config<1, 2, 16>>(p, a, b, stream);
-  if (is(2, 2, 16)) return launch<Config<2, 2, 16>>(p, a, b, stream);
+  const auto is = [&](int parts, int cluster) { return tiling.parts == parts && tiling.cluster == cluster; };
+  if (is(1, 1)) return launch<Config<1, 1>>(p, a, b, stream);
+  if (is(2, 1)) return launch<Config<2, 1>>(p, a, b, stream);
+  if (is(1, 2)) return launch<Config<1, 2>>(p, a, b, stream);
+  if (is(2, 2)) return launch<Config<2, 2>>(p, a, b, stream);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no kernel built for this tiling");
 }
 

@@ -47,19 +47,19 @@
 #include "cutlass/arch/reg_reconfig.h"
 
 #include "moegemm.h"
+#include "kernels/common/device.h"
 #include "kernels/gemm/sm90/scheduler.cuh"
 
 namespace moegemm::sm90 {
 
 // One kernel configuration: BLOCK_M = 128 rows (the plan's row blocks), BLOCK_K = 128 (one scale block
 // per stage), BLOCK_N = 128 * kParts columns (one weight-scale block per part), kStages stages.
-template <int kParts_, int kStages_, int kCluster_, int kBandRows_>
+template <int kParts_, int kStages_, int kCluster_>
 struct Fp8RaggedRowsConfig {
   static constexpr int kParts = kParts_;
   static constexpr int kStages = kStages_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
   static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
-  static constexpr int kBandRows = kBandRows_;  // scheduler.cuh
   static constexpr int kBlockM = kBlock, kBlockK = kBlock, kPartN = kBlock;
   static constexpr int kBlockN = kPartN * kParts;
   static constexpr int kMathWarpgroups = 2;  // 64 rows each
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   if constexpr (kCluster > 1) cute::cluster_sync();  // the peer's barriers exist before any remote arrive
   else __syncthreads();
 
-  const RaggedRowTiles<Cfg::kBandRows> tiles{p.plan, p.plan + 2 * (E + 1), E, (N + Cfg::kBlockN - 1) / Cfg::kBlockN};
+  const RaggedRowTiles tiles{p.plan, p.plan + 2 * (E + 1), E, (N + Cfg::kBlockN - 1) / Cfg::kBlockN};
   const int64_t num_tiles = fits ? tiles.count() : 0;
   const int64_t num_groups = (num_tiles + kCluster - 1) / kCluster;
   // this CTA's tile of id group g, and whether it is a real one (not the repeat that fills a short group)
@@ -251,14 +251,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
 
     // Rows past the covered tokens (device counts summing below T, or a foreign plan) get zeros.
-    {
-      const int64_t covered = fits ? p.plan[E] : 0;
-      uint4* dst = reinterpret_cast<uint4*>(p.out);
-      const int64_t per_row = N / 8, end = int64_t(T) * per_row;
-      for (int64_t i = covered * per_row + int64_t(blockIdx.x) * Cfg::kMathWarpgroups * 128 + threadIdx.x; i < end;
-           i += int64_t(gridDim.x) * Cfg::kMathWarpgroups * 128)
-        dst[i] = make_uint4(0, 0, 0, 0);
-    }
+    zero_rows(p.out, fits ? p.plan[E] : 0, T, int64_t(N) * 2, int64_t(blockIdx.x) * Cfg::kMathWarpgroups * 128 + threadIdx.x,
+              int64_t(gridDim.x) * Cfg::kMathWarpgroups * 128);
 
     // The stage's last read by this thread is done: release it in this CTA and, with multicast, in the
     // peer (whose producer writes into this CTA's stage too). Every thread arrives for its own reads (of

@@ -6,7 +6,8 @@
 // row block is split into n_blocks column tiles of BLOCK_N.
 //
 // Tile ids run expert by expert; within an expert, in bands of kBandRows row blocks walked column by
-// column, so that the SMs working at one time share a band of A rows and a few B column tiles in L2.
+// column, so that the SMs working at one time share a band of A rows and a few B column tiles in L2
+// (16 rows measured at least as fast as 8 and 32 on the H200, bench/NOTES.md seventh session).
 // The grid walks the ids statically (no atomics), in clusters of kCluster CTAs: cluster c takes the id
 // groups c, c + clusters, ... and its CTA of rank r the id kCluster * group + r (the last group may be
 // short: its missing ids repeat the group's first tile, computed but not stored). A CTA's producer and
@@ -28,7 +29,8 @@ struct RowTile {
   int n_block;  // column tile
 };
 
-template <int kBandRows>
+constexpr int kBandRows = 16;
+
 struct RaggedRowTiles {
   const int32_t* tok;  // the plan's token starts [E + 1]
   const int32_t* blk;  // the plan's 128-row block starts [E + 1]

@@ -1,4 +1,4 @@
-// Host side of moegemm's own sm90 kernels: TMA descriptors (2-D tensor maps) and the device's SM count.
+// Host side of moegemm's own sm90 kernels: TMA descriptors (2-D tensor maps).
 // The driver's cuTensorMapEncodeTiled is looked up once through the runtime (no link against libcuda).
 #pragma once
 
@@ -6,9 +6,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
-#include <array>
 #include <cstdint>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -52,29 +50,6 @@ inline CUtensorMap make_tensor_map(const Tensor2d& t, const char* what) {
                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw std::runtime_error(std::string("moegemm: ") + what + ": cuTensorMapEncodeTiled failed");
   return map;
-}
-
-// Multiprocessors of the current device, queried once per device.
-inline int sm_count() {
-  static std::array<int, 64> count{};
-  static std::array<std::once_flag, 64> once;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  std::call_once(once[device], [&] {
-    check_cuda(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  });
-  return count[device];
-}
-
-// Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per device and kernel.
-template <auto kKernel>
-void allow_shared_memory(int bytes, const char* what) {
-  static std::array<std::once_flag, 64> once;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  std::call_once(once[device], [&] {
-    check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
-  });
 }
 
 }  // namespace moegemm::sm90

@@ -1,0 +1,48 @@
+// What the kernels' launchers and kernels share about the device: its SM count, raising a kernel's
+// dynamic shared-memory limit (once per device), and zeroing a range of output rows.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+
+#include "kernels/common/cuda_check.h"
+
+namespace moegemm {
+
+// Multiprocessors of the current device, queried once per device.
+inline int sm_count() {
+  static std::array<int, 64> count{};
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] {
+    check_cuda(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  });
+  return count[device];
+}
+
+// Raises `kKernel`'s dynamic shared-memory limit to `bytes`, once per device and kernel.
+template <auto kKernel>
+void allow_shared_memory(int bytes, const char* what) {
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] {
+    check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+  });
+}
+
+#ifdef __CUDACC__
+// Zeroes rows [begin, end) of `out` (row_bytes each, a multiple of 16) with 16-byte stores, thread
+// `first` of `stride` threads taking every stride-th store (the rows past a plan's covered tokens).
+__device__ __forceinline__ void zero_rows(void* out, int64_t begin, int64_t end, int64_t row_bytes, int64_t first,
+                                          int64_t stride) {
+  uint4* dst = static_cast<uint4*>(out);
+  for (int64_t i = begin * row_bytes / 16 + first; i < end * row_bytes / 16; i += stride) dst[i] = make_uint4(0, 0, 0, 0);
+}
+#endif
+
+}  // namespace moegemm

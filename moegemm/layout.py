@@ -35,7 +35,7 @@ BF16, FP8_BLOCKWISE = RECIPE_IDS["bf16"], RECIPE_IDS["fp8_blockwise"]
 # kernel is built with (its `tiling` indexes csrc/kernels/gemm/heuristics.h's kRaggedRowsTilings; a GPU
 # test holds the count to that table).
 GEMM_CUTLASS, GEMM_SM90 = 1, 2  # 0: the default choice (heuristics.h)
-SM90_RAGGED_ROWS_TILINGS = 4
+SM90_RAGGED_ROWS_TILINGS = 6
 
 
 def ceil_div(a: int, b: int) -> int:

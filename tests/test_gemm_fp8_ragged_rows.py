@@ -1,7 +1,7 @@
 """The FP8 ragged-row GEMM (fprop and dgrad) on each of its kernels against the reference, on a Hopper GPU.
 
 kernel=1 is CUTLASS's ptr-array kernel, kernel=2 moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/)
-in each of its tilings (csrc/kernels/gemm/heuristics.h: BLOCK_N 128 or 256, alone or in 2-CTA clusters).
+in each of its tilings (csrc/kernels/gemm/heuristics.h: BLOCK_N 128, 192 or 256, alone or in 2-CTA clusters).
 Each case draws fresh operands, poisons the output's memory first, and checks ‖out − ref‖/‖ref‖ ≤ 2e-3
 against the float64 reference on the same quantized operands, zeros on rows no expert covers, and bitwise
 equality of two runs."""

@@ -2,7 +2,11 @@
 csrc/kernels/gemm/heuristics.h and the heuristic's choice), CUTLASS's ptr-array kernel and, when its source
 is carried (``bench/peers/deepgemm.py``), DeepGEMM's m-grouped contiguous GEMM, side by side in one run
 with the benchmark's dense FP8 ceiling measured in the same run (bench/gemm/mlp_problems.py: the same
-ceiling and the same back-to-back timing as the other GEMM tools and the suite).
+ceiling as the other GEMM tools and the suite).
+
+Timing: back-to-back calls, the kernels of one problem interleaved — in each of ``--rounds`` rounds every
+kernel runs ``--iters`` calls in a row between two CUDA events — and each kernel's median over the rounds,
+so that a drift of the GPU's clock (power, temperature) during the run falls on every kernel alike.
 
 Problems: DeepGEMM's six m-grouped shapes (groups x nominal rows, N, K; each group's rows uniform within
 ±30 % of the nominal) and the benchmark's model shapes (bench/workloads.py: fc1/fc2 fprop and dgrad, Zipf
@@ -32,7 +36,8 @@ DEEPGEMM_SHAPES = [  # groups, nominal rows per group, N, K
 def parse_args():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations; model shapes with Zipf splits only")
-    ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 50, quick 20)")
+    ap.add_argument("--iters", type=int, default=10, help="back-to-back calls per kernel and round (default 10)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per problem (default 9, quick 5)")
     ap.add_argument("--tilings", type=int, default=0,
                     help="also time the sm90 kernel's first N tilings (heuristics.h's table) one by one")
     ap.add_argument("--deepgemm", action="store_true", help="add DeepGEMM (built from .peers/DeepGEMM; needs the preload)")
@@ -60,14 +65,36 @@ def problems(quick: bool) -> list:
     return out
 
 
+def time_interleaved(calls: dict, rounds: int, iters: int) -> dict:
+    """ms per call of each of ``calls``: in each round every call runs ``iters`` times back to back between
+    two CUDA events; the median over the rounds."""
+    import statistics
+
+    import torch
+
+    for fn in calls.values():  # warm-up
+        fn()
+    times = {v: [] for v in calls}
+    for _ in range(rounds):
+        for v, fn in calls.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            times[v].append(a.elapsed_time(b) / iters)
+    return {v: statistics.median(t) for v, t in times.items()}
+
+
 def main() -> int:
     args = parse_args()
     require_cuda_gpu(PROG, hopper=True)
     import torch
 
-    from bench.gemm.mlp_problems import ceilings, ops, time_ms  # builds / loads the extension
+    from bench.gemm.mlp_problems import ceilings, ops  # builds / loads the extension
 
-    iters = args.iters or (20 if args.quick else 50)
+    iters, rounds = args.iters, args.rounds or (5 if args.quick else 9)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     ceiling_info = ceilings()
@@ -97,10 +124,11 @@ def main() -> int:
         flops = 2.0 * T * N * K
         rec = {"problem": label, "E": E, "T": T, "N": N, "K": K, "tflops": {}, "rel_diff_vs_cutlass": {}}
         base = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, GEMM_CUTLASS).float()
+        calls = {}
         for v, kw in variants.items():
             out = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw).float()
             rec["rel_diff_vs_cutlass"][v] = ((out - base).norm() / base.norm().clamp_min(1e-30)).item()
-            rec["tflops"][v] = flops / time_ms(lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw), iters) / 1e9
+            calls[v] = lambda kw=kw: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw)
         if dg:  # each group padded to 128 rows, as DeepGEMM requires
             padded = [-(-c // dg_peer.ALIGN) * dg_peer.ALIGN for c in splits]
             xp = torch.zeros(sum(padded), K, device=dev, dtype=torch.bfloat16)
@@ -113,21 +141,23 @@ def main() -> int:
             ws = torch.empty(E, -(-N // 128), K // 128, device=dev)
             for e in range(E):
                 wq[e], ws[e] = dg_peer.quantize_blocks(w[e])
-            call, _ = dg_peer.fprop(dg, xq, xs, wq, ws, padded)
-            rec["tflops"]["DeepGEMM"] = flops / time_ms(call, iters) / 1e9
-            del xp, xq, xs, wq, ws
+            calls["DeepGEMM"], _ = dg_peer.fprop(dg, xq, xs, wq, ws, padded)
+        rec["tflops"] = {v: flops / ms / 1e9 for v, ms in time_interleaved(calls, rounds, iters).items()}
+        del calls
         rows.append(rec)
         bad = {v: d for v, d in rec["rel_diff_vs_cutlass"].items() if d > 2e-3}
         print(f"{label:44s} {T:6d}" + "".join(f" {rec['tflops'][c]:9.0f}" for c in cols) + (f"  DIFF {bad}" if bad else ""),
               flush=True)
         del x, w, qx, sx, qw, sw, base, out
+        if dg:
+            del xp, xq, xs, wq, ws
         torch.cuda.empty_cache()
 
     from bench.suite.meta import collect_meta
 
     meta = collect_meta(args)
     md = [f"{torch.cuda.get_device_name()}, commit {meta['git_commit']}, torch {torch.__version__}; dense FP8 ceiling ({ceiling_info['fp8_how']}, same run): {ceiling:.0f} "
-          f"TFLOP/s. TFLOP/s on real tokens (% of that ceiling); median of {iters} back-to-back calls.", "",
+          f"TFLOP/s. TFLOP/s on real tokens (% of that ceiling); back-to-back calls, the kernels interleaved, median over {rounds} rounds of {iters}.", "",
           "| problem | T | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for r in rows:
         md.append(f"| {r['problem']} | {r['T']} | "
@@ -136,7 +166,8 @@ def main() -> int:
     if args.md:
         open(args.md, "w").write("\n".join(md) + "\n")
     if args.json:
-        json.dump({"meta": meta, "gpu": torch.cuda.get_device_name(), "ceilings": ceiling_info, "iters": iters, "rows": rows},
+        json.dump({"meta": meta, "gpu": torch.cuda.get_device_name(), "ceilings": ceiling_info, "iters": iters, "rounds": rounds,
+               "rows": rows},
                   open(args.json, "w"), indent=1)
     return 0
 

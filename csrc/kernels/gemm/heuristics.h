@@ -10,30 +10,41 @@
 
 namespace moegemm::gemm {
 
-// moegemm's own ragged-row kernel (sm90/fp8_ragged_rows.cuh): BLOCK_M = 128, BLOCK_N = 128 * parts, alone or
-// in clusters of two CTAs that multicast a shared operand.
+// moegemm's own ragged-row kernel (sm90/fp8_ragged_rows.cuh): BLOCK_M = 128, BLOCK_N = 128, 192 or 256,
+// alone or in clusters of two CTAs that multicast a shared operand.
 // The table of tilings the kernel is built with; a raw op may ask for one by its index.
 struct RaggedRowsTiling {
-  int parts;
+  int block_n;
   int cluster;
 };
-constexpr RaggedRowsTiling kRaggedRowsTilings[] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}};
+constexpr RaggedRowsTiling kRaggedRowsTilings[] = {{128, 1}, {256, 1}, {128, 2}, {256, 2}, {192, 1}, {192, 2}};
 constexpr int kNumRaggedRowsTilings = sizeof(kRaggedRowsTilings) / sizeof(kRaggedRowsTilings[0]);
 
 // Row blocks of 128 expected for T tokens over E experts: each non-empty expert's last block is partial.
 inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock) + E / 2; }
 
-// Between 128 columns alone and 256 columns in 2-CTA clusters (the faster of each width in the GEMM table
-// of bench/gemm/ragged_rows.py on an H200, bench/results/ragged_rows_h200.md), the one with the fewer
-// 128-column tile passes per SM: waves of tiles over the SMs, each as long as its tile is wide; a
-// 256-wide tile streams A once for two weight blocks, which the relative cost kWideTileCost (< 1 per 128
-// columns) credits.
+// The candidates of the choice below, each with its time per column of a tile relative to 128 columns
+// (wider tiles stream A once for more columns): the three widths without clusters, which were at least as
+// fast as their 2-CTA cluster forms on every shape of the GEMM table (bench/gemm/ragged_rows.py on an H200,
+// bench/results/ragged_rows_h200.md; 192 and 256 columns ~0.87 of 128's time per column there).
+struct RaggedRowsCandidate {
+  int tiling;  // index into kRaggedRowsTilings
+  double cost_per_column;
+};
+constexpr RaggedRowsCandidate kRaggedRowsCandidates[] = {{4, 0.87}, {1, 0.87}, {0, 1.0}};
+
+// The candidate with the least estimated time: waves of tiles over the SMs, each as long as its tile is
+// wide times its relative cost per column.
 inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms) {
-  constexpr double kWideTileCost = 0.9;
   const int64_t blocks = expected_row_blocks(T, E);
-  const double narrow = double(ceil_div(blocks * ceil_div(N, kBlock), sms));
-  const double wide = double(ceil_div(blocks * ceil_div(N, 2 * kBlock), sms)) * 2 * kWideTileCost;
-  return kRaggedRowsTilings[wide < narrow ? 3 : 0];
+  int best = 0;
+  double best_time = 0.0;
+  for (const RaggedRowsCandidate& c : kRaggedRowsCandidates) {
+    const int width = kRaggedRowsTilings[c.tiling].block_n;
+    const double time = double(ceil_div(blocks * ceil_div(N, width), sms)) * width * c.cost_per_column;
+    if (best_time == 0.0 || time < best_time) best = c.tiling, best_time = time;  // ties: the earlier candidate
+  }
+  return kRaggedRowsTilings[best];
 }
 
 // The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (cutlass | sm90, read once), else

@@ -14,9 +14,8 @@
 namespace moegemm::gemm {
 namespace {
 
-// BLOCK_N 128 with five stages, 256 with four: as many as fit beside the epilogue buffer and the scales.
-template <int kParts, int kCluster>
-using Config = sm90::Fp8RaggedRowsConfig<kParts, kParts == 1 ? 5 : 4, kCluster>;
+template <int kBlockN, int kCluster>
+using Config = sm90::Fp8RaggedRowsConfig<kBlockN, kCluster>;
 
 // Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device.
 template <class Cfg>
@@ -50,6 +49,8 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
   constexpr auto kKernel = sm90::fp8_ragged_rows_kernel<Cfg>;
   const char* name = "gemm_fp8_ragged_m (sm90)";
   if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: E * N exceeds the TMA coordinate range");
+  const int64_t max_tiles = block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN);
+  if (max_tiles > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 tiles or more (the scheduler's ids are 32-bit)");
   sm90::Fp8RaggedRowsParams k{};
   const uint64_t T = p.T, N = p.N, K = p.K;
   k.a = sm90::make_tensor_map({a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, T, K, K, Cfg::kBoxRowsA, Cfg::kBlockK,
@@ -66,7 +67,7 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   // as many clusters as fit at once, or one per group of tiles when there are fewer (an upper bound: the
   // row blocks live on the device)
-  const int64_t max_groups = ceil_div(block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN), Cfg::kCluster);
+  const int64_t max_groups = ceil_div(max_tiles, Cfg::kCluster);
   const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_active_clusters<Cfg>(name), max_groups)));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(clusters * Cfg::kCluster);
@@ -85,11 +86,13 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
 
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, const RaggedRowsTiling& tiling, cudaStream_t stream) {
   // one instantiation per entry of heuristics.h's kRaggedRowsTilings
-  const auto is = [&](int parts, int cluster) { return tiling.parts == parts && tiling.cluster == cluster; };
-  if (is(1, 1)) return launch<Config<1, 1>>(p, a, b, stream);
-  if (is(2, 1)) return launch<Config<2, 1>>(p, a, b, stream);
-  if (is(1, 2)) return launch<Config<1, 2>>(p, a, b, stream);
-  if (is(2, 2)) return launch<Config<2, 2>>(p, a, b, stream);
+  const auto is = [&](int block_n, int cluster) { return tiling.block_n == block_n && tiling.cluster == cluster; };
+  if (is(128, 1)) return launch<Config<128, 1>>(p, a, b, stream);
+  if (is(256, 1)) return launch<Config<256, 1>>(p, a, b, stream);
+  if (is(128, 2)) return launch<Config<128, 2>>(p, a, b, stream);
+  if (is(256, 2)) return launch<Config<256, 2>>(p, a, b, stream);
+  if (is(192, 1)) return launch<Config<192, 1>>(p, a, b, stream);
+  if (is(192, 2)) return launch<Config<192, 2>>(p, a, b, stream);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no kernel built for this tiling");
 }
 

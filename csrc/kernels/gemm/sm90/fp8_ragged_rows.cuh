@@ -11,18 +11,19 @@
 // - Clusters of two CTAs (kCluster = 2) take consecutive tiles; when both tiles need the same weight tile
 //   (one expert, same columns) or the same activation rows, each CTA loads half of it and multicasts that
 //   half into both CTAs' shared memory, halving that operand's L2 traffic. A stage is then refilled only
-//   when the consumers of both CTAs have released it (each consumer thread arrives on both CTAs' empty
-//   barrier: an arrive releases only its own thread's reads).
-// - Two math warpgroups of 64 rows each. Per K block: wgmma chains over 128-column parts of the tile
-//   into a temporary accumulator, wait, release the stage at once, then promote into the output
-//   accumulator with the block's scale product (sa of the row x sb of the part) — the promotion of one
+//   when the consumers of both CTAs have released it (each math warp arrives on both CTAs' empty barrier
+//   after a warp barrier that orders its lanes' reads).
+// - Two math warpgroups of 64 rows each. Per K block: a wgmma chain per part of the tile (128 or 192
+//   columns) into a temporary accumulator, wait, release the stage at once, then promote into the output
+//   accumulator with the block's scale products (sa of the row x sb of each 8-column chunk's weight
+//   block; a 192-wide part straddles two, at a column fixed per tile) — the promotion of one
 //   warpgroup runs while the other's wgmma occupies the tensor cores. A warpgroup whose 64 rows all lie
 //   past its expert's end (the last tile of an expert) skips its MMAs.
 // - A scale warp of the producer warpgroup loads each stage's scales into shared memory beside the
 //   operands (sa of the tile's 128 rows, sb of its weight blocks) and arrives on the stage's full barrier
 //   with the TMA bytes; the math threads read them from shared memory, so no global load sits between a
 //   stage's wgmma and its promotion.
-// - Epilogue per warpgroup and 128-column part: bf16 into 128B-swizzled shared memory, then one TMA store
+// - Epilogue per warpgroup and part: bf16 into 128B-swizzled shared memory, then one TMA store
 //   per 64 columns when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the
 //   expert's rows only (the rows past them belong to the next expert). The wait for a TMA store's reads
 //   is deferred to the next part or tile, so the last store overlaps the next tile's main loop; one
@@ -53,33 +54,49 @@
 namespace moegemm::sm90 {
 
 // One kernel configuration: BLOCK_M = 128 rows (the plan's row blocks), BLOCK_K = 128 (one scale block
-// per stage), BLOCK_N = 128 * kParts columns (one weight-scale block per part), kStages stages.
-template <int kParts_, int kStages_, int kCluster_>
+// per stage), BLOCK_N = 128, 192 or 256 columns, as kParts parts of kPartN columns, each one wgmma chain
+// (64 x kPartN x 32) into its own accumulator: 128 and 192 in one part, 256 in two parts of 128 (a 64 x 256
+// accumulator and its promoted copy would not fit in the registers). A 192-wide tile starts at a column
+// n0 with n0 % 128 in {0, 64}, so its part straddles two weight-scale blocks at column 128 or 64.
+// kStages: as many as fit beside the epilogue buffer.
+template <int kBlockN_, int kCluster_>
 struct Fp8RaggedRowsConfig {
-  static constexpr int kParts = kParts_;
-  static constexpr int kStages = kStages_;
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
+  static_assert(kBlockN == 128 || kBlockN == 192 || kBlockN == 256, "BLOCK_N of 128, 192 or 256 columns");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
-  static constexpr int kBlockM = kBlock, kBlockK = kBlock, kPartN = kBlock;
-  static constexpr int kBlockN = kPartN * kParts;
+  static constexpr int kBlockM = kBlock, kBlockK = kBlock;
+  static constexpr int kPartN = kBlockN == 256 ? 128 : kBlockN;
+  static constexpr int kParts = kBlockN / kPartN;
+  static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma
   static constexpr int kMathWarpgroups = 2;  // 64 rows each
   static constexpr int kWarpgroupRows = kBlockM / kMathWarpgroups;
   static constexpr int kThreads = 128 * (kMathWarpgroups + 1);
-  static constexpr int kProducerRegisters = 40, kMathRegisters = 232;
+  // Registers per thread after setmaxnreg: the math warpgroups' 2 x 96 (or 64 + 128) accumulators and the
+  // producer's tile walk without spills. setmaxnreg only moves registers between the CTA's warpgroups:
+  // the sum stays within what the launch gave each thread (65536 / kThreads, in units of 8), else the
+  // math warpgroups wait forever for registers.
+  static constexpr int kProducerRegisters = 56, kMathRegisters = 224;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kMathWarpgroups * kMathRegisters + kProducerRegisters <= (kMathWarpgroups + 1) * kLaunchRegisters,
+                "setmaxnreg moves registers within the launch's allocation");
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
+  static constexpr int kScalesB = 4;     // weight-scale blocks per stage (a tile touches at most two)
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
   static constexpr int kBytesB = kBlockN * kBlockK;
   static constexpr int kBoxRowsA = kBlockM / kCluster, kBoxRowsB = kBlockN / kCluster;  // a TMA box: one CTA's share
   static constexpr int kBytesD = kBlockM * kPartN * 2;  // bf16 epilogue tile: one part at a time
+  static constexpr int kBytesStage = kBytesA + kBytesB + kBlockM * 4 + kScalesB * 4 + 2 * 8;
+  static constexpr int kStages = (232448 - kBytesD) / kBytesStage;
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
-  static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;          // fp32 [kStages][kBlockM]
-  static constexpr int kOffsetScalesB = kOffsetScalesA + kStages * kBlockM * 4;  // fp32 [kStages][4]
-  static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * 4 * 4;
+  static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;                   // fp32 [kStages][kBlockM]
+  static constexpr int kOffsetScalesB = kOffsetScalesA + kStages * kBlockM * 4;         // fp32 [kStages][kScalesB]
+  static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kScalesB * 4;
   static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
-  static_assert(kParts <= 4, "scales of at most four weight blocks per stage");
+  static_assert(kStages >= 3, "a pipeline of at least three stages");
   static_assert(kSmemBytes <= 232448, "shared memory per block on sm90");
 };
 
@@ -109,11 +126,26 @@ __device__ __forceinline__ uint64_t sw128_descriptor(const void* smem) {
   return d.desc_;
 }
 
-using Wgmma64x128 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+template <int kN> struct WgmmaOp;
+template <> struct WgmmaOp<128> { using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>; };
+template <> struct WgmmaOp<192> { using type = cute::SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>; };
 
-template <int... I>
+// One 64 x kN x 32 wgmma, d (kN / 2 fp32 per thread) = a · bᵀ (+ d when accumulate).
+template <int kN, int... I>
 __device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float* d, bool accumulate, std::integer_sequence<int, I...>) {
-  Wgmma64x128::fma(a, b, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  WgmmaOp<kN>::type::fma(a, b, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// out += scale · acc over a part's accumulator: a thread's values i of 8-column chunk i / 4, row + 8 when
+// i & 2; chunks below kLoChunks take the first weight-scale block's product (lo0 / lo1 for the two rows),
+// the others the second's.
+template <int kAccum, int kLoChunks>
+__device__ __forceinline__ void promote(float* out, const float* acc, float lo0, float lo1, float hi0, float hi1) {
+#pragma unroll
+  for (int i = 0; i < kAccum; ++i) {
+    const float s = i / 4 < kLoChunks ? ((i & 2) ? lo1 : lo0) : ((i & 2) ? hi1 : hi0);
+    out[i] = fmaf(s, acc[i], out[i]);
+  }
 }
 
 // Two fp32 values as a bf16 pair (round to nearest even), the lower column first.
@@ -148,18 +180,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetBarriers);
   uint64_t* empty = full + kStages;
 
-  const int E = p.E, T = p.T, N = p.N, K = p.K;
-  const int Kb = (K + kBlock - 1) / kBlock, Nb = (N + kBlock - 1) / kBlock;
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
-  const int rank = kCluster > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
-  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
 
   // A plan that does not fit T tokens counts as the plan of no tokens.
-  const bool fits = plan_fits(p.plan, E, token_limit(T));
+  const bool fits = plan_fits(p.plan, p.E, token_limit(p.T));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&full[s], 1 + 32);                                    // the TMA thread (+ bytes), each scale lane
-      Barrier::init(&empty[s], kCluster * Cfg::kMathWarpgroups * 128);    // each math thread of the cluster
+      Barrier::init(&empty[s], kCluster * Cfg::kMathWarpgroups * 4);      // each math warp of the cluster
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -171,22 +199,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   if constexpr (kCluster > 1) cute::cluster_sync();  // the peer's barriers exist before any remote arrive
   else __syncthreads();
 
-  const RaggedRowTiles tiles{p.plan, p.plan + 2 * (E + 1), E, (N + Cfg::kBlockN - 1) / Cfg::kBlockN};
-  const int64_t num_tiles = fits ? tiles.count() : 0;
-  const int64_t num_groups = (num_tiles + kCluster - 1) / kCluster;
-  // this CTA's tile of id group g, and whether it is a real one (not the repeat that fills a short group)
-  auto tile_id = [&](int64_t g, int r) { return min(g * kCluster + r, num_tiles - 1); };
+  // The problem and the tile walk, set up by each role after its register reconfiguration: values
+  // computed before it would have to live through the producer's few registers (and spill).
+  int E, T, N, K, Kb, Nb, rank, cluster, clusters, num_tiles, num_groups;
+  RaggedRowTiles tiles;
+  auto set_up = [&] {
+    E = p.E, T = p.T, N = p.N, K = p.K;
+    Kb = (K + kBlock - 1) / kBlock, Nb = (N + kBlock - 1) / kBlock;
+    rank = kCluster > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+    cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
+    tiles = {p.plan, p.plan + 2 * (E + 1), E, (N + Cfg::kBlockN - 1) / Cfg::kBlockN};
+    num_tiles = fits ? tiles.count() : 0;
+    num_groups = (num_tiles + kCluster - 1) / kCluster;
+  };
+  // this CTA's tile of id group g (the last group's missing ids repeat its first tile)
+  auto tile_id = [&](int g, int r) { return min(g * kCluster + r, num_tiles - 1); };
 
   if (warpgroup == Cfg::kMathWarpgroups) {
     // ---- producer: one thread issues every TMA copy, one warp loads the scales
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
+    set_up();
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     if (warp == 0 && lane == 0) {
       constexpr uint64_t kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
       constexpr uint16_t kBoth = (1 << kCluster) - 1;
       int stage = 0;
       uint32_t phase = 0;
-      for (int64_t g = cluster; g < num_groups; g += clusters) {
+      for (int g = cluster; g < num_groups; g += clusters) {
         const RowTile t = tiles.at(tile_id(g, rank));
         Shared shared = Shared::kNone;
         if constexpr (kCluster > 1) shared = shared_operand(t, tiles.at(tile_id(g, rank ^ 1)));
@@ -222,24 +261,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       constexpr int kRowsPerLane = Cfg::kBlockM / 32;
       int stage = 0;
       uint32_t phase = 0;
-      for (int64_t g = cluster; g < num_groups; g += clusters) {
+      for (int g = cluster; g < num_groups; g += clusters) {
         const RowTile t = tiles.at(tile_id(g, rank));
+        // the weight-scale blocks the tile's columns inside N touch, from n0's
         const int n0 = t.n_block * Cfg::kBlockN;
-        const int parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);
-        const float* sb = p.sb + (int64_t(t.expert) * Nb + n0 / kBlock) * Kb;
+        const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
+        const bool has_b = lane < scale_blocks;
+        const float* sb = p.sb + (int64_t(t.expert) * Nb + n0 / kBlock + (has_b ? lane : 0)) * Kb;
+        // this lane's rows t.row0 + lane + 32 i, those below T
+        const int below_t = T - t.row0 - lane;
+        const float* sa = p.sa + int64_t(t.row0 + lane) * Kb;
         for (int kb = 0; kb < Kb; ++kb) {
           // loaded before the wait, so that their latency overlaps it
           float a[kRowsPerLane];
 #pragma unroll
-          for (int i = 0; i < kRowsPerLane; ++i) {
-            const int row = t.row0 + lane + 32 * i;
-            a[i] = row < T ? __ldg(p.sa + int64_t(row) * Kb + kb) : 0.f;
-          }
-          const float b = lane < parts ? __ldg(sb + lane * Kb + kb) : 0.f;
+          for (int i = 0; i < kRowsPerLane; ++i) a[i] = 32 * i < below_t ? __ldg(sa + 32 * i * Kb + kb) : 0.f;
+          const float b = has_b ? __ldg(sb + kb) : 0.f;
           Barrier::wait(&empty[stage], phase ^ 1);
 #pragma unroll
           for (int i = 0; i < kRowsPerLane; ++i) smem_sa[stage * Cfg::kBlockM + lane + 32 * i] = a[i];
-          if (lane < 4) smem_sb[stage * 4 + lane] = b;
+          if (lane < Cfg::kScalesB) smem_sb[stage * Cfg::kScalesB + lane] = b;
           Barrier::arrive(&full[stage]);  // each lane releases its own stores
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
@@ -248,77 +289,101 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   } else {
     // ---- math warpgroups
     cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
+    set_up();
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
 
     // Rows past the covered tokens (device counts summing below T, or a foreign plan) get zeros.
     zero_rows(p.out, fits ? p.plan[E] : 0, T, int64_t(N) * 2, int64_t(blockIdx.x) * Cfg::kMathWarpgroups * 128 + threadIdx.x,
               int64_t(gridDim.x) * Cfg::kMathWarpgroups * 128);
 
-    // The stage's last read by this thread is done: release it in this CTA and, with multicast, in the
-    // peer (whose producer writes into this CTA's stage too). Every thread arrives for its own reads (of
-    // the scales, which the scale warp overwrites next).
+    // The warp's last read of a stage is done: release it in each CTA of the cluster (with multicast the
+    // peer's producer writes into this CTA's stage too), lane r arriving on CTA r's barrier. The warp
+    // barrier orders every lane's reads (of the scales, which the scale warp overwrites next) before it.
     auto release = [&](int s) {
-      Barrier::arrive(&empty[s]);
-      if constexpr (kCluster > 1) Barrier::arrive(&empty[s], rank ^ 1, 1);
+      __syncwarp();
+      if constexpr (kCluster == 1) {
+        if (lane == 0) Barrier::arrive(&empty[s]);
+      } else {
+        if (lane < kCluster) Barrier::arrive(&empty[s], lane, 1);
+      }
     };
 
-    float acc[64];
-    float out[Cfg::kParts][64];
+    float acc[Cfg::kAccum];
+    float out[Cfg::kParts][Cfg::kAccum];
     int stage = 0;
     uint32_t phase = 0;
     uint8_t* smem_d_wg = smem_d + warpgroup * (Cfg::kWarpgroupRows * Cfg::kPartN * 2);
+    // The wgmma descriptors change only in their low 32 bits (the start address) across stages and K
+    // steps: 32-bit arithmetic on warp-uniform values, which the compiler keeps in uniform registers.
     const uint64_t a_desc0 = detail::sw128_descriptor(smem_a + warpgroup * Cfg::kWarpgroupRows * kBlock);
     const uint64_t b_desc0 = detail::sw128_descriptor(smem_b);
+    const uint32_t a_lo0 = __shfl_sync(0xffffffff, static_cast<uint32_t>(a_desc0), 0);
+    const uint32_t b_lo0 = __shfl_sync(0xffffffff, static_cast<uint32_t>(b_desc0), 0);
+    const uint64_t a_hi = a_desc0 & 0xffffffff00000000ull, b_hi = b_desc0 & 0xffffffff00000000ull;
+    // this thread's two accumulator rows (r, r + 8) in the stage's A scales
+    const float* smem_sa_row = smem_sa + warpgroup * Cfg::kWarpgroupRows + warp * 16 + lane / 4;
 
-    for (int64_t g = cluster; g < num_groups; g += clusters) {
-      const RowTile t = tiles.at(tile_id(g, rank));
-      const bool store = g * kCluster + rank < num_tiles;
-      const int n0 = t.n_block * Cfg::kBlockN;
-      const int rows = min(Cfg::kWarpgroupRows, max(0, t.rows - warpgroup * Cfg::kWarpgroupRows));  // of this warpgroup
-      const int parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);                // inside N
-      const int row = warpgroup * Cfg::kWarpgroupRows + warp * 16 + lane / 4;                      // + 8 for the second
+    for (int g = cluster; g < num_groups; g += clusters) {
+      // what the main loop needs of the tile; the epilogue reads the tile again (fewer live registers)
+      int rows, parts, lo_chunks;
+      {
+        const RowTile t = tiles.at(tile_id(g, rank));
+        const int n0 = t.n_block * Cfg::kBlockN;
+        rows = min(Cfg::kWarpgroupRows, max(0, t.rows - warpgroup * Cfg::kWarpgroupRows));  // of this warpgroup
+        parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);                // inside N
+        // a 192-wide part's first weight-scale block covers its first 128 - n0 % 128 columns (8-column chunks)
+        lo_chunks = min(Cfg::kPartN, kBlock - n0 % kBlock) / 8;
+      }
 
 #pragma unroll
       for (int h = 0; h < Cfg::kParts; ++h)
 #pragma unroll
-        for (int i = 0; i < 64; ++i) out[h][i] = 0.f;
+        for (int i = 0; i < Cfg::kAccum; ++i) out[h][i] = 0.f;
 
-      for (int kb = 0; kb < Kb; ++kb) {
-        Barrier::wait(&full[stage], phase);
-        // the scales, read before the stage can be released (the scale warp then overwrites them)
-        const float a0 = smem_sa[stage * Cfg::kBlockM + row], a1 = smem_sa[stage * Cfg::kBlockM + row + 8];
-        float b[Cfg::kParts];
+      if (rows > 0) {
+        for (int kb = 0; kb < Kb; ++kb) {
+          const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
+          Barrier::wait(&full[stage], phase);
+          // the scales, read before the stage can be released (the scale warp then overwrites them)
+          const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
+          float b[Cfg::kParts + 1];  // part h: blocks h and h + 1 (256 wide: h alone; 192: both)
 #pragma unroll
-        for (int h = 0; h < Cfg::kParts; ++h) b[h] = smem_sb[stage * 4 + h];
-        if (rows > 0) {
-          const uint64_t a_desc = a_desc0 + uint64_t(stage * (Cfg::kBytesA / 16));
-          const uint64_t b_desc = b_desc0 + uint64_t(stage * (Cfg::kBytesB / 16));
+          for (int h = 0; h <= Cfg::kParts; ++h) b[h] = smem_sb[stage * Cfg::kScalesB + h];
 #pragma unroll
           for (int h = 0; h < Cfg::kParts; ++h) {
             if (h >= parts) break;
 #pragma unroll
-            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(acc[i]);
+            for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
             cute::warpgroup_arrive();
 #pragma unroll
             for (int k = 0; k < kBlock / 32; ++k)
-              detail::wgmma(a_desc + 2 * k, b_desc + (h * Cfg::kPartN * kBlock) / 16 + 2 * k, acc, k > 0,
-                            std::make_integer_sequence<int, 64>{});
+              detail::wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc,
+                                         k > 0, std::make_integer_sequence<int, Cfg::kAccum>{});
             cute::warpgroup_commit_batch();
             cute::warpgroup_wait<0>();
 #pragma unroll
-            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(acc[i]);
+            for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
             if (h == parts - 1) release(stage);
-            const float s0 = a0 * b[h], s1 = a1 * b[h];
-#pragma unroll
-            for (int i = 0; i < 64; ++i) out[h][i] = fmaf((i & 2) ? s1 : s0, acc[i], out[h][i]);
+            const float lo0 = a0 * b[h], lo1 = a1 * b[h], hi0 = a0 * b[h + 1], hi1 = a1 * b[h + 1];
+            if (Cfg::kPartN == 128 || lo_chunks == 16)
+              detail::promote<Cfg::kAccum, 16>(out[h], acc, lo0, lo1, hi0, hi1);
+            else
+              detail::promote<Cfg::kAccum, 8>(out[h], acc, lo0, lo1, hi0, hi1);
           }
-        } else {
-          release(stage);
+          if (++stage == kStages) stage = 0, phase ^= 1;
         }
-        if (++stage == kStages) stage = 0, phase ^= 1;
+      } else {  // all of this warpgroup's rows lie past its expert's end
+        for (int kb = 0; kb < Kb; ++kb) {
+          Barrier::wait(&full[stage], phase);
+          release(stage);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
       }
 
-      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one 128-column part at a time
+      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one part at a time
+      const RowTile t = tiles.at(tile_id(g, rank));
+      const bool store = g * kCluster + rank < num_tiles;
+      const int n0 = t.n_block * Cfg::kBlockN;
       const int stored = store ? rows : 0;
       const int row0 = t.row0 + warpgroup * Cfg::kWarpgroupRows;
 #pragma unroll

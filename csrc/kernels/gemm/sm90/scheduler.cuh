@@ -31,21 +31,22 @@ struct RowTile {
 
 constexpr int kBandRows = 16;
 
+// Tile ids are 32-bit: the launcher refuses problems of 2^31 tiles or more (block_capacity x column tiles).
 struct RaggedRowTiles {
   const int32_t* tok;  // the plan's token starts [E + 1]
   const int32_t* blk;  // the plan's 128-row block starts [E + 1]
   int E;
   int n_blocks;
 
-  __device__ __forceinline__ int64_t count() const { return int64_t(blk[E]) * n_blocks; }
+  __device__ __forceinline__ int count() const { return blk[E] * n_blocks; }
 
-  __device__ __forceinline__ RowTile at(int64_t id) const {
+  __device__ __forceinline__ RowTile at(int id) const {
     const int e = find_expert(blk, E, id / n_blocks);
-    const int64_t local = id - int64_t(blk[e]) * n_blocks;
+    const int local = id - blk[e] * n_blocks;
     const int m_blocks = blk[e + 1] - blk[e];
-    const int band = static_cast<int>(local / (int64_t(kBandRows) * n_blocks));
+    const int band = local / (kBandRows * n_blocks);
     const int band_rows = min(kBandRows, m_blocks - band * kBandRows);
-    const int in_band = static_cast<int>(local - int64_t(band) * kBandRows * n_blocks);
+    const int in_band = local - band * kBandRows * n_blocks;
     const int m = band * kBandRows + in_band % band_rows;
     const int row0 = tok[e] + m * kBlock;
     return {e, row0, min(kBlock, tok[e + 1] - row0), in_band / band_rows};

@@ -65,34 +65,13 @@ def problems(quick: bool) -> list:
     return out
 
 
-def time_interleaved(calls: dict, rounds: int, iters: int) -> dict:
-    """ms per call of each of ``calls``: in each round every call runs ``iters`` times back to back between
-    two CUDA events; the median over the rounds."""
-    import statistics
-
-    import torch
-
-    for fn in calls.values():  # warm-up
-        fn()
-    times = {v: [] for v in calls}
-    for _ in range(rounds):
-        for v, fn in calls.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            b.synchronize()
-            times[v].append(a.elapsed_time(b) / iters)
-    return {v: statistics.median(t) for v, t in times.items()}
-
-
 def main() -> int:
     args = parse_args()
     require_cuda_gpu(PROG, hopper=True)
     import torch
 
     from bench.gemm.mlp_problems import ceilings, ops  # builds / loads the extension
+    from bench.suite.measure import time_interleaved
 
     iters, rounds = args.iters, args.rounds or (5 if args.quick else 9)
     dev = "cuda"

@@ -39,6 +39,24 @@ def time_op(fn, target_s, min_iters, max_iters, warmup) -> dict:
     return {"ms": statistics.median(ts), "ms_p10": _pct(ts, 0.1), "ms_p90": _pct(ts, 0.9), "iters": n}
 
 
+def time_interleaved(calls: dict, rounds: int, iters: int) -> dict:
+    """ms per call of each of ``calls``: in each round every call runs ``iters`` times back to back between
+    two CUDA events; the median over the rounds."""
+    for fn in calls.values():  # warm-up
+        fn()
+    times = {v: [] for v in calls}
+    for _ in range(rounds):
+        for v, fn in calls.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            times[v].append(a.elapsed_time(b) / iters)
+    return {v: statistics.median(t) for v, t in times.items()}
+
+
 _CYCLES_PER_MS = None
 
 

@@ -81,7 +81,7 @@ struct Fp8RaggedRowsConfig {
   static_assert(kMathWarpgroups * kMathRegisters + kProducerRegisters <= (kMathWarpgroups + 1) * kLaunchRegisters,
                 "setmaxnreg moves registers within the launch's allocation");
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
-  static constexpr int kScalesB = 4;     // weight-scale blocks per stage (a tile touches at most two)
+  static constexpr int kScalesB = 2;     // weight-scale blocks per stage: a tile's columns touch at most two
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
@@ -346,9 +346,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           Barrier::wait(&full[stage], phase);
           // the scales, read before the stage can be released (the scale warp then overwrites them)
           const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
-          float b[Cfg::kParts + 1];  // part h: blocks h and h + 1 (256 wide: h alone; 192: both)
+          float b[Cfg::kScalesB];
 #pragma unroll
-          for (int h = 0; h <= Cfg::kParts; ++h) b[h] = smem_sb[stage * Cfg::kScalesB + h];
+          for (int j = 0; j < Cfg::kScalesB; ++j) b[j] = smem_sb[stage * Cfg::kScalesB + j];
 #pragma unroll
           for (int h = 0; h < Cfg::kParts; ++h) {
             if (h >= parts) break;
@@ -364,7 +364,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 #pragma unroll
             for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
             if (h == parts - 1) release(stage);
-            const float lo0 = a0 * b[h], lo1 = a1 * b[h], hi0 = a0 * b[h + 1], hi1 = a1 * b[h + 1];
+            // part h's columns start in weight-scale block h; only a 192-wide part reaches into the next
+            constexpr int kHi = Cfg::kPartN == 128 ? 0 : 1;
+            const float lo0 = a0 * b[h], lo1 = a1 * b[h], hi0 = a0 * b[h + kHi], hi1 = a1 * b[h + kHi];
             if (Cfg::kPartN == 128 || lo_chunks == 16)
               detail::promote<Cfg::kAccum, 16>(out[h], acc, lo0, lo1, hi0, hi1);
             else

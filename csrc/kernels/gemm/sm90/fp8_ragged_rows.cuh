@@ -28,7 +28,10 @@
 //   expert's rows only (the rows past them belong to the next expert). The wait for a TMA store's reads
 //   is deferred to the next part or tile, so the last store overlaps the next tile's main loop; one
 //   part's buffer (not the whole tile's) leaves shared memory for another pipeline stage.
-// - The plan is read from global memory (L1-resident: one binary search per tile).
+// - The producer walks the tile list in the plan (global memory, a binary search per tile; the TMA
+//   thread reads a tile ahead); the scale warp hands each stage's tile to the math warpgroups beside its
+//   scales, so they start a tile without a global load. Per-tile values are broadcast from lane 0, which
+//   keeps the K loop's stage, branches and wgmma descriptors in uniform registers.
 // - A plan that does not fit T (plan_fits) is taken as the plan of no tokens; rows past the covered
 //   tokens are zeroed.
 #pragma once
@@ -88,15 +91,17 @@ struct Fp8RaggedRowsConfig {
   static constexpr int kBytesB = kBlockN * kBlockK;
   static constexpr int kBoxRowsA = kBlockM / kCluster, kBoxRowsB = kBlockN / kCluster;  // a TMA box: one CTA's share
   static constexpr int kBytesD = kBlockM * kPartN * 2;  // bf16 epilogue tile: one part at a time
-  static constexpr int kBytesStage = kBytesA + kBytesB + kBlockM * 4 + kScalesB * 4 + 2 * 8;
+  static constexpr int kBytesStage = kBytesA + kBytesB + kBlockM * 4 + kScalesB * 4 + 16 + 2 * 8;
   static constexpr int kStages = (232448 - kBytesD) / kBytesStage;
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
   static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;                   // fp32 [kStages][kBlockM]
-  static constexpr int kOffsetScalesB = kOffsetScalesA + kStages * kBlockM * 4;         // fp32 [kStages][kScalesB]
+  static constexpr int kOffsetTiles = kOffsetScalesA + kStages * kBlockM * 4;           // RowTile [kStages]
+  static constexpr int kOffsetScalesB = kOffsetTiles + kStages * 16;                     // fp32 [kStages][kScalesB]
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kScalesB * 4;
   static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
+  static_assert(sizeof(RowTile) == 16 && kOffsetTiles % 16 == 0, "a stage's tile as one 16-byte shared-memory word");
   static_assert(kSmemBytes <= 232448, "shared memory per block on sm90");
 };
 
@@ -177,6 +182,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   uint8_t* smem_b = smem + Cfg::kOffsetB;
   float* smem_sa = reinterpret_cast<float*>(smem + Cfg::kOffsetScalesA);
   float* smem_sb = reinterpret_cast<float*>(smem + Cfg::kOffsetScalesB);
+  RowTile* smem_tile = reinterpret_cast<RowTile*>(smem + Cfg::kOffsetTiles);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetBarriers);
   uint64_t* empty = full + kStages;
 
@@ -209,7 +215,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     rank = kCluster > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
     cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
     tiles = {p.plan, p.plan + 2 * (E + 1), E, (N + Cfg::kBlockN - 1) / Cfg::kBlockN};
-    num_tiles = fits ? tiles.count() : 0;
+    num_tiles = __shfl_sync(0xffffffff, fits ? tiles.count() : 0, 0);  // warp-uniform to the compiler: see the math loop
     num_groups = (num_tiles + kCluster - 1) / kCluster;
   };
   // this CTA's tile of id group g (the last group's missing ids repeat its first tile)
@@ -225,10 +231,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       constexpr uint16_t kBoth = (1 << kCluster) - 1;
       int stage = 0;
       uint32_t phase = 0;
-      for (int g = cluster; g < num_groups; g += clusters) {
-        const RowTile t = tiles.at(tile_id(g, rank));
-        Shared shared = Shared::kNone;
+      // the tile walk of group g (dependent global loads): read a group ahead, so that its latency
+      // overlaps the previous tile's K loop
+      auto walk = [&](int g, RowTile& t, Shared& shared) {
+        if (g >= num_groups) return;
+        t = tiles.at(tile_id(g, rank));
+        shared = Shared::kNone;
         if constexpr (kCluster > 1) shared = shared_operand(t, tiles.at(tile_id(g, rank ^ 1)));
+      };
+      RowTile next{};
+      Shared next_shared = Shared::kNone;
+      walk(cluster, next, next_shared);
+      for (int g = cluster; g < num_groups; g += clusters) {
+        const RowTile t = next;
+        const Shared shared = next_shared;
+        walk(g + clusters, next, next_shared);
         const int b_row = t.expert * N + t.n_block * Cfg::kBlockN;
         for (int kb = 0; kb < Kb; ++kb) {
           Barrier::wait(&empty[stage], phase ^ 1);
@@ -281,6 +298,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 #pragma unroll
           for (int i = 0; i < kRowsPerLane; ++i) smem_sa[stage * Cfg::kBlockM + lane + 32 * i] = a[i];
           if (lane < Cfg::kScalesB) smem_sb[stage * Cfg::kScalesB + lane] = b;
+          if (lane == 0) smem_tile[stage] = t;  // the math warpgroups read the tile here, not in global memory
           Barrier::arrive(&full[stage]);  // each lane releases its own stores
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
@@ -321,16 +339,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     const uint32_t b_lo0 = __shfl_sync(0xffffffff, static_cast<uint32_t>(b_desc0), 0);
     const uint64_t a_hi = a_desc0 & 0xffffffff00000000ull, b_hi = b_desc0 & 0xffffffff00000000ull;
     // this thread's two accumulator rows (r, r + 8) in the stage's A scales
-    const float* smem_sa_row = smem_sa + warpgroup * Cfg::kWarpgroupRows + warp * 16 + lane / 4;
+    // (its offset made opaque, so that the compiler keeps it in a register instead of recomputing it
+    // from %tid at every K block)
+    int sa_row = warpgroup * Cfg::kWarpgroupRows + warp * 16 + lane / 4;
+    asm volatile("" : "+r"(sa_row));
+    const float* smem_sa_row = smem_sa + sa_row;
 
     for (int g = cluster; g < num_groups; g += clusters) {
-      // what the main loop needs of the tile; the epilogue reads the tile again (fewer live registers)
-      int rows, parts, lo_chunks;
+      // The tile, from its first stage (K has at least one block), where the scale warp wrote it: no
+      // global loads at a tile's start. Broadcast from lane 0, so that the compiler knows it warp-uniform
+      // and keeps the K loop's branches, stage and descriptors in uniform registers.
+      int rows, parts, lo_chunks, row0, n0;
       {
-        const RowTile t = tiles.at(tile_id(g, rank));
-        const int n0 = t.n_block * Cfg::kBlockN;
-        rows = min(Cfg::kWarpgroupRows, max(0, t.rows - warpgroup * Cfg::kWarpgroupRows));  // of this warpgroup
-        parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);                // inside N
+        Barrier::wait(&full[stage], phase);
+        const RowTile t = smem_tile[stage];
+        row0 = __shfl_sync(0xffffffff, t.row0, 0);
+        n0 = __shfl_sync(0xffffffff, t.n_block, 0) * Cfg::kBlockN;
+        const int tile_rows = __shfl_sync(0xffffffff, t.rows, 0);
+        rows = min(Cfg::kWarpgroupRows, max(0, tile_rows - warpgroup * Cfg::kWarpgroupRows));  // of this warpgroup
+        parts = min(Cfg::kParts, (N - n0 + Cfg::kPartN - 1) / Cfg::kPartN);                     // inside N
         // a 192-wide part's first weight-scale block covers its first 128 - n0 % 128 columns (8-column chunks)
         lo_chunks = min(Cfg::kPartN, kBlock - n0 % kBlock) / 8;
       }
@@ -351,7 +378,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           for (int j = 0; j < Cfg::kScalesB; ++j) b[j] = smem_sb[stage * Cfg::kScalesB + j];
 #pragma unroll
           for (int h = 0; h < Cfg::kParts; ++h) {
-            if (h >= parts) break;
+            if constexpr (Cfg::kParts > 1)
+              if (h >= parts) break;
 #pragma unroll
             for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
             cute::warpgroup_arrive();
@@ -363,7 +391,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
             cute::warpgroup_wait<0>();
 #pragma unroll
             for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
-            if (h == parts - 1) release(stage);
+            if (Cfg::kParts == 1 || h == parts - 1) release(stage);
             // part h's columns start in weight-scale block h; only a 192-wide part reaches into the next
             constexpr int kHi = Cfg::kPartN == 128 ? 0 : 1;
             const float lo0 = a0 * b[h], lo1 = a1 * b[h], hi0 = a0 * b[h + kHi], hi1 = a1 * b[h + kHi];
@@ -383,11 +411,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       }
 
       // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one part at a time
-      const RowTile t = tiles.at(tile_id(g, rank));
       const bool store = g * kCluster + rank < num_tiles;
-      const int n0 = t.n_block * Cfg::kBlockN;
       const int stored = store ? rows : 0;
-      const int row0 = t.row0 + warpgroup * Cfg::kWarpgroupRows;
+      const int wg_row0 = row0 + warpgroup * Cfg::kWarpgroupRows;
 #pragma unroll
       for (int h = 0; h < Cfg::kParts; ++h) {
         if (h >= parts) break;
@@ -410,7 +436,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 #pragma unroll
             for (int c = 0; c < Cfg::kPartN / Cfg::kStoreCols; ++c)
               if (col0 + c * Cfg::kStoreCols < N)
-                cute::SM90_TMA_STORE_2D::copy(&p.d, smem_d_wg + c * (64 * 128), col0 + c * Cfg::kStoreCols, row0);
+                cute::SM90_TMA_STORE_2D::copy(&p.d, smem_d_wg + c * (64 * 128), col0 + c * Cfg::kStoreCols, wg_row0);
             cute::tma_store_arrive();
           }
         } else if (stored > 0) {
@@ -418,7 +444,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           for (int u = tid; u < stored * kUnits; u += 128) {
             const int r = u / kUnits, col = (u % kUnits) * 8;
             if (col0 + col < N)
-              *reinterpret_cast<uint4*>(p.out + int64_t(row0 + r) * N + col0 + col) =
+              *reinterpret_cast<uint4*>(p.out + int64_t(wg_row0 + r) * N + col0 + col) =
                   *reinterpret_cast<const uint4*>(smem_d_wg + detail::epilogue_offset(r, col));
           }
         }

@@ -48,14 +48,15 @@ inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms)
   return kRaggedRowsTilings[best];
 }
 
-// The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (cutlass | sm90, read once), else
-// CUTLASS's ptr-array kernel.
+// The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (sm90 | cutlass, read once), else
+// moegemm's own sm90 kernel (faster than CUTLASS's ptr-array kernel on every shape of the GEMM table,
+// bench/results/ragged_rows_h200.md).
 inline GemmKernel fp8_ragged_rows_kernel(GemmKernel requested) {
   if (requested != GemmKernel::kDefault) return requested;
   static const GemmKernel from_env = [] {
     const char* v = std::getenv("MOEGEMM_FP8_GEMM");
-    if (v != nullptr && std::strcmp(v, "sm90") == 0) return GemmKernel::kSm90;
-    return GemmKernel::kCutlass;
+    if (v != nullptr && std::strcmp(v, "cutlass") == 0) return GemmKernel::kCutlass;
+    return GemmKernel::kSm90;
   }();
   return from_env;
 }

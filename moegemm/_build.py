@@ -2,6 +2,13 @@
 ``TORCH_EXTENSIONS_DIR`` or torch's default cache), ahead of time by ``setup.py`` (``moegemm/_C*.so``,
 preferred when present), and the compile-only check of ``python -m moegemm.build --check`` (CI).
 
+Many processes may start at once (eight ranks of ``torchrun`` on an empty cache): one builds, the others
+wait for it and load what it built (``jit_build_and_load``). The cache's lock is a ``flock``, which dies
+with its holder (loads share it, a build holds it alone); a lock file torch left in the build folder by a
+build that died is removed; a cached .so is loaded only if it matches the manifest written beside it
+after its build (size and sha256, the torch, CUDA, Python and nvcc it was built with, a hash of the
+sources and flags), else it is rebuilt.
+
 The sources are the repository's ``csrc/`` (a source tree, an sdist, an editable install) or the copy
 a wheel carries as ``moegemm/_csrc/``. The CUTLASS headers come from the pinned ``nvidia-cutlass``
 package (third_party/README.md), or from ``MOEGEMM_CUTLASS_DIR`` (a CUTLASS checkout: ``include/`` and
@@ -13,10 +20,12 @@ inside the functions that need it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -283,43 +292,365 @@ def prebuilt_extension() -> Path | None:
     return found[0] if found else None
 
 
+_LOAD_LOCK = threading.Lock()  # threads of one process: one loads, the others find it loaded
+
+
 @functools.lru_cache(maxsize=None)
 def load_extension():
     """Load the extension built by setup.py, or build it just in time (about a minute on 16 cores,
     several minutes on few; later runs only check the cache) and load it. Without a CUDA build of torch,
-    the CUDA toolkit or a GPU, building fails at once with ``BuildEnvironmentError``."""
+    the CUDA toolkit or a GPU, building fails at once with ``BuildEnvironmentError``. Safe to call from
+    many processes at once (``jit_build_and_load``) and from many threads."""
+    with _LOAD_LOCK:
+        prebuilt = prebuilt_extension()
+        if prebuilt is not None:
+            return load_prebuilt(prebuilt)
+        require_build_environment()
+        return jit_build_and_load()
+
+
+def load_prebuilt(path: Path) -> str:
+    """Load the extension setup.py built into the package. No lock: nothing is written. It was built
+    against the torch installed then; if it no longer loads (another torch, a broken install), the
+    ``RuntimeError`` says so and how to fix it, instead of a bare loader error."""
     import torch
-    from torch.utils.cpp_extension import load
 
-    prebuilt = prebuilt_extension()
-    if prebuilt is not None:
-        torch.ops.load_library(str(prebuilt))
-        return str(prebuilt)
-    require_build_environment()
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as exc:
+        raise RuntimeError(f"moegemm: the prebuilt extension {path} does not load with torch {torch.__version__} "
+                           f"({exc}): rebuild it (`pip install --no-build-isolation .`) or delete it to build the "
+                           "extension just in time") from exc
+    return str(path)
 
+
+def jit_build_and_load() -> str:
+    """Build the extension in the just-in-time cache if needed, and load it; returns the .so's path.
+
+    Safe for many processes at once: eight ranks starting together on an empty cache give one build;
+    the others wait for it (one line on stderr) and load what it built. A .so is loaded only when it
+    matches its manifest and this toolchain and these sources (``check_cached``); then, under a shared
+    lock, any number of processes load it at once. Otherwise, under the exclusive lock (``build_lock``):
+    a lock file torch left behind is removed (``remove_stale_baton``), what must not be reused is
+    removed, torch's ``load`` builds (ninja: only what changed) and loads, and the new .so gets its
+    manifest (``write_manifest``)."""
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     os.environ.setdefault("MAX_JOBS", str(default_jobs()))
     os.environ.setdefault("NINJA_STATUS", "[%f/%t] ")
-    srcs = sources()
     build_dir = build_directory()
-    fresh = not os.path.isfile(os.path.join(build_dir, NAME + ".so"))
-    if fresh:
-        print(f"moegemm: building the CUDA extension ({len(srcs)} translation units, MAX_JOBS={os.environ['MAX_JOBS']}; "
-              f"about a minute on 16 cores, several minutes on few) in {build_dir}", file=sys.stderr, flush=True)
-    start = time.time()
-    os.makedirs(build_dir, exist_ok=True)
-    kwargs = dict(name=NAME, sources=srcs, extra_include_paths=include_dirs(), extra_cflags=cxx_flags(),
-                  extra_cuda_cflags=NVCC_FLAGS, is_python_module=False)
+    kwargs = dict(name=NAME, sources=sources(), extra_include_paths=include_dirs(), extra_cflags=cxx_flags(),
+                  extra_cuda_cflags=NVCC_FLAGS, build_directory=build_dir, is_python_module=False)
+    expected = {"toolchain": toolchain(), "sources": source_fingerprint(kwargs)}
+    so = os.path.join(build_dir, NAME + ".so")
+    with build_lock(build_dir, shared=True) as locked:
+        if locked and cache_problem(build_dir, expected)[0] is None:
+            return load_library(so)
+    with build_lock(build_dir) as locked:
+        if locked:
+            remove_stale_baton(build_dir)
+        reason = check_cached(build_dir, expected)
+        if reason is None:  # built by the process this one waited for
+            return load_library(so)
+        if reason != NOT_BUILT:
+            print(f"moegemm: not reusing the cached extension in {build_dir}: {reason}; rebuilding", file=sys.stderr,
+                  flush=True)
+        path = build_with_torch(kwargs)
+        write_manifest(path, expected)
+    return path
+
+
+def build_with_torch(load_kwargs: dict) -> str:
+    """torch's ``load``: build (ninja, only what is out of date) and load; its output goes to ``build.log``
+    behind a short progress display (``_NinjaProgress``), or as it is with ``MOEGEMM_VERBOSE_BUILD=1``."""
+    from torch.utils import cpp_extension
+
+    srcs, build_dir = load_kwargs["sources"], load_kwargs["build_directory"]
+    if not os.path.isfile(os.path.join(build_dir, NAME + ".so")):
+        print(f"moegemm: building the CUDA extension ({len(srcs)} translation units, "
+              f"MAX_JOBS={os.environ['MAX_JOBS']}; about a minute on 16 cores, several minutes on few) in {build_dir}",
+              file=sys.stderr, flush=True)
     if os.environ.get("MOEGEMM_VERBOSE_BUILD", "0") not in ("", "0"):
-        module = load(**kwargs, verbose=True)
-    else:
-        progress = _NinjaProgress(srcs, os.path.join(build_dir, "build.log"))
-        with progress:
-            module = load(**kwargs, verbose=True)
-        if progress.built:
-            print(f"moegemm: extension built in {time.time() - start:.0f} s, cached in {build_dir} "
-                  "(later runs reuse it; delete the folder to rebuild)", file=sys.stderr, flush=True)
-    return module
+        return cpp_extension.load(**load_kwargs, verbose=True)
+    start = time.time()
+    progress = _NinjaProgress(srcs, os.path.join(build_dir, "build.log"))
+    with progress:
+        path = cpp_extension.load(**load_kwargs, verbose=True)
+    if progress.built:
+        print(f"moegemm: extension built in {time.time() - start:.0f} s, cached in {build_dir} "
+              "(later runs reuse it; delete the folder to rebuild)", file=sys.stderr, flush=True)
+    return path
+
+
+def load_library(path: str) -> str:
+    """Load a checked .so into this process (its ops register as ``torch.ops.moegemm``); its path."""
+    import torch
+
+    torch.ops.load_library(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------- the cache's lock
+LOCK_NOTICE_AFTER_S = 1.0  # a wait longer than this is announced on stderr (a load alone takes less)
+
+
+def lock_path(build_dir: str) -> str:
+    """``<extensions root>/moegemm_C.lock``: beside the build folder, which a rebuild may empty."""
+    return os.path.join(os.path.dirname(os.path.abspath(build_dir)), NAME + ".lock")
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str, shared: bool = False):
+    """Hold the cache's lock (a ``flock`` on ``lock_path``) for the enclosed work; yields whether it is
+    held. Exclusive: to check, repair, build and load; shared (``shared=True``): to check and load a
+    valid .so, any number of processes at once. The kernel releases a flock when its holder exits,
+    however it ends (Ctrl-C, SIGKILL, an OOM kill, a preempted node), so this lock never goes stale. An
+    exclusive holder writes its pid and host into the file; a process that waits longer than
+    ``LOCK_NOTICE_AFTER_S`` says once on stderr whom it waits for (Ctrl-C still interrupts the wait).
+    On a file system without flock (some network or FUSE mounts) it warns once and yields False: starts
+    are then serialized by torch's own lock file alone."""
+    path = lock_path(build_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    held = False
+    try:
+        held = _acquire(fd, path, shared)
+        if held and not shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield held
+    finally:
+        if held and not shared:
+            os.ftruncate(fd, 0)
+        os.close(fd)  # releases the flock
+
+
+_NO_FLOCK: list = []  # the file systems found without flock, said once
+
+
+def _acquire(fd: int, path: str, shared: bool) -> bool:
+    """Take the flock on ``fd``, waiting as long as another process holds it; False if flock is unsupported."""
+    import fcntl
+
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    deadline = time.monotonic() + LOCK_NOTICE_AFTER_S
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP, ...: no locks on this file system
+            if path not in _NO_FLOCK:
+                _NO_FLOCK.append(path)
+                print(f"moegemm: cannot lock {path} ({exc.strerror}): concurrent starts rely on torch's build lock "
+                      "alone", file=sys.stderr, flush=True)
+            return False
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    print(f"moegemm: waiting for {holder} to finish building or loading the CUDA extension (lock: {path})",
+          file=sys.stderr, flush=True)
+    fcntl.flock(fd, mode)
+    return True
+
+
+LEFTOVER_WAIT_S = 1200.0  # the longest a start waits for compilers a killed build left running
+
+
+def remove_stale_baton(build_dir: str) -> bool:
+    """Remove the lock file torch's ``load`` keeps in the build folder while it builds (its ``FileBaton``,
+    ``<build_dir>/lock``), if one is there; whether one was. Called only under the exclusive
+    ``build_lock``: no live moegemm process is inside torch's ``load`` for this folder then, so the file
+    is what a build that died left behind, and every later start would wait for it forever. Compilers
+    that the dead build started and that still run in the folder (when its Python process alone was
+    killed) are waited for first, at most ``LEFTOVER_WAIT_S``, so that no two builds write into the
+    folder at once."""
+    baton = os.path.join(build_dir, "lock")
+    if not os.path.exists(baton):
+        return False
+    leftovers = build_processes_in(build_dir)
+    if leftovers:
+        print(f"moegemm: waiting for {len(leftovers)} process(es) of an interrupted build to end in {build_dir} "
+              f"(pid {', '.join(map(str, leftovers[:4]))})", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + LEFTOVER_WAIT_S
+        while build_processes_in(build_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    try:
+        os.remove(baton)
+    except FileNotFoundError:
+        return False
+    print(f"moegemm: removed the lock file of an interrupted build ({baton})", file=sys.stderr, flush=True)
+    return True
+
+
+# What torch's build runs in the build folder (ninja, nvcc and the tools it drives, the host compiler).
+BUILD_TOOLS = {"ninja", "nvcc", "cicc", "ptxas", "cudafe++", "fatbinary", "nvlink", "sh", "c++", "g++", "gcc", "cc",
+               "cc1plus", "cc1", "as", "ld", "collect2", "clang", "clang++"}
+
+
+def build_processes_in(folder: str) -> list[int]:
+    """Pids of this host's build tools (``BUILD_TOOLS``) whose working directory is ``folder``: torch runs
+    ninja there, and ninja the compilers. A shell a user opened there is not one. Empty where /proc
+    cannot tell."""
+    target = os.path.realpath(folder)
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    found = []
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name in BUILD_TOOLS and os.path.realpath(os.readlink(f"/proc/{pid}/cwd")) == target:
+                found.append(pid)
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+# ------------------------------------------------------------------------------ the cached .so's manifest
+MANIFEST = NAME + ".manifest.json"
+NOT_BUILT = "not built yet"
+
+
+def toolchain() -> dict:
+    """What a built .so is tied to besides its sources, and what ninja cannot see change: the Python
+    ABI, torch's version and CUDA version, and the nvcc binary (its resolved path and size: a
+    ``/usr/local/cuda`` link moved to another toolkit keeps ninja's command lines)."""
+    import torch
+
+    nvcc = os.path.join(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda", "bin", "nvcc")
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME:
+            nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+    except ImportError:
+        pass
+    nvcc = os.path.realpath(nvcc)
+    return {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "nvcc": nvcc,
+            "nvcc_size": os.path.getsize(nvcc) if os.path.isfile(nvcc) else None}
+
+
+def source_fingerprint(load_kwargs: dict) -> str:
+    """sha256 of everything the build compiles from: every file under csrc/ (path and bytes, headers
+    included), the CUTLASS release (its version header), the compiler flags, the include folders and
+    ``TORCH_CUDA_ARCH_LIST``."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    csrc = csrc_dir()
+    for p in sorted(q for q in csrc.rglob("*") if q.is_file() and "__pycache__" not in q.parts):
+        h.update(str(p.relative_to(csrc)).encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    for inc in load_kwargs.get("extra_include_paths") or []:  # the CUTLASS release: its version header
+        version = Path(inc, "cutlass", "version.h")
+        if version.is_file():
+            h.update(version.read_bytes())
+    flags = {k: load_kwargs.get(k) for k in ("name", "extra_cflags", "extra_cuda_cflags", "extra_include_paths")}
+    flags["arch"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    h.update(json.dumps(flags, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(build_dir: str):
+    """The manifest of the cached .so (a dict), None if there is none or it is unreadable."""
+    import json
+
+    try:
+        with open(os.path.join(build_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def write_manifest(so_path: str, expected: dict) -> None:
+    """Record what the .so at ``so_path`` is (size, sha256) and was built from (``expected``: toolchain and
+    source fingerprint) in the manifest beside it; written whole or not at all (a rename)."""
+    import json
+
+    manifest = {"format": 1, "so": os.path.basename(so_path), "size": os.path.getsize(so_path),
+                "sha256": file_sha256(so_path), **expected}
+    path = os.path.join(os.path.dirname(so_path), MANIFEST)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def cache_problem(build_dir: str, expected: dict):
+    """``(reason, remove)``: why the cached ``moegemm_C.so`` may not be loaded as it is (None: it may: it
+    matches its manifest's size and sha256 and was built by this toolchain from these sources,
+    ``expected``), and what must go before a rebuild: ``"so"`` (the .so and its manifest: ninja relinks,
+    recompiling what changed), ``"folder"`` (everything: built by another torch, CUDA, Python or nvcc,
+    whose objects ninja might keep) or None. ``NOT_BUILT`` when there is no .so. Reads only."""
+    so = os.path.join(build_dir, NAME + ".so")
+    if not os.path.isfile(so):
+        return NOT_BUILT, None
+    manifest = read_manifest(build_dir)
+    if manifest is None or manifest.get("so") != NAME + ".so":
+        return "it has no manifest (a build that did not finish, or one made by an older moegemm)", "so"
+    if manifest.get("toolchain") != expected["toolchain"]:
+        old, new = manifest.get("toolchain") or {}, expected["toolchain"]
+        changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
+        return f"it was built by another toolchain ({changed})", "folder"
+    size = os.path.getsize(so)
+    if manifest.get("size") != size:
+        return f"it is truncated or changed ({size} bytes, {manifest.get('size')} when built)", "so"
+    if manifest.get("sha256") != file_sha256(so):
+        return "its contents changed since it was built (sha256)", "so"
+    if manifest.get("sources") != expected["sources"]:
+        return "its sources or compiler flags changed", "so"
+    return None, None
+
+
+def check_cached(build_dir: str, expected: dict):
+    """``cache_problem``'s reason, after removing what it says must go (under the exclusive
+    ``build_lock``): a truncated, changed, unrecorded or foreign .so is never loaded."""
+    reason, remove = cache_problem(build_dir, expected)
+    if remove == "folder":
+        empty_folder(build_dir)
+    elif remove == "so" or reason == NOT_BUILT:
+        _remove(os.path.join(build_dir, NAME + ".so"))
+        _remove(os.path.join(build_dir, MANIFEST))
+    return reason
+
+
+def empty_folder(build_dir: str) -> None:
+    """Remove everything in the build folder (only ever ``.../moegemm_C``), keeping the folder."""
+    import shutil
+
+    if os.path.basename(os.path.normpath(build_dir)) != NAME:
+        raise RuntimeError(f"moegemm: refusing to empty {build_dir}: not a {NAME} build folder")
+    for entry in os.scandir(build_dir):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            _remove(entry.path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only: bool = False) -> int:

@@ -55,9 +55,14 @@ the call (traced into the graph), whatever ``is_first_microbatch`` says.
 
 Memory: per cached weight ``[E, N, K]``, the four tensors of ``quantize_weight``: ``q`` and ``qᵀ`` (one
 byte per element each, i.e. as much as the bf16 weight itself) and two fp32 scale tensors of
-``E·⌈N/128⌉·⌈K/128⌉`` values each. The copies live until the next re-quantization replaces them (the
-old ones are freed then, unless a pending backward still holds them: for a moment both exist),
-``clear()`` (``fp8_weight_cache = False``, ``to_fp8_inference()``), or the module.
+``E·⌈N/128⌉·⌈K/128⌉`` values each. The copies live until the next re-quantization (which drops the old
+ones before making the new, unless a pending backward still holds them), ``clear()``
+(``fp8_weight_cache = False``, ``to_fp8_inference()``), or the module.
+
+Failures. A re-quantization that fails (``torch.OutOfMemoryError``) leaves no stale copy behind: the
+entry it was replacing is gone (the next use quantizes), or, for copies a captured graph reads, still
+marked with the weights it holds (so not fresh). Every entry is at all times the exact quantization of
+the weights its version and stamp name.
 """
 
 from __future__ import annotations
@@ -211,7 +216,8 @@ class FP8WeightCache:
                 if capture and not e.captured:
                     e.pinned = True
             else:
-                e = self._quantize(i, w, e, stamp, capture)
+                pinned, e = (e if e is not None and e.pinned else None), None
+                e = self._quantize(i, w, pinned, stamp, capture)
             out.append(e.fp8)
         return tuple(out)
 
@@ -224,18 +230,26 @@ class FP8WeightCache:
         out = []
         for i, w in enumerate(weights):
             e = self._entries[i]
-            out.append(self._quantize(i, w, e if e is not None and e.holds(w) else None, stamp, capture).fp8)
+            pinned = e if e is not None and e.pinned and e.holds(w) else None
+            del e
+            out.append(self._quantize(i, w, pinned, stamp, capture).fp8)
         return tuple(out)
 
-    def _quantize(self, i: int, w: torch.Tensor, e: Optional[_Entry], stamp, capture: bool) -> _Entry:
+    def _quantize(self, i: int, w: torch.Tensor, pinned: Optional[_Entry], stamp, capture: bool) -> _Entry:
+        """Quantize ``w`` into entry ``i``: in place when ``pinned`` (a captured graph reads its addresses),
+        else into a new entry, the old copies being dropped first. If quantizing fails (out of memory), no
+        stale copy is left behind: entry ``i`` is either None or the untouched pinned one, whose version
+        and stamp still name the weights it holds."""
         version = _version(w)  # before quantizing: a write racing with it must not be taken as seen
+        if pinned is None:
+            self._entries[i] = None  # frees the old copies now (unless a pending backward holds them)
         fp8 = quantize(w)
-        if e is not None and e.pinned:  # a captured graph reads these addresses: write there
+        if pinned is not None:
             with torch.no_grad():
-                for dst, src in zip(e.fp8, fp8):
+                for dst, src in zip(pinned.fp8, fp8):
                     dst.copy_(src)
-            e.version, e.stamp = version, stamp
-            return e
+            pinned.version, pinned.stamp = version, stamp
+            return pinned
         e = _Entry(w, version, stamp, fp8, captured=capture)
         self._entries[i] = e
         return e

@@ -6,6 +6,7 @@ backward."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 
 import torch
@@ -56,7 +57,12 @@ class WgradStore:
     else created or added to).
 
     Work never run keeps its operands alive: the store warns once when more than ``max_pending``
-    backward passes are pending (backward_dw forgotten) and ``clear()`` drops them without computing."""
+    backward passes are pending (backward_dw forgotten) and ``clear()`` drops them without computing.
+
+    Failures (``torch.OutOfMemoryError`` mid-step): when ``backward_dw()``, or a backward that pushes
+    here, raises, the store drops all its pending work (freeing the operands) before the exception
+    propagates. That step's weight gradients are then incomplete (a main_grad may hold part of them), as
+    after any failed backward: discard the step (zero the gradients); the store starts the next one empty."""
 
     def __init__(self, max_pending: int = 8):
         self.max_pending = max_pending
@@ -76,11 +82,27 @@ class WgradStore:
 
     @torch.no_grad()
     def backward_dw(self) -> None:
-        while self._pending:
-            self._pending.popleft()()
+        with self.dropped_on_failure():
+            while self._pending:
+                self._pending.popleft()()
+
+    @contextlib.contextmanager
+    def dropped_on_failure(self):
+        """Run the enclosed work; if it raises, drop all pending work first (see the class docstring)."""
+        try:
+            yield
+        except BaseException:
+            self._pending.clear()
+            raise
 
     def clear(self) -> None:
         self._pending.clear()
+
+
+def drops_on_failure(store):
+    """Where a layer's backward runs: with a split-backward store, a failure drops the store's pending work
+    (``WgradStore.dropped_on_failure``); without one, nothing."""
+    return store.dropped_on_failure() if store is not None else contextlib.nullcontext()
 
 
 def check_deferrable(*weights) -> None:

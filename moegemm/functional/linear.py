@@ -25,8 +25,8 @@ from .. import backends
 from .._validate import SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, splits_to_device
 from ..backends import contract
 from ..layout import BF16, RECIPE_IDS
-from .grads import (WgradStore, add_grad, check_deferrable, finish_sum, finish_weight_grad, grad_target,
-                    refuse_double_backward, weight_grad_target)
+from .grads import (WgradStore, add_grad, check_deferrable, drops_on_failure, finish_sum, finish_weight_grad,
+                    grad_target, refuse_double_backward, weight_grad_target)
 from .inputs import split_x
 
 _WGRAD_GATHER = {recipe: contract.LINEAR.wgrad_gather(recipe) for recipe in RECIPE_IDS.values()}
@@ -62,12 +62,13 @@ class _GroupedLinear(torch.autograd.Function):
         fp8_weight, saved = rest[:ctx.num_fp8], rest[ctx.num_fp8:]
         defer = ctx.store is not None and need_dw
         main_grad = None if defer else weight_grad_target(ctx.weight, need_dw)
-        dx, dw, db, *made = backends.select(dy.device).linear_bwd(dy, plan, saved, x, weight, main_grad, ctx.recipe,
-                                                                need_dx, need_dw, need_db, defer, fp8_weight or None)
-        if defer:  # the wgrad op's operands, by name from what this backward has (contract.LINEAR)
-            pool = (*made, *saved, dy.contiguous(), x)
-            operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]
-            ctx.store.push(_linear_wgrad_job(plan, operands, ctx.weight, ctx.recipe))
+        with drops_on_failure(ctx.store):
+            dx, dw, db, *made = backends.select(dy.device).linear_bwd(
+                dy, plan, saved, x, weight, main_grad, ctx.recipe, need_dx, need_dw, need_db, defer, fp8_weight or None)
+            if defer:  # the wgrad op's operands, by name from what this backward has (contract.LINEAR)
+                pool = (*made, *saved, dy.contiguous(), x)
+                operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]
+                ctx.store.push(_linear_wgrad_job(plan, operands, ctx.weight, ctx.recipe))
         return (dx if need_dx else None, None if defer else finish_weight_grad(dw, need_dw, ctx.weight, main_grad),
                 finish_sum(db, need_db, ctx.bias_dtype), None, None, None, None, None, None)
 

@@ -20,8 +20,8 @@ from .._validate import (SplitsLike, check_activation, check_bias, check_main_gr
                          check_recipe, splits_to_device)
 from ..backends import contract
 from ..layout import ACTIVATIONS, BF16, RECIPE_IDS
-from .grads import (WgradStore, add_grad, check_deferrable, finish_sum, finish_weight_grad, grad_target,
-                    refuse_double_backward, weight_grad_target)
+from .grads import (WgradStore, add_grad, check_deferrable, drops_on_failure, finish_sum, finish_weight_grad,
+                    grad_target, refuse_double_backward, weight_grad_target)
 from .inputs import split_x
 
 _RELEASED = "released"
@@ -92,14 +92,15 @@ class _GroupedMLP(torch.autograd.Function):
         (plan, x, w1, w2, probs), rest = tensors[:5], tensors[5:]
         fp8_weights, saved = rest[:ctx.num_fp8_weights], rest[ctx.num_fp8_weights:]
         del tensors, rest  # the op holds the last references to what it frees
-        dx, dw1, dw2, db1, db2, dp, *made = backends.select(dy.device).mlp_bwd(
-            dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
-            need_dw2, need_db1, need_db2, need_dp, release, defer)
-        if defer:  # the wgrad op's operands, by name (contract.MLP); the op never frees the saved ones it needs
-            pool = (*made, *saved, dy.contiguous(), x)
-            operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]
-            ctx.store.push(_mlp_wgrad_job(plan, operands, ctx.w1, ctx.w2, ctx.recipe, need_dw1, need_dw2))
-            dw1 = dw2 = None
+        with drops_on_failure(ctx.store):
+            dx, dw1, dw2, db1, db2, dp, *made = backends.select(dy.device).mlp_bwd(
+                dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
+                need_dw2, need_db1, need_db2, need_dp, release, defer)
+            if defer:  # the wgrad op's operands, by name (contract.MLP); the op never frees the saved ones it needs
+                pool = (*made, *saved, dy.contiguous(), x)
+                operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]
+                ctx.store.push(_mlp_wgrad_job(plan, operands, ctx.w1, ctx.w2, ctx.recipe, need_dw1, need_dw2))
+                dw1 = dw2 = None
         return (dx if need_dx else None, None if defer else finish_weight_grad(dw1, need_dw1, ctx.w1, mg1),
                 None if defer else finish_weight_grad(dw2, need_dw2, ctx.w2, mg2), finish_sum(db1, need_db1, ctx.b1_dtype),
                 finish_sum(db2, need_db2, ctx.b2_dtype), finish_sum(dp, need_dp, ctx.probs_dtype),

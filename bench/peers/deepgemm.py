@@ -156,16 +156,20 @@ def quantize_rows(t):
 
 
 def quantize_blocks(w):
-    """FP8 e4m3 of w [N, K] in 128x128 blocks: (q [N, K], fp32 scales [ceil(N/128), K/128])."""
+    """FP8 e4m3 of w [..., N, K] (one matrix, or a stack of them) in 128x128 blocks: (q [..., N, K], fp32
+    scales [..., ceil(N/128), K/128])."""
     import torch
 
-    N, K = w.shape
+    *lead, N, K = w.shape
     Np = -(-N // 128) * 128
-    padded = torch.zeros(Np, K, dtype=w.dtype, device=w.device)
-    padded[:N] = w
-    v = padded.view(Np // 128, 128, K // 128, 128).float()
-    s = v.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-4) / 448.0
-    return (v / s).to(torch.float8_e4m3fn).view(Np, K)[:N].contiguous(), s.view(Np // 128, K // 128)
+    padded = w
+    if Np != N:
+        padded = torch.zeros(*lead, Np, K, dtype=w.dtype, device=w.device)
+        padded[..., :N, :] = w
+    v = padded.reshape(*lead, Np // 128, 128, K // 128, 128).float()
+    s = v.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4) / 448.0
+    q = (v / s).to(torch.float8_e4m3fn).view(*lead, Np, K)[..., :N, :].contiguous()
+    return q, s.view(*lead, Np // 128, K // 128)
 
 
 def quantize_cols(t):

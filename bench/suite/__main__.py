@@ -1,7 +1,10 @@
 """The moegemm benchmark suite: moegemm next to its peers, side by side in one process.
 
-    python -m bench.suite            # full run (~5-8 min of GPU time), results under bench/results/
-    python -m bench.suite --quick    # < 2 min: fewer iterations, Zipf splits only, short jitter run
+    python -m bench.suite            # full run (~8-10 min of GPU time), results under bench/results/
+    python -m bench.suite --quick    # ~2.5 min: fewer iterations, Zipf splits only, short jitter run
+    LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) python -m bench.suite ...   # with the DeepGEMM rows
+    (DeepGEMM: its source carried to .peers/DeepGEMM; its first build, ~80 s, and the JIT prewarm of its
+    kernels come on top of the time budget, as the probes do)
     python -m bench.suite.plot bench/results/results.json   # the PNGs again, on any machine with matplotlib
 
 Model shapes (E, hidden, ffn per expert, routed tokens T) with Zipf-skewed m_splits (empty experts
@@ -12,20 +15,24 @@ included) and a balanced variant. Variants (each guarded: a failure is recorded,
   torchao fp8 rowwise                 torchao.prototype.moe_training (Triton quantization), if importable
   per-expert loop bf16                torch.split + F.linear per expert, m_splits.tolist() (a host sync)
   TE GroupedLinear bf16 / fp8         if transformer_engine is importable
+  DeepGEMM fp8 blockwise              its m-grouped / k-grouped FP8 GEMMs, each expert padded to 128 rows,
+                                      m_splits read on the host; built from a carried source tree (.peers/)
   (+ "GEMM only" rows for fc1: operands quantized beforehand, not a peer, for the kernel comparison)
 Metrics: fc1 forward (K=hidden, N=2*ffn) and expert MLP (SwiGLU with router probs) forward+backward:
 median ms over CUDA-event-timed back-to-back iterations after warm-up, TFLOP/s, fraction of the dense
 ceilings measured in the same run, speed-up over torch._grouped_mm bf16; host overhead per call with the
 GPU kept busy (torch.cuda._sleep), also swept over E; jitter of synchronised iterations; peak extra
-memory; accuracy of every variant against a float64 per-expert computation.
+memory; accuracy of every variant against a float64 per-expert computation. Training step: GA = 1 and 4
+micro-batches of MLP fwd+bwd with fp32 main_grad accumulation and an in-place weight update (FP8 weight
+caches refreshed once per step), torch bf16 / moegemm bf16 / moegemm fp8 / DeepGEMM.
 
 Peers that can crash the CUDA context (device-side asserts cannot be caught) are first run on a small
 case in a child process per variant ("probe"); a variant/split kind whose probe died is reported n/a.
 """
 
 # The parts, one job each (bench/README.md): shared.py, variants.py, cases.py, moegemm_variants.py,
-# implementations.py, measure.py, probes.py, meta.py, runner.py (the run and results.json), report.py
-# (results.md), plot.py (the PNGs).
+# implementations.py, measure.py, probes.py, training.py, meta.py, runner.py (the run and results.json),
+# report.py (results.md), plot.py (the PNGs).
 
 from __future__ import annotations
 
@@ -60,10 +67,20 @@ def make_cfg(args) -> dict:
         "jitter_iters": args.jitter_iters or (1000 if q else 10000),
         "jitter_seconds": args.jitter_seconds or (4.0 if q else 60.0),
         "jitter_variants": ["moegemm_fp8", "torch_bf16", "loop_bf16"] if q else ["moegemm_fp8", "moegemm_bf16", "torch_bf16"],
-        "budget_s": args.budget_s or (110.0 if q else 500.0),
+        "budget_s": args.budget_s or (120.0 if q else 500.0),
         "sweep_reserve_s": 8.0 if q else 25.0,
         "jitter_reserve_s": 12.0 if q else 140.0,
+        "train_reserve_s": 20.0 if q else 60.0,
         "probe_timeout_s": 90.0 if q else 200.0,
+        "probe_jit_extra_s": 150.0,  # more when a probed variant compiles its kernels first (DeepGEMM)
+        "prewarm_timeout_s": 300.0 if q else 480.0,
+        "prewarm_max_par": 8,
+        "train_ga": [1, 4],
+        "train_variants": ["torch_bf16", "moegemm_bf16", "moegemm_fp8_wcache", "deepgemm_fp8_wcache"],
+        "train_target_s": 0.15 if q else 0.6,
+        "train_min_iters": 3 if q else 5,
+        "train_max_iters": 20 if q else 100,
+        "train_warmup": 1 if q else 2,
         "splits": [s.strip() for s in args.splits.split(",")] if args.splits else (["zipf"] if q else ["zipf", "balanced"]),
         "shapes": SHAPES,
         "gemm_shapes": {} if q else GEMM_SHAPES,
@@ -75,7 +92,7 @@ def make_cfg(args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer iterations, Zipf splits only, short jitter (< 2 min)")
+    ap.add_argument("--quick", action="store_true", help="fewer iterations, Zipf splits only, short jitter (~2.5 min)")
     ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
     ap.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
     ap.add_argument("--splits", default=None, help="comma-separated: zipf,balanced")
@@ -83,14 +100,20 @@ def parse_args(argv=None):
                     "(" + ", ".join(v.key for v in VARIANTS) + "); the torch bf16 baseline always runs")
     ap.add_argument("--jitter-iters", type=int, default=None, help="synchronised iterations per variant (10000; quick 1000)")
     ap.add_argument("--jitter-seconds", type=float, default=None, help="time cap per variant for the jitter run")
-    ap.add_argument("--budget-s", type=float, default=None, help="wall-time budget; later sections shrink or skip")
+    ap.add_argument("--budget-s", type=float, default=None, help="wall-time budget of the measurements (the setup: "
+                    "loading the variants, probes, JIT prewarm, comes on top); later sections shrink or skip")
     ap.add_argument("--no-probe", action="store_true", help="skip the crash probes in child processes")
     ap.add_argument("--no-sweep", action="store_true", help="skip the host-overhead sweep over E")
     ap.add_argument("--no-jitter", action="store_true", help="skip the jitter run")
+    ap.add_argument("--no-train", action="store_true", help="skip the training-step section (GA = 1 and 4)")
+    ap.add_argument("--no-prewarm", action="store_true", help="no JIT prewarm in child processes (DeepGEMM then "
+                    "compiles its kernels inside the timed run)")
     ap.add_argument("--no-plots", action="store_true", help="do not write PNGs")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe-kinds", default="aligned,unaligned", help=argparse.SUPPRESS)
+    ap.add_argument("--prewarm", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prewarm-job", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -99,11 +122,13 @@ def main(argv=None) -> int:
     require_cuda_gpu(PROG)
     import torch  # (and moegemm, below) only once the machine is known to fit
 
-    from bench.suite.probes import PROBE_SPLITS, probe_main
+    from bench.suite.probes import PROBE_SPLITS, prewarm_main, probe_main
     from bench.suite.runner import Runner
 
     if args.probe:
         return probe_main(args.probe, [k for k in args.probe_kinds.split(",") if k in PROBE_SPLITS])
+    if args.prewarm:
+        return prewarm_main(args.prewarm, args.prewarm_job)
     torch.backends.cuda.matmul.allow_tf32 = False
     return Runner(args, make_cfg(args)).run()
 

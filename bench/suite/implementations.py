@@ -1,20 +1,21 @@
 """The implementations measured, one module per family of variants (bench/peers/interface.py): moegemm's
 own (moegemm_variants.py) and the peers' (bench/peers/). load_variants() records in UNAVAILABLE why a
 variant cannot run here; build_fc1 (fc1 forward) and build_mlp (expert MLP) build a variant on a case;
-make_step is one MLP forward+backward."""
+make_step is one MLP forward+backward; jit_prewarm says whether a variant compiles kernels at its first call on a
+new shape (bench/suite/probes.py runs the points once in child processes first)."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.peers import expert_loop, te_grouped_linear, torch_grouped_mm, torchao_rowwise
+from bench.peers import deepgemm_mlp, expert_loop, te_grouped_linear, torch_grouped_mm, torchao_rowwise
 from bench.suite import moegemm_variants
 from bench.suite.shared import short
 from bench.suite.variants import VARIANTS, VBY
 
 # a variant's family (bench/suite/variants.py) -> the module that builds it
 BUILDERS = {"moegemm": moegemm_variants, "torch": torch_grouped_mm, "torchao": torchao_rowwise,
-            "loop": expert_loop, "te": te_grouped_linear}
+            "loop": expert_loop, "te": te_grouped_linear, "deepgemm": deepgemm_mlp}
 
 # Filled by load_variants(): why a variant cannot run at all (key -> reason).
 UNAVAILABLE: dict = {}
@@ -31,6 +32,10 @@ def load_variants(only=None) -> None:
             _builder(key).load(key)
         except Exception as exc:  # noqa: BLE001 - whatever stops a peer from loading is its reason
             UNAVAILABLE[key] = short(exc)
+
+
+def jit_prewarm(key) -> bool:
+    return bool(getattr(_builder(key), "JIT_PREWARM", False))
 
 
 def build_fc1(key, c):

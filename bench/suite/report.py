@@ -1,5 +1,6 @@
 """results.md from results.json: render_markdown (ceilings, probe findings, fc1 and MLP tables,
-accuracy, host sweep, jitter), the grouped-GEMM targets table and the summary; no GPU needed."""
+accuracy, the training step, host sweep, jitter), the grouped-GEMM targets table and the summary; no GPU
+needed."""
 
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ def render_markdown(res: dict) -> str:
     notes = sorted({(r["label"], r["note"]) for r in recs if r.get("note")})
     if notes:
         parts.append("Notes: " + "; ".join(f"{a}: {b}" for a, b in notes) + ".")
+    train = render_training(res)
+    if train:
+        parts.append(train)
     sweep = res.get("host_sweep", [])
     if sweep:
         Es = sorted({r["E"] for r in sweep})
@@ -126,6 +130,65 @@ def render_markdown(res: dict) -> str:
         parts.append("Skipped: " + "; ".join(res["skipped"]))
     parts.append(render_summary(res))
     return "\n\n".join(parts) + "\n"
+
+
+# The training step's columns (variant keys, short names); "vs" columns compare the first with the others.
+TRAIN_COLUMNS = [("torch_bf16", "torch bf16"), ("moegemm_bf16", "moegemm bf16"), ("moegemm_fp8_wcache", "moegemm fp8"),
+                 ("deepgemm_fp8_wcache", "DeepGEMM fp8")]
+TRAIN_VS = [("moegemm_fp8_wcache", "moegemm_bf16"), ("moegemm_fp8_wcache", "deepgemm_fp8_wcache")]
+
+
+def render_training(res: dict) -> str:
+    """The training-step table: per shape and GA, ms per optimizer step of each variant (speed-up over
+    torch bf16), moegemm fp8 over moegemm bf16 and over DeepGEMM, and the main_grad check."""
+    recs = res.get("train", [])
+    if not recs:
+        return ""
+    names = dict(TRAIN_COLUMNS)
+    cols = [k for k, _ in TRAIN_COLUMNS if any(r["variant"] == k for r in recs)]
+    cols += [k for k in dict.fromkeys(r["variant"] for r in recs) if k not in cols]
+    vs = [(a, b) for a, b in TRAIN_VS if a in cols and b in cols]
+
+    def short_name(k):
+        return names.get(k) or (VBY[k].label if k in VBY else k)
+
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in recs):
+        for ga in sorted({r["ga"] for r in recs if r["shape"] == shape}):
+            got = {r["variant"]: r for r in recs if r["shape"] == shape and r["ga"] == ga}
+            cells, checks = [], []
+            for k in cols:
+                r = got.get(k)
+                if r is None:
+                    cells.append("")
+                    checks.append("")
+                elif r.get("status") != "ok":
+                    cells.append(_status_cell(r)[:60])
+                    checks.append("n/a")
+                else:
+                    sp = r.get("speedup_vs_torch_bf16")
+                    cells.append(_f(r["ms"]) + (f" ({sp:.2f}x)" if sp and k != BASELINE else ""))
+                    checks.append(_f(r.get("main_grad_ratio"), ".3f"))
+            for a, b in vs:
+                ra, rb = got.get(a), got.get(b)
+                ok = ra and rb and ra.get("status") == "ok" and rb.get("status") == "ok"
+                cells.append(f"{rb['ms'] / ra['ms']:.2f}x" if ok else "n/a")
+            r0 = next(iter(got.values()))
+            first = ga == min(x["ga"] for x in recs if x["shape"] == shape)
+            rows.append([shape if first else "", f"{r0['E']}/{r0['hidden']}/{r0['ffn']}/{r0['T']}" if first else "",
+                         ga] + cells + [" / ".join(checks) if ga != 1 else ""])
+    heads = (["shape", "E/hidden/ffn/T", "GA"] + [f"{short_name(k)} ms" for k in cols]
+             + [f"{short_name(a)} vs {short_name(b)}" for a, b in vs] + ["main_grad GA/GA=1"])
+    return ("## Training step (Megatron style): GA micro-batches of expert-MLP fwd+bwd, main_grad accumulation, "
+            "one weight update\n\n"
+            "ms per optimizer step: main_grad (fp32) zeroed, GA micro-batches of forward + backward (dx and dprobs "
+            "computed too) with each weight gradient accumulated into main_grad (by the wgrad GEMM where the variant "
+            "fuses it: moegemm, DeepGEMM; torch's bf16 gradients added in fp32), then an in-place SGD update, so every "
+            "FP8 weight copy is made once per step (moegemm's automatic FP8 weight cache; the DeepGEMM peer's cache "
+            "keyed on the weights' version). Zipf splits; median of CUDA-event timed steps; (x) = speed-up over torch "
+            "bf16 at the same GA. main_grad GA/GA=1: the norm of main_grad after the step over its norm after a GA=1 "
+            "step, per variant in column order (GA expected).\n\n"
+            + _table(heads, rows))
 
 
 def render_gemm_targets(recs) -> str:

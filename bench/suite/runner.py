@@ -1,11 +1,14 @@
-"""The run: Runner measures the sections in order (peers loaded, probes, ceilings, the model shapes and
-issue 6's GEMM problems, the host-overhead sweep over E, jitter) within the time budget, guards every
-variant, writes results.json after every section, then results.md and the plots."""
+"""The run: Runner measures the sections in order (peers loaded, probes and the JIT prewarm, ceilings, the
+model shapes and issue 6's GEMM problems, the training step, the host-overhead sweep over E, jitter) within
+the time budget, guards every variant, writes results.json after every section, then results.md and the
+plots. What comes before the measurements (loading the variants, DeepGEMM's build among them, the probes
+and the JIT prewarm) is the run's setup: recorded, and left out of the time budget."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import traceback
 from pathlib import Path
@@ -16,12 +19,13 @@ from bench.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits,
 
 from bench.suite import plot
 from bench.suite.cases import Case, mlp_errors, reference, rel_err
-from bench.suite.implementations import UNAVAILABLE, build_fc1, build_mlp, load_variants, make_step
+from bench.suite.implementations import UNAVAILABLE, build_fc1, build_mlp, jit_prewarm, load_variants, make_step
 from bench.suite.measure import count_syncs, host_overhead, jitter, measure_ceilings, peak_extra_mib, time_op
 from bench.suite.meta import collect_meta
-from bench.suite.probes import PROBE_SPLITS, PROBES, gate, run_probes
+from bench.suite.probes import PROBE_SPLITS, PROBES, Prewarm, gate, run_probes
 from bench.suite.report import render_markdown
 from bench.suite.shared import DEV, cuda_alive, free, log, short
+from bench.suite.training import TrainStep
 from bench.suite.variants import BASELINE, VARIANTS, VBY
 
 SWEEP_E = (8, 32, 128, 256)
@@ -29,20 +33,82 @@ SWEEP_SHAPE = (1024, 512, 8192)  # hidden, ffn, T for the host-overhead sweep (Z
 JITTER_SHAPE = "DeepSeek-V2-Lite"
 
 
+def _wanted(shape, shapes_arg) -> bool:
+    return not shapes_arg or any(s.strip().lower() in shape.lower() for s in shapes_arg.split(",") if s.strip())
+
+
+def model_points(cfg, shapes_arg) -> list:
+    """(shape, E, H, F, T, splits name, splits, ops) of the model-shape points and issue 6's GEMM problems
+    (fc1 only), in the order they run."""
+    pts = []
+    for shape, (E, H, F, T) in {**SHAPES, **SMALL_EXPERTS}.items():
+        if not _wanted(shape, shapes_arg):
+            continue
+        small = shape in SMALL_EXPERTS  # its own skew (a quarter of the experts empty), Zipf only
+        for kind_name in (["zipf"] if small else cfg["splits"]):
+            splits = (small_experts_splits(E, T) if small else
+                      zipf_splits(E, T) if kind_name == "zipf" else balanced_splits(E, T))
+            pts.append((shape, E, H, F, T, kind_name, splits, ("fc1", "mlp")))
+    for shape, (E, K, N, T) in cfg["gemm_shapes"].items():
+        if _wanted(shape, shapes_arg):
+            pts.append((shape, E, K, N // 2, T, "balanced", balanced_splits(E, T), ("fc1",)))
+    return pts
+
+
+def train_points(shapes_arg) -> list:
+    """(shape, E, H, F, T, splits) of the training-step section: the model shapes, Zipf splits."""
+    return [(shape, E, H, F, T, small_experts_splits(E, T) if shape in SMALL_EXPERTS else zipf_splits(E, T))
+            for shape, (E, H, F, T) in {**SHAPES, **SMALL_EXPERTS}.items() if _wanted(shape, shapes_arg)]
+
+
+def prewarm_jobs(cfg, args, ops) -> list:
+    """Every distinct problem the run will give a variant measured on ``ops``: the model points, the
+    training step's, the host sweep's (bench/suite/probes.py's Prewarm runs each once)."""
+    jobs, seen = [], set()
+
+    def add(name, E, H, F, splits, want):
+        want = tuple(o for o in want if o in ops)
+        key = (E, H, F, tuple(splits), want)
+        if want and key not in seen:
+            seen.add(key)
+            jobs.append({"name": name, "E": E, "H": H, "F": F, "splits": list(splits), "ops": list(want)})
+
+    for shape, E, H, F, T, kind_name, splits, want in model_points(cfg, args.shapes):
+        add(f"{shape} {kind_name}", E, H, F, splits, want)
+    if not args.no_train:
+        for shape, E, H, F, T, splits in train_points(args.shapes):
+            add(f"{shape} zipf", E, H, F, splits, ("fc1", "mlp"))
+    if not args.no_sweep:
+        H, F, T = SWEEP_SHAPE
+        for E in SWEEP_E:
+            add(f"sweep E={E}", E, H, F, zipf_splits(E, T), ("fc1", "mlp"))
+    return jobs
+
+
 class Runner:
     def __init__(self, args, cfg):
         self.args, self.cfg = args, cfg
         self.t_start = time.time()
-        self.res = {"meta": {}, "config": cfg, "unavailable": {}, "probes": {}, "ceilings": {}, "records": [],
-                    "host_sweep": [], "jitter": [], "skipped": []}
+        self.res = {"meta": {}, "config": cfg, "unavailable": {}, "probes": {}, "prewarm": [], "ceilings": {},
+                    "records": [], "train": [], "host_sweep": [], "jitter": [], "skipped": []}
         self.out = Path(args.out)
         self.dead = None  # reason once the CUDA context is lost
+        self.setup_s = 0.0  # loading the variants, probes, JIT prewarm: outside the budget
 
     def elapsed(self):
         return time.time() - self.t_start
 
+    def budget_elapsed(self):
+        return self.elapsed() - self.setup_s
+
     def over_budget(self, reserve=0.0):
-        return self.elapsed() + reserve > self.cfg["budget_s"]
+        return self.budget_elapsed() + reserve > self.cfg["budget_s"]
+
+    def reserve(self, *sections):
+        """The seconds kept for the later sections named (those this run has)."""
+        args, cfg = self.args, self.cfg
+        on = {"train": not args.no_train, "sweep": not args.no_sweep, "jitter": not args.no_jitter}
+        return sum(cfg[f"{s}_reserve_s"] for s in sections if on[s])
 
     def save(self):
         self.res["meta"]["elapsed_s"] = round(self.elapsed(), 1)
@@ -142,11 +208,78 @@ class Runner:
             t_lb = max(rec["flops"] / (peak * 1e9), rec["min_bytes"] / (ce["copy_gbps"] * 1e6))  # ms
             rec["frac_roofline"] = t_lb / rec["ms"]
 
+    # ------------------------------------------------------------------------------ training step
+    def run_training(self):
+        """Issue 25's training step (bench/suite/training.py) per model shape (Zipf splits), for each GA of
+        cfg["train_ga"] and each variant of cfg["train_variants"] selected here."""
+        cfg = self.cfg
+        keys = [k for k in cfg["train_variants"] if k in self.selected()]
+        for shape, E, H, F, T, splits in train_points(self.args.shapes):
+            if self.dead or self.over_budget(reserve=self.reserve("sweep", "jitter")):
+                self.res["skipped"].append(f"training step {shape}: " + (self.dead or "time budget"))
+                continue
+            c = Case(shape, E, H, F, splits, DEV, seed=4)
+            log(f"[bench] training step {shape}: E={E} H={H} F={F} T={T} empty={splits.count(0)}, "
+                f"GA {', '.join(map(str, cfg['train_ga']))}")
+            for key in keys:
+                self._train_variant(c, key)
+                free()
+            c = None
+            free()
+            self.save()
+
+    def _train_variant(self, c, key):
+        cfg, v = self.cfg, VBY[key]
+        recs = []
+        for ga in cfg["train_ga"]:
+            rec = {"shape": c.name, "E": c.E, "hidden": c.H, "ffn": c.F, "T": c.T, "splits": "zipf",
+                   "n_empty": c.splits.count(0), "variant": key, "label": v.label, "precision": v.precision,
+                   "ga": ga, "flops": ga * c.flops("mlp")}
+            self.res["train"].append(rec)
+            recs.append(rec)
+        why = gate(key, "mlp", c.kind)
+        if why:
+            for rec in recs:
+                rec.update(status="n/a", reason=why)
+            return
+        state = {}
+        for rec in recs:
+            if state.get("failed"):
+                rec.update(status="error", reason=state["failed"])
+                continue
+            if self.over_budget(reserve=self.reserve("sweep", "jitter")):
+                rec.update(status="skipped", reason="time budget")
+                continue
+
+            def go(rec=rec):
+                if "step" not in state:
+                    state["step"] = TrainStep(key, c)
+                st = state["step"]
+                rec.update(time_op(lambda: st.run(rec["ga"]), cfg["train_target_s"], cfg["train_min_iters"],
+                                   cfg["train_max_iters"], cfg["train_warmup"]))
+                rec["main_grad_norm"] = st.main_grad_norm()
+            t1 = time.time()
+            self.guarded(rec, f"train/{c.name}/{key}/GA={rec['ga']}", go)
+            if rec.get("status") == "error" and "step" not in state:
+                state["failed"] = rec["reason"]
+            log(f"[bench]   train {v.label:45s} GA={rec['ga']} {rec.get('status'):7s} "
+                f"{('%.3f ms' % rec['ms']) if 'ms' in rec else ''} ({time.time() - t1:.1f} s)")
+        state.clear()
+        one = next((r for r in recs if r["ga"] == 1 and r.get("status") == "ok"), None)
+        for rec in recs:
+            if rec.get("status") == "ok" and one and one.get("main_grad_norm"):
+                rec["main_grad_ratio"] = rec["main_grad_norm"] / one["main_grad_norm"]  # GA expected
+        base = {r["ga"]: r.get("ms") for r in self.res["train"]
+                if r["shape"] == c.name and r["variant"] == BASELINE and r.get("status") == "ok"}
+        for r in self.res["train"]:
+            if r["shape"] == c.name and r.get("status") == "ok" and base.get(r["ga"]):
+                r["speedup_vs_torch_bf16"] = base[r["ga"]] / r["ms"]
+
     # ------------------------------------------------------------------------------ host sweep (E)
     def run_sweep(self):
         H, F, T = SWEEP_SHAPE
         for E in SWEEP_E:
-            if self.dead or self.over_budget(reserve=self.cfg["jitter_reserve_s"]):
+            if self.dead or self.over_budget(reserve=self.reserve("jitter")):
                 self.res["skipped"].append(f"host sweep E={E}: " + (self.dead or "time budget"))
                 continue
             splits = zipf_splits(E, T)
@@ -194,7 +327,7 @@ class Runner:
             if why:
                 rec.update(status="n/a", reason=why)
                 continue
-            left = self.cfg["budget_s"] - self.elapsed() - 5.0
+            left = self.cfg["budget_s"] - self.budget_elapsed() - 5.0
             per = min(self.cfg["jitter_seconds"], left / (len(keys) - i))
             if per < 1.0:
                 rec.update(status="skipped", reason="time budget")
@@ -211,56 +344,72 @@ class Runner:
         free()
 
     # ------------------------------------------------------------------------------------ main
+    def start_prewarm(self):
+        """One Prewarm per builder module whose variants compile kernels at their first call (DeepGEMM), with
+        its first selected variant: every point of this run once, in child processes, in the background."""
+        out, families = [], set()
+        max_par = max(1, min(self.cfg["prewarm_max_par"], (os.cpu_count() or 8) // 2))
+        for key in self.selected():
+            fam = VBY[key].family
+            if fam in families or not jit_prewarm(key):
+                continue
+            families.add(fam)
+            jobs = prewarm_jobs(self.cfg, self.args, VBY[key].ops)
+            if jobs:
+                log(f"[bench] JIT prewarm of {VBY[key].label}: {len(jobs)} points in child processes "
+                    f"({max_par} at a time)")
+                out.append(Prewarm(key, jobs, max_par))
+        return out
+
     def run(self):
         args, cfg = self.args, self.cfg
         self.res["meta"] = collect_meta(args)
-        load_variants()
+        t_setup = time.time()
+        for key in self.selected():
+            load_variants(only=key)  # DeepGEMM: its build, the first time
         self.res["unavailable"] = dict(UNAVAILABLE)
         for k, why in UNAVAILABLE.items():
             log(f"[bench] unavailable: {VBY[k].label}: {why}")
         self.save()
+        warm = self.start_prewarm() if not args.no_prewarm else []
         if not args.no_probe:
             t0 = time.time()
             keys = self.selected()
             log(f"[bench] probing {len(keys)} variants in child processes ...")
             kinds = ["unaligned"] + (["aligned"] if "balanced" in cfg["splits"] else [])  # sweep, jitter: Zipf
             kinds = [k for k in PROBE_SPLITS if k in kinds]
-            PROBES.update(run_probes(keys, kinds, cfg["probe_timeout_s"]))
+            timeout = cfg["probe_timeout_s"] + (cfg["probe_jit_extra_s"] if any(map(jit_prewarm, keys)) else 0.0)
+            PROBES.update(run_probes(keys, kinds, timeout))
             self.res["probes"] = PROBES
             bad = [(k, s, d) for k, st in PROBES.items() for s, d in st.items() if d["status"] not in ("ok", "unsupported")]
             for k, s, d in bad:
                 log(f"[bench] probe {k} {s}: {d['status']}: {d.get('reason')}")
             log(f"[bench] probes done ({time.time() - t0:.0f} s)")
             self.save()
+        for w in warm:  # before the ceilings: the GPU must be idle when they are measured
+            rec = w.wait(cfg["prewarm_timeout_s"])
+            self.res["prewarm"].append(rec)
+            log(f"[bench] JIT prewarm of {VBY[rec['variant']].label}: {rec['points']} points, {rec['seconds']:.0f} s"
+                + (f"; failed: {rec['failed']}" if rec["failed"] else "") + (f"; {rec['error']}" if rec["error"] else ""))
+        self.setup_s = time.time() - t_setup
+        self.res["meta"]["setup_s"] = round(self.setup_s, 1)
+        log(f"[bench] setup (variants loaded, probes, JIT prewarm) {self.setup_s:.0f} s, outside the time budget")
         self.res["ceilings"] = measure_ceilings(cfg)
         log(f"[bench] ceilings: {self.res['ceilings']}")
         self.save()
-        for shape, (E, H, F, T) in {**SHAPES, **SMALL_EXPERTS}.items():
-            if args.shapes and not any(s.lower() in shape.lower() for s in args.shapes.split(",")):
-                continue
-            small = shape in SMALL_EXPERTS  # its own skew (a quarter of the experts empty), Zipf only
-            for kind_name in (["zipf"] if small else cfg["splits"]):
-                if self.dead or self.over_budget(reserve=cfg["sweep_reserve_s"] + cfg["jitter_reserve_s"]):
-                    self.res["skipped"].append(f"{shape}/{kind_name}: " + (self.dead or "time budget"))
-                    continue
-                splits = (small_experts_splits(E, T) if small else
-                          zipf_splits(E, T) if kind_name == "zipf" else balanced_splits(E, T))
-                pt = {}
-                self.guarded(pt, f"{shape}/{kind_name}", lambda: self.run_point(shape, E, H, F, T, kind_name, splits))
-                if pt.get("status") != "ok":
-                    self.res["skipped"].append(f"{shape}/{kind_name}: {pt.get('status')}: {pt.get('reason')}")
-                free()
-                self.save()
-        for shape, (E, K, N, T) in cfg["gemm_shapes"].items():
-            if args.shapes and not any(s.lower() in shape.lower() for s in args.shapes.split(",")):
-                continue
-            if self.dead or self.over_budget(reserve=cfg["sweep_reserve_s"] + cfg["jitter_reserve_s"]):
-                self.res["skipped"].append(f"{shape}: " + (self.dead or "time budget"))
+        for shape, E, H, F, T, kind_name, splits, ops in model_points(cfg, args.shapes):
+            name = f"{shape}/{kind_name}" if "mlp" in ops else shape
+            if self.dead or self.over_budget(reserve=self.reserve("train", "sweep", "jitter")):
+                self.res["skipped"].append(f"{name}: " + (self.dead or "time budget"))
                 continue
             pt = {}
-            self.guarded(pt, shape, lambda: self.run_point(shape, E, K, N // 2, T, "balanced", balanced_splits(E, T),
-                                                           ops=("fc1",)))
+            self.guarded(pt, name, lambda: self.run_point(shape, E, H, F, T, kind_name, splits, ops=ops))
+            if pt.get("status") != "ok":
+                self.res["skipped"].append(f"{name}: {pt.get('status')}: {pt.get('reason')}")
             free()
+            self.save()
+        if not args.no_train:
+            self.run_training()
             self.save()
         if not args.no_sweep:
             self.run_sweep()

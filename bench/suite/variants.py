@@ -20,10 +20,13 @@ VARIANTS = [
     Variant("loop_bf16", "per-expert loop bf16 (split+tolist)", "bf16"),
     Variant("te_bf16", "TE GroupedLinear bf16", "bf16"),
     Variant("te_fp8", "TE GroupedLinear fp8", "fp8"),
+    Variant("deepgemm_fp8", "DeepGEMM fp8 blockwise (padded to 128)", "fp8"),
     Variant("moegemm_fp8_gemm", "moegemm fp8 GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
     Variant("torch_fp8_gemm", "torch fp8 rowwise GEMM only (pre-quantized)", "fp8", ops=("fc1",), aux=True),
     Variant("moegemm_fp8_wcache", "moegemm fp8_blockwise, automatic FP8 weight cache (once per step)", "fp8",
             aux=True),
+    Variant("deepgemm_fp8_wcache", "DeepGEMM fp8 blockwise (padded to 128), FP8 weights cached (once per step)", "fp8",
+            ops=("mlp",), aux=True),
 ]
 VBY = {v.key: v for v in VARIANTS}
 BASELINE = "torch_bf16"

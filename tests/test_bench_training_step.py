@@ -141,7 +141,7 @@ def test_layout_and_k_major_operand():
     for k in lay.padded:
         want.append(q[s:s + k].t().contiguous().view(-1))
         s += k
-    assert torch.equal(lay.k_major(q).view(torch.uint8), torch.cat(want).view(torch.uint8))
+    assert torch.equal(dgpeer.k_major(q, lay.padded).view(torch.uint8), torch.cat(want).view(torch.uint8))
 
 
 @pytest.mark.parametrize("splits", [[32] * 8, [0, 1, 3, 17, 0, 30, 64, 13], [0, 200, 5, 140, 0, 1, 7, 150]])

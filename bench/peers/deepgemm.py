@@ -202,23 +202,37 @@ def fprop(dg, xq, sx, wq, sw, counts):
     return (lambda: gemm((xq, sx), (wq, sw), out, m_indices)), out
 
 
+def k_major(q, counts):
+    """q [T, C] token-major (FP8, each group's rows a multiple of 128, groups of ``counts`` rows one after
+    another) -> each group's rows transposed, [C, k_e], one group after another, flat: the K-major operand
+    of the k-grouped GEMM on SM90. Two copies: every 128-token tile transposed ([128, C] -> [C, 128]),
+    then the 128-byte chunks in their places: chunk b (of n) of group e's column c goes to chunk
+    first_e * C + c * n + b."""
+    import torch
+
+    T, C = q.shape
+    nt, dev = T // 128, q.device
+    per_group = torch.tensor([k // 128 for k in counts], device=dev)
+    first = torch.cumsum(per_group, 0) - per_group
+    group = torch.repeat_interleave(torch.arange(len(counts), device=dev), per_group, output_size=nt)
+    first, n = first[group], per_group[group]
+    b = torch.arange(nt, device=dev) - first
+    dest = (first * C + b).unsqueeze(1) + torch.arange(C, device=dev).unsqueeze(0) * n.unsqueeze(1)
+    tiles = q.view(torch.uint8).view(nt, 128, C).transpose(1, 2).contiguous()
+    out = torch.empty(nt * C, 128, dtype=torch.uint8, device=dev)
+    out.index_copy_(0, dest.view(-1), tiles.view(nt * C, 128))
+    return out.view(q.dtype).view(-1)
+
+
 def wgrad(dg, aq, sa, bq, sb, counts):
     """d[e] [M, N] fp32 += a_e^T b_e over each expert's tokens (``k_grouped_fp8_gemm_nt_contiguous``,
     accumulating in place) on operands from quantize_cols (a [T, M], b [T, N]); every count a multiple of
     128. Returns (call, d): the call runs the GEMM alone; the per-expert transposes of DeepGEMM's K-major
-    layout and its scale layout are made here, once."""
+    layout (``k_major``) and its scale layout are made here, once."""
     import torch
 
-    T, M = aq.shape
-    N, E, dev = bq.shape[1], len(counts), aq.device
-    a_flat = torch.empty(T * M, device=dev, dtype=torch.float8_e4m3fn)  # each expert's [M, T_e], one after another
-    b_flat = torch.empty(T * N, device=dev, dtype=torch.float8_e4m3fn)
-    start = 0
-    for c in counts:
-        if c:
-            a_flat[start * M:(start + c) * M].view(M, c).copy_(aq[start:start + c].t())
-            b_flat[start * N:(start + c) * N].view(N, c).copy_(bq[start:start + c].t())
-        start += c
+    M, N, E, dev = aq.shape[1], bq.shape[1], len(counts), aq.device
+    a_flat, b_flat = k_major(aq, counts), k_major(bq, counts)
     sa_t, sb_t = sa.t(), sb.t()  # [M, T/128], [N, T/128]: MN-major
     if hasattr(dg, "get_mn_major_tma_aligned_tensor"):
         sa_t, sb_t = dg.get_mn_major_tma_aligned_tensor(sa_t), dg.get_mn_major_tma_aligned_tensor(sb_t)

@@ -99,14 +99,11 @@ class _Layout:
         m = m.to(torch.int64)
         pm = (m + ALIGN - 1) // ALIGN * ALIGN
         self.ks = pm.to(torch.int32)  # the same sizes on the device
-        self._pm = pm
-        self.experts = torch.arange(E, device=dev)
-        expert = torch.repeat_interleave(self.experts, m, output_size=T)
+        expert = torch.repeat_interleave(torch.arange(E, device=dev), m, output_size=T)
         shift = (torch.cumsum(pm, 0) - pm) - (torch.cumsum(m, 0) - m)
         self.dst = torch.arange(T, device=dev) + shift[expert]  # token t's row in the padded layout
         self.groups = torch.full((self.T_pad,), -1, dtype=torch.int32, device=dev)  # rows' experts; padding -1
         self.groups.index_copy_(0, self.dst, expert.to(torch.int32))
-        self._chunks = None
 
     def pad(self, t):
         """t [T, ...] -> [T_pad, ...], zeros in the padding rows."""
@@ -114,25 +111,6 @@ class _Layout:
 
     def unpad(self, t):
         return t.index_select(0, self.dst)
-
-    def k_major(self, q):
-        """q [T_pad, C] (token-major FP8) -> each expert's rows transposed, [C, k_e], one expert after
-        another, flat: the K-major operand of the k-grouped GEMM on SM90. Two copies: every 128-token
-        tile transposed ([128, C] -> [C, 128]), then the 128-byte chunks in their places: chunk b (of n)
-        of expert e's column c goes to chunk first_e * C + c * n + b."""
-        T_pad, C = q.shape
-        nt = T_pad // BLOCK
-        if self._chunks is None:  # per 128-token chunk: its expert's first chunk and chunk count, its index there
-            per_expert = self._pm // BLOCK
-            first = torch.cumsum(per_expert, 0) - per_expert
-            expert = torch.repeat_interleave(self.experts, per_expert, output_size=nt)
-            self._chunks = (first[expert], per_expert[expert], torch.arange(nt, device=q.device) - first[expert])
-        first, n, b = self._chunks
-        dest = (first * C + b).unsqueeze(1) + torch.arange(C, device=q.device).unsqueeze(0) * n.unsqueeze(1)
-        tiles = q.view(torch.uint8).view(nt, BLOCK, C).transpose(1, 2).contiguous()
-        out = torch.empty(nt * C, BLOCK, dtype=torch.uint8, device=q.device)
-        out.index_copy_(0, dest.view(-1), tiles.view(nt * C, BLOCK))
-        return out.view(q.dtype).view(-1)
 
 
 # ------------------------------------------------------------------------------------------- weights
@@ -191,8 +169,8 @@ def _k_grouped(dg, a, b, lay, out):
     padding rows are zeros)."""
     qa, sa = dgpeer.quantize_cols(a)  # [T_pad, M], scales [T_pad/128, M]
     qb, sb = dgpeer.quantize_cols(b)
-    dg.k_grouped_fp8_gemm_nt_contiguous((lay.k_major(qa), sa.t()), (lay.k_major(qb), sb.t()), out,
-                                        lay.padded, lay.ks, out)
+    dg.k_grouped_fp8_gemm_nt_contiguous((dgpeer.k_major(qa, lay.padded), sa.t()), (dgpeer.k_major(qb, lay.padded), sb.t()),
+                                        out, lay.padded, lay.ks, out)
 
 
 def _weight_grad(dg, w, a, b, lay):

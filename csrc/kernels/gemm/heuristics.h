@@ -24,10 +24,11 @@ constexpr int kNumRaggedRowsTilings = sizeof(kRaggedRowsTilings) / sizeof(kRagge
 inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock) + E / 2; }
 
 // The candidates of the choice below, each with its time per column of a tile relative to 128 columns
-// (wider tiles stream A once for more columns): the three widths without clusters, which were at least as
-// fast as their 2-CTA cluster forms on nearly every shape of the GEMM table (bench/gemm/ragged_rows.py on an
-// H200, bench/results/ragged_rows_h200.md); the costs are the ones that picked the fastest of them most
-// often there (192 columns 0.80 and 256 columns 0.84 of 128's time per column).
+// (wider tiles stream A once for more columns): the three widths without clusters. In the GEMM table
+// (bench/gemm/ragged_rows.py on an H200, bench/results/ragged_rows_h200.md) a 2-CTA form was the fastest
+// tiling on 4 of 42 problems (256 columns, by at most 3.5 %), never 128 or 192 columns in clusters; the costs
+// are the ones that picked the fastest of the three most often there (192 columns 0.80 and 256 columns 0.84
+// of 128's time per column).
 struct RaggedRowsCandidate {
   int tiling;  // index into kRaggedRowsTilings
   double cost_per_column;

@@ -52,20 +52,25 @@ struct SquaredRelu {
 
 __device__ __forceinline__ float prob(const float* probs, int64_t row) { return probs != nullptr ? probs[row] : 1.f; }
 
-// a[t, k] = act(h[t, k]) * (GLU: h[t, F + k]) * probs[t]
+// a[t, k] = act(h[t, k]) * (GLU: h[t, F + k]) * probs[t]; staged: the gate columns (and the up columns).
 template <class Act, bool kGlu>
 struct ActForward {
-  using Stage = float;
+  using Raw = __nv_bfloat16;
+  static constexpr int kInputs = kGlu ? 2 : 1;
   static constexpr bool kExtra = false;
-  static constexpr int kMinBlocks = 3;
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
-  __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[multicast::kVec]) const {
-    const int64_t ld = kGlu ? 2 * F : F;
+  __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
+    seg[0] = {in == 0 ? k0 : F + k0, 0, nk};
+    return 1;
+  }
+  __device__ __forceinline__ const __nv_bfloat16* row_start(int, int64_t row) const { return h + row * (kGlu ? 2 * F : F); }
+  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], int64_t row, int64_t,
+                                          float (&v)[multicast::kVec]) const {
     float g[multicast::kVec], u[multicast::kVec];
-    multicast::load8(h + row * ld + k, g);
-    if (kGlu) multicast::load8(h + row * ld + F + k, u);
+    multicast::load8(raw[0], g);
+    if constexpr (kGlu) multicast::load8(raw[kInputs - 1], u);
     const float p = prob(probs, row);
 #pragma unroll
     for (int i = 0; i < multicast::kVec; ++i) v[i] = Act::f(g[i]) * (kGlu ? u[i] : 1.f) * p;
@@ -74,25 +79,41 @@ struct ActForward {
 };
 
 // dh[t, k] for k < F: da * p * (GLU: up) * act'(gate); GLU, k >= F: da[t, k - F] * p * act(gate).
-// extra (for dprobs): da * act(gate) * up, counted on the k < F columns only.
+// extra (for dprobs): da * act(gate) * up, counted on the k < F columns only. Staged: da and gate at the
+// columns the tile's output columns read (k, or k - F past F: two segments when a block straddles F), and
+// the up columns of the k < F part.
 template <class Act, bool kGlu>
 struct ActBackward {
-  using Stage = float;
+  using Raw = __nv_bfloat16;
+  static constexpr int kInputs = kGlu ? 3 : 2;  // da, gate, up
   static constexpr bool kExtra = true;
-  static constexpr int kMinBlocks = 3;
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
-  __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[multicast::kVec]) const {
+  __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
+    if (!kGlu) {
+      seg[0] = {k0, 0, nk};
+      return 1;
+    }
+    const int n_gate = static_cast<int>(k0 >= F ? 0 : (k0 + nk <= F ? nk : F - k0));  // output columns below F
+    const multicast::Segment gate_part{in == 2 ? F + k0 : k0, 0, n_gate}, up_part{k0 + n_gate - F, n_gate, nk - n_gate};
+    const bool has_gate = n_gate > 0, has_up = n_gate < nk && in != 2;  // (constant indices below: registers)
+    seg[0] = has_gate ? gate_part : up_part;
+    seg[1] = up_part;
+    return int(has_gate) + int(has_up);
+  }
+  __device__ __forceinline__ const __nv_bfloat16* row_start(int in, int64_t row) const {
+    return in == 0 ? da + row * F : h + row * (kGlu ? 2 * F : F);
+  }
+  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], int64_t row, int64_t k,
+                                          float (&v)[multicast::kVec]) const {
     constexpr int n = multicast::kVec;
-    const int64_t ld = kGlu ? 2 * F : F;
-    const bool up_half = kGlu && k >= F;
-    const int64_t kf = up_half ? k - F : k;
+    const bool up_half = kGlu && k >= F;  // F is a multiple of 16: a lane's eight columns are all on one side
     float d[n], g[n], u[n];
-    multicast::load8(da + row * F + kf, d);
-    multicast::load8(h + row * ld + kf, g);
-    if (kGlu && !up_half) multicast::load8(h + row * ld + F + kf, u);
+    multicast::load8(raw[0], d);
+    multicast::load8(raw[1], g);
+    if (kGlu && !up_half) multicast::load8(raw[kInputs - 1], u);
     const float p = prob(probs, row);
     float extra = 0.f;
     if (up_half) {

@@ -34,11 +34,25 @@ __device__ __forceinline__ float block_scale(float amax) {
 // 2^64 first (exact: |v| <= 448 * 2^-127) and then by 2^(-e-64), rounding once.
 struct BlockQuant {
   float scale, mul_hi, mul_lo;
-  __device__ __forceinline__ explicit BlockQuant(float amax) : scale(block_scale(amax)) {
+  __device__ __forceinline__ explicit BlockQuant(float amax) {
+    if (amax >= 7.88860905e-31f && amax <= 3.40282347e38f) {  // 2^-100 <= amax <= FLT_MAX (not NaN)
+      // The common case from the exponent bits: fl32(amax / 448) <= 2^k exactly when amax <= 448 * 2^k
+      // (no float lies in the rounding gap above 448 * 2^k at these magnitudes), i.e. k = E - 8, plus one
+      // when amax's significand exceeds 1.75. Equal to block_scale's value; 2^-k is exact, so no division.
+      const uint32_t bits = __float_as_uint(amax);
+      const int k = static_cast<int>(bits >> 23) - 127 - 8 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0);
+      scale = __uint_as_float(static_cast<uint32_t>(127 + k) << 23);
+      mul_hi = __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
+      mul_lo = 1.0f;
+      return;
+    }
+    scale = block_scale(amax);
     const bool tiny = scale < 5.87747175e-39f;  // 2^-127
     mul_hi = tiny ? 18446744073709551616.0f : 1.0f / scale;  // 2^64
     mul_lo = tiny ? 1.0f / (scale * 18446744073709551616.0f) : 1.0f;
   }
+  // A block whose multipliers were computed elsewhere (the scale itself is not needed to quantize).
+  __device__ __forceinline__ BlockQuant(float hi, float lo) : scale(0.f), mul_hi(hi), mul_lo(lo) {}
   __device__ __forceinline__ float scaled(float v) const { return v * mul_hi * mul_lo; }
   // Four values -> four e4m3 bytes, little-endian in one word.
   __device__ __forceinline__ uint32_t pack4(const float (&v)[4]) const {

@@ -1,24 +1,32 @@
 // The multi-cast FP8 quantization kernel (docs/design.md#fp8-recipe), generic over where its values come from.
 //
-// A tile is (expert 128-token block, 128 columns); persistent CTAs loop over the tiles. Each value is
-// read once, through a Loader, and written as the 1x128 row-block copy q [T, K] + s [T, Kb] and the
-// per-expert transposed 128x1 column-block copy qT [K, col_cap] + sT [NB, K] (either pair may be
-// skipped). Loaders:
+// A tile is (expert 128-token block, 128 output columns); persistent CTAs, one per SM, loop over the
+// tiles. Each value is read once and written as the 1x128 row-block copy q [T, K] + s [T, Kb] and the
+// per-expert transposed 128x1 column-block copy qT [K, col_cap] + sT [NB, K] (either pair may be skipped).
+//
+// Pipeline: the CTA's 16 warps copy each tile's input rows into a ring of shared-memory stages with
+// 16-byte cp.async (only the tile's tokens; the copies complete on the stage's mbarrier), n_stages - 1
+// tiles ahead; then compute the tile's values from the stage into registers (4 rows x 8 columns per
+// thread), write the row copy, reduce the column maxima through shared memory, and write the column copy
+// through a swizzled shared-memory tile with full-line stores.
+//
+// Loaders say what is staged and how values are made of it:
 //   PlainLoader<T>        x itself (quantize_act)
 //   Fp8RowsLoader         an FP8 row copy, dequantized (requantize_cols: the column copy of an FP8 input)
 //   activation loaders    act(h) (* up) * probs and its gradient (activation.cu), so the activation
 //                         between the two GEMMs of an expert MLP never goes through memory in bf16.
-// A loader names the type its values are staged in for the column pass (Stage) and the CTAs per SM
-// the kernel is compiled for (kMinBlocks, bounded by that stage's shared memory). It may also return
-// a per-element "extra" whose per-row sums over each 128-column block are written to row_extra
-// [T, Kb] (the probs gradient of the activation backward).
+// A loader has kInputs staged inputs of element type Raw; for output columns [k0, k0 + nk) it names up to
+// two column segments of each input (segments) and the start of a row of it (row_start); from the staged
+// rows it computes eight values (values). It may also return a per-element "extra" whose per-row sums
+// over each 128-column block are written to row_extra [T, Kb] (the probs gradient of the activation
+// backward).
 #pragma once
 
 #include <algorithm>
-#include <array>
-#include <mutex>
+#include <cstdint>
 
 #include "moegemm.h"
+#include "kernels/common/bulk_copy.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
 #include "kernels/quant/fp8_block.cuh"
@@ -26,13 +34,21 @@
 
 namespace moegemm::multicast {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kVec = 8;                          // row phase: values per lane (16-byte loads of 16-bit data)
+constexpr int kWarps = 16;
+constexpr int kThreads = kWarps * 32;  // 512
+constexpr int kVec = 8;                          // values per lane: columns 8 hl .. 8 hl + 7 of a row
 constexpr int kLanesPerRow = kBlock / kVec;      // 16: a half-warp covers a 128-column row block
-constexpr int kRowIters = kBlock / (2 * kWarps); // 8: each warp covers two rows per iteration
-constexpr int kRowBatch = 4;                     // row phase: iterations loaded before the first use
-constexpr int kChunk = 32;                       // column phase: rows per thread
+constexpr int kRows = 4;                         // rows per thread: group g = 2 warp + half owns 4g .. 4g + 3
+constexpr int kMaxStages = 8;
+constexpr int kMaxInputs = 3;
+constexpr int kSharedBytes = 227 * 1024;         // an sm_90 CTA's shared memory (all of it dynamic here)
+constexpr int kColTileBytes = kBlock * kBlock;   // the FP8 column tile, 128 columns of 128 rows
+
+// Columns [src, src + n) of an input land at columns [dst, dst + n) of its staged tile (n a multiple of 16).
+struct Segment {
+  int64_t src;
+  int dst, n;
+};
 
 // Eight consecutive values as floats (one 16-byte load for 16-bit types, two for fp32).
 template <typename T>
@@ -76,48 +92,45 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[kVec]) {
   *reinterpret_cast<uint4*>(p) = pack.u;
 }
 
-// Two adjacent staged values in one shared-memory read.
-__device__ __forceinline__ void load2(const float* p, float& a, float& b) {
-  const float2 v = *reinterpret_cast<const float2*>(p);
-  a = v.x; b = v.y;
-}
-__device__ __forceinline__ void load2(const __nv_bfloat16* p, float& a, float& b) {
-  const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-  a = v.x; b = v.y;
-}
-__device__ __forceinline__ void load2(const __half* p, float& a, float& b) {
-  const float2 v = __half22float2(*reinterpret_cast<const __half2*>(p));
-  a = v.x; b = v.y;
-}
-
-// Values of x [T, K] as they are; staged in shared memory in their own type (exact).
+// Values of x [T, K] as they are (staged in their own type).
 template <typename T>
 struct PlainLoader {
-  using Stage = T;
+  using Raw = T;
+  static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
-  static constexpr int kMinBlocks = sizeof(T) == 4 ? 3 : 4;  // CTAs per SM: 64 KB fp32 / 32 KB 16-bit stage
   const T* x;
   int64_t K;
-  __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[kVec]) const {
-    multicast::load8(x + row * K + k, v);
+  __device__ __forceinline__ int segments(int, int64_t k0, int nk, Segment (&seg)[2]) const {
+    seg[0] = {k0, 0, nk};
+    return 1;
+  }
+  __device__ __forceinline__ const T* row_start(int, int64_t row) const { return x + row * K; }
+  __device__ __forceinline__ float values(const T* const (&raw)[kInputs], int64_t, int64_t, float (&v)[kVec]) const {
+    load8(raw[0], v);
     return 0.f;
   }
 };
 
 // Values of an FP8 row copy q [T, K] (e4m3) with its 1x128 row scales s [T, Kb] (quantize_act's rows),
 // dequantized: q * s is exact in fp32 (4 significant bits times a power of two), so the column copy is
-// the one quantize_act would make of the fp32 tensor of dequantized values. Staged as fp32 (exact).
+// the one quantize_act would make of the fp32 tensor of dequantized values.
 struct Fp8RowsLoader {
-  using Stage = float;
+  using Raw = uint8_t;
+  static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
-  static constexpr int kMinBlocks = 3;  // 64 KB fp32 stage
   const uint8_t* q;
   const float* s;
   int64_t K, Kb;
-  __device__ __forceinline__ float load8(int64_t row, int64_t k, float (&v)[kVec]) const {
-    const uint2 raw = *reinterpret_cast<const uint2*>(q + row * K + k);  // k is a multiple of 8, K of 16
+  __device__ __forceinline__ int segments(int, int64_t k0, int nk, Segment (&seg)[2]) const {
+    seg[0] = {k0, 0, nk};
+    return 1;
+  }
+  __device__ __forceinline__ const uint8_t* row_start(int, int64_t row) const { return q + row * K; }
+  __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], int64_t row, int64_t k,
+                                          float (&v)[kVec]) const {
+    const uint2 bytes = *reinterpret_cast<const uint2*>(raw[0]);
     const float scale = s[row * Kb + k / kBlock];
-    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&bytes);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));  // exact
@@ -155,14 +168,65 @@ __device__ __forceinline__ float half_sum(float a) {
   return a;
 }
 
-// Dynamic shared memory: the plan, then (for the column copy) the staged tile.
-__host__ __device__ __forceinline__ size_t plan_bytes(int E) { return (3 * (E + 1) * sizeof(int32_t) + 15) / 16 * 16; }
+// Maxima of 4 rows over a half-warp, reduced and scattered: lane hl returns row hl / 4's (5 shuffles
+// instead of 16). Every lane of the warp must call it.
+__device__ __forceinline__ float scatter_amax4(const float (&a)[kRows], int hl) {
+  const bool hi8 = hl & 8, hi4 = hl & 4;
+  // lanes with bit 3 keep rows 2, 3 and send rows 0, 1 to their partner; the others the opposite
+  const float k0 = nan_max(hi8 ? a[2] : a[0], __shfl_xor_sync(0xffffffffu, hi8 ? a[0] : a[2], 8));
+  const float k1 = nan_max(hi8 ? a[3] : a[1], __shfl_xor_sync(0xffffffffu, hi8 ? a[1] : a[3], 8));
+  float m = nan_max(hi4 ? k1 : k0, __shfl_xor_sync(0xffffffffu, hi4 ? k0 : k1, 4));  // row 2 * bit3 + bit2
+  m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  return nan_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+}
+
+// Four values -> four e4m3 bytes with one multiplier (BlockQuant::pack4 of a block whose mul_lo is 1).
+__device__ __forceinline__ uint32_t pack4(float m, float v0, float v1, float v2, float v3) {
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v0 * m, v1 * m), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v2 * m, v3 * m), __NV_SATFINITE, __NV_E4M3);
+  return uint32_t(lo) | uint32_t(hi) << 16;
+}
+
+// Owner of 128-token block b (find_expert's answer) given the owner `from` of an earlier block: the
+// warp tests the next 32 experts at once. Every lane of the warp calls it with the same arguments.
+__device__ __forceinline__ int walk_expert(const int32_t* blk, int E, int64_t b, int from) {
+  const int lane = threadIdx.x % 32;
+  for (;;) {
+    const int c = from + 1 + lane;
+    const unsigned later = __ballot_sync(0xffffffffu, c < E && blk[c] <= b);  // a prefix: blk is sorted
+    from += __popc(later);
+    if (later != 0xffffffffu) return from;
+  }
+}
+
+// A tile as its loads found it, kept with its stage.
+struct TileInfo {
+  int64_t row0;    // first token
+  int64_t block;   // 128-token block (row of sT)
+  int64_t qt_col;  // first column of the tile's tokens in qT
+  int32_t nr, kb;  // tokens (1..128), column block
+};
+
+// The shared memory of a CTA, all dynamic: the stages' barriers and tile infos, the per-warp column
+// maxima, the column multipliers, the plan, the FP8 column tile (when the column copy is made), then the
+// ring of stages.
+struct Layout {
+  static constexpr int kFull = 0, kInfo = kFull + 8 * kMaxStages;
+  static constexpr int kPartial = kInfo + int(sizeof(TileInfo)) * kMaxStages;         // [16 warps][128] floats
+  static constexpr int kMul = kPartial + kWarps * kBlock * 4;                 // [2][128] floats
+  static constexpr int kPlan = kMul + 2 * kBlock * 4;
+  int col_tile, stages, total;
+  __host__ __device__ Layout(int E, bool cols, int64_t stage_bytes, int n_stages) {
+    col_tile = kPlan + (3 * (E + 1) * 4 + 127) / 128 * 128;
+    stages = col_tile + (cols ? kColTileBytes : 0);
+    total = stages + int(stage_bytes) * n_stages;
+  }
+};
 
 // Rows [covered, T) of the row copy (q, s) and of row_extra belong to no expert (device counts summing
-// below T): zeros, spread over all CTAs. q's rows are K bytes, K a multiple of 16.
+// below T): zeros, spread over every consumer thread. q's rows are K bytes, K a multiple of 16.
 __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, int64_t K, int64_t Kb, uint8_t* q, float* s,
-                                                   float* row_extra) {
-  const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x, stride = int64_t(gridDim.x) * kThreads;
+                                                   float* row_extra, int64_t tid, int64_t stride) {
   if (q != nullptr) {
     uint4* q16 = reinterpret_cast<uint4*>(q);
     for (int64_t i = covered * K / 16 + tid; i < T * K / 16; i += stride) q16[i] = make_uint4(0, 0, 0, 0);
@@ -172,18 +236,38 @@ __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, 
     for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) row_extra[i] = 0.f;
 }
 
+// The FP8 column tile: column c (128 bytes = 32 words, one per 4 rows) holds word w at w ^ swz(c), so that
+// the 32 lanes of a warp writing words of 16 columns x 2 row groups hit 32 different banks, and 8 lanes
+// reading one column's 16-byte chunks hit 8 different ones.
+__device__ __forceinline__ int col_swizzle(int c) { return 2 * (c / kVec); }
+
 template <class Loader>
-__global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader src, int64_t T, int64_t K, int E,
+__global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int64_t K, int E,
     const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT,
-    float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra) {
-  using Stage = typename Loader::Stage;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  int32_t* plan_s = reinterpret_cast<int32_t*>(smem_raw);  // the plan, [3][E+1], then the tile
-  Stage* tile = reinterpret_cast<Stage*>(smem_raw + plan_bytes(E));  // [128][128]
-  __shared__ __align__(16) float partial[kWarps][kBlock];  // per-warp column maxima
+    float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra, int n_stages) {
+  using Raw = typename Loader::Raw;
+  constexpr int kStageElems = kBlock * kBlock;  // per input
+  constexpr int64_t kStageBytes = int64_t(Loader::kInputs) * kStageElems * sizeof(Raw);
+  constexpr int kPerCopy = 16 / sizeof(Raw);    // elements per 16-byte copy
+  constexpr int kChunksPerRow = kBlock / kPerCopy;
+  constexpr int kRowStep = kThreads / kChunksPerRow;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Layout layout(E, qT != nullptr, kStageBytes, n_stages);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kFull);
+  TileInfo* infos = reinterpret_cast<TileInfo*>(smem + Layout::kInfo);
+  float* partial = reinterpret_cast<float*>(smem + Layout::kPartial);
+  float* mul_hi = reinterpret_cast<float*>(smem + Layout::kMul);
+  float* mul_lo = mul_hi + kBlock;
+  int32_t* plan_s = reinterpret_cast<int32_t*>(smem + Layout::kPlan);
+  uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + layout.col_tile);
+  Raw* stages = reinterpret_cast<Raw*>(smem + layout.stages);
 
   // The plan is read once per CTA (one coalesced read); tiles are then found in shared memory.
   for (int idx = threadIdx.x; idx < 3 * (E + 1); idx += kThreads) plan_s[idx] = plan[idx];
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < n_stages; ++i) bulk::barrier_init(&full[i], kThreads);
+    bulk::fence_barrier_init();
+  }
   __syncthreads();
   const int32_t* tok = plan_s;
   const int32_t* col = plan_s + (E + 1);
@@ -192,147 +276,198 @@ __global__ void __launch_bounds__(kThreads, Loader::kMinBlocks) kernel(Loader sr
   const bool fits = plan_fits(plan_s, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
   const int64_t covered = fits ? tok[E] : 0;
   const int64_t n_tiles = fits ? int64_t(blk[E]) * Kb : 0;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int half = lane / kLanesPerRow, hl = lane % kLanesPerRow;
+  const int64_t n_mine = n_tiles > blockIdx.x ? (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;  // this CTA's
 
-  // Persistent CTAs: tile t = (scale block b, column block kb); a CTA's tiles share nothing, so the
-  // next tile's loads are in flight while other CTAs of the SM run their column passes.
-  if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra);
-  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-    const int64_t b = t / Kb, kb = t % Kb;
-    const int e = find_expert(blk, E, b);
+  // Loads of this CTA's tile j (tile blockIdx.x + j * gridDim.x) into stage j % n_stages, by every thread
+  // (in order of j: the owner of a tile's block is found from the previous one's).
+  int owner = 0;
+  auto load_tile = [&](int64_t j) {
+    const int stage = static_cast<int>(j % n_stages);
+    const int64_t t = blockIdx.x + j * gridDim.x;
+    const int64_t b = t / Kb;
+    const int kb = static_cast<int>(t % Kb);
+    const int e = owner = walk_expert(blk, E, b, owner);
     const int64_t i = b - blk[e];
     const int64_t row0 = tok[e] + i * kBlock;
     const int nr = static_cast<int>(imin64(kBlock, tok[e + 1] - row0));
-    const int64_t k0 = kb * kBlock;
+    const int64_t k0 = int64_t(kb) * kBlock;
+    const int nk = static_cast<int>(imin64(kBlock, K - k0));
+    if (threadIdx.x == 0) infos[stage] = TileInfo{row0, b, col[e] + i * kBlock, nr, kb};
+    // Thread = (16-byte chunk c of a staged row, rows r0, r0 + kRowStep, ...): the chunk's column lies in at
+    // most one segment of each input.
+    Raw* dst = stages + int64_t(stage) * (kStageBytes / sizeof(Raw)) + kPerCopy * (threadIdx.x % kChunksPerRow);
+    const int cc = kPerCopy * (threadIdx.x % kChunksPerRow), r0 = threadIdx.x / kChunksPerRow;
+#pragma unroll
+    for (int in = 0; in < Loader::kInputs; ++in) {
+      Segment seg[2];
+      const int nseg = src.segments(in, k0, nk, seg);
+      int64_t from = -1;
+#pragma unroll
+      for (int x = 0; x < 2; ++x)  // (constant indices: the segments stay in registers)
+        if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
+      if (from < 0) continue;
+      for (int r = r0; r < nr; r += kRowStep)
+        bulk::load16(dst + in * kStageElems + r * kBlock, src.row_start(in, row0 + r) + from);
+    }
+    bulk::arrive_when_loaded(&full[stage]);
+  };
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int half = lane / kLanesPerRow, hl = lane % kLanesPerRow;
+  const int g = 2 * warp + half;  // thread (warp w, half h, lane hl): rows 4g .. 4g + 3, columns 8hl .. 8hl + 7
+  if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + threadIdx.x,
+                                       int64_t(gridDim.x) * kThreads);
+  for (int64_t j = 0; j < n_stages - 1 && j < n_mine; ++j) load_tile(j);
+  for (int64_t j = 0; j < n_mine; ++j) {
+    // Every thread is done with tile j - 1's stage: tile j + n_stages - 1 may be loaded into it.
+    bulk::sync_threads(1, kThreads);
+    if (j + n_stages - 1 < n_mine) load_tile(j + n_stages - 1);
+    if (n_stages == 1) bulk::sync_threads(1, kThreads);  // (the tile's info, just written)
+    const int stage = static_cast<int>(j % n_stages);
+    bulk::wait(&full[stage], static_cast<uint32_t>((j / n_stages) & 1));
+    const TileInfo tile = infos[stage];
+    const int64_t k0 = int64_t(tile.kb) * kBlock;
     const int nk = static_cast<int>(imin64(kBlock, K - k0));
     const bool lane_active = kVec * hl < nk;  // nk is a multiple of 16
 
-    // Row phase: iteration `it` of warp w covers row 2 (w + 8 it) + half; lane hl of each half-warp owns
-    // columns 8 hl .. 8 hl + 7 (one 16-byte load). Batches of 4 iterations have all their loads issued
-    // before the first use. Column maxima are gathered on the way.
-    float colmax[kVec];
+    // Values of the thread's 4 rows from the stage.
+    const Raw* staged = stages + int64_t(stage) * (kStageBytes / sizeof(Raw));
+    float v[kRows][kVec];
+    float extra[kRows];
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) colmax[c] = 0.f;
+    for (int jr = 0; jr < kRows; ++jr) {
+      const int r = kRows * g + jr;
+      extra[jr] = 0.f;
+      if (r < tile.nr && lane_active) {
+        const Raw* raw[Loader::kInputs];
 #pragma unroll
-    for (int batch = 0; batch < kRowIters; batch += kRowBatch) {
-      float v[kRowBatch][kVec];
-      float extra[kRowBatch];
+        for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
+        extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[jr]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < kRowBatch; ++j) {
-        const int r = 2 * (warp + (batch + j) * kWarps) + half;
-        extra[j] = 0.f;
-        if (r < nr && lane_active) {
-          extra[j] = src.load8(row0 + r, k0 + kVec * hl, v[j]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < kVec; ++c) v[j][c] = 0.f;
-        }
+        for (int c = 0; c < kVec; ++c) v[jr][c] = 0.f;
       }
+    }
+
+    // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the half-warp
+    // (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the multipliers go
+    // back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
+    if constexpr (Loader::kExtra) {
 #pragma unroll
-      for (int j = 0; j < kRowBatch; ++j) {
-        const int r = 2 * (warp + (batch + j) * kWarps) + half;
-        const bool row_ok = r < nr;  // differs between the half-warps: shuffles below run on all lanes
-        if (qT != nullptr) {
-          store8(tile + r * kBlock + kVec * hl, v[j]);
+      for (int jr = 0; jr < kRows; ++jr) {
+        const int r = kRows * g + jr;
+        const float sum = half_sum(extra[jr]);
+        if (row_extra != nullptr && r < tile.nr && hl == 0) row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
+      }
+    }
+    if (q != nullptr) {
+      float a[kRows];
 #pragma unroll
-          for (int c = 0; c < kVec; ++c) colmax[c] = nan_max(colmax[c], fabsf(v[j][c]));
-        }
-        if constexpr (Loader::kExtra) {
-          const float sum = half_sum(extra[j]);
-          if (row_extra != nullptr && row_ok && hl == 0) row_extra[(row0 + r) * Kb + kb] = sum;
-        }
-        if (q == nullptr) continue;
-        float a = 0.f;
+      for (int jr = 0; jr < kRows; ++jr) {
+        a[jr] = 0.f;
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) a = nan_max(a, fabsf(v[j][c]));
-        const BlockQuant quant(half_amax(a));
-        if (row_ok && lane_active) {
+        for (int c = 0; c < kVec; ++c) a[jr] = nan_max(a[jr], fabsf(v[jr][c]));
+      }
+      const float amax = scatter_amax4(a, hl);
+      const BlockQuant quant(amax);
+      const int mine = hl / 4;  // the row this lane made the scale of
+      if (kRows * g + mine < tile.nr && hl % 4 == 0) s[(tile.row0 + kRows * g + mine) * Kb + tile.kb] = quant.scale;
+      const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
+#pragma unroll
+      for (int jr = 0; jr < kRows; ++jr) {
+        const int from = (lane & kLanesPerRow) + 4 * jr;
+        const float hi = __shfl_sync(0xffffffffu, quant.mul_hi, from);
+        const float lo = simple ? 1.f : __shfl_sync(0xffffffffu, quant.mul_lo, from);
+        const int r = kRows * g + jr;
+        if (r < tile.nr && lane_active) {
           uint2 packed;
-          packed.x = quant.pack4({v[j][0], v[j][1], v[j][2], v[j][3]});
-          packed.y = quant.pack4({v[j][4], v[j][5], v[j][6], v[j][7]});
-          *reinterpret_cast<uint2*>(q + (row0 + r) * K + k0 + kVec * hl) = packed;
+          packed.x = simple ? pack4(hi, v[jr][0], v[jr][1], v[jr][2], v[jr][3])
+                            : BlockQuant(hi, lo).pack4({v[jr][0], v[jr][1], v[jr][2], v[jr][3]});
+          packed.y = simple ? pack4(hi, v[jr][4], v[jr][5], v[jr][6], v[jr][7])
+                            : BlockQuant(hi, lo).pack4({v[jr][4], v[jr][5], v[jr][6], v[jr][7]});
+          *reinterpret_cast<uint2*>(q + (tile.row0 + r) * K + k0 + kVec * hl) = packed;
         }
-        if (row_ok && hl == 0) s[(row0 + r) * Kb + kb] = quant.scale;
       }
     }
-    if (qT == nullptr) continue;  // uniform: no shared memory was written
-#pragma unroll
-    for (int c = 0; c < kVec; ++c) colmax[c] = nan_max(colmax[c], __shfl_xor_sync(0xffffffffu, colmax[c], kLanesPerRow));
-    if (half == 0) store8(&partial[warp][kVec * hl], colmax);
-    __syncthreads();
+    if (qT == nullptr) continue;  // uniform
 
-    // Column phase: thread = (column pair 2p, 2p+1; chunk of 32 rows). Each shared-memory read brings
-    // both columns of a row; each column's 32 bytes go out as two 16-byte stores.
-    const int p = threadIdx.x % (kBlock / 2), ch = threadIdx.x / (kBlock / 2);
-    const int c = 2 * p;
-    if (c < nk) {
-      float amax[2] = {partial[0][c], partial[0][c + 1]};
+    // Column maxima: the warp's two row groups, then the 16 warps through shared memory.
+    float cmax[kVec];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) {
-        amax[0] = nan_max(amax[0], partial[w][c]);
-        amax[1] = nan_max(amax[1], partial[w][c + 1]);
-      }
-      const BlockQuant quant[2] = {BlockQuant(amax[0]), BlockQuant(amax[1])};
-      if (ch == 0) *reinterpret_cast<float2*>(sT + b * K + k0 + c) = make_float2(quant[0].scale, quant[1].scale);
-      const int padded_rows = (nr + kColAlign - 1) / kColAlign * kColAlign;
-      uint8_t* dst = qT + (k0 + c) * col_cap + col[e] + i * kBlock;
+    for (int c = 0; c < kVec; ++c) {
+      float a = fabsf(v[0][c]);
 #pragma unroll
-      for (int h = 0; h < kChunk / 16; ++h) {
-        const int r0 = ch * kChunk + h * 16;
-        if (r0 >= padded_rows) break;
-        uint32_t w0[4], w1[4];
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-          float f0[4], f1[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) load2(tile + (r0 + 4 * g + u) * kBlock + c, f0[u], f1[u]);
-          w0[g] = quant[0].pack4(f0);
-          w1[g] = quant[1].pack4(f1);
-        }
-        *reinterpret_cast<uint4*>(dst + r0) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
-        *reinterpret_cast<uint4*>(dst + col_cap + r0) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
-      }
+      for (int jr = 1; jr < kRows; ++jr) a = nan_max(a, fabsf(v[jr][c]));
+      cmax[c] = nan_max(a, __shfl_xor_sync(0xffffffffu, a, kLanesPerRow));
     }
-    __syncthreads();  // the next tile overwrites the stage and the column maxima
+    if (half == 0) store8(partial + warp * kBlock + kVec * hl, cmax);
+    bulk::sync_threads(1, kThreads);
+    if (threadIdx.x < kBlock) {
+      const int c = threadIdx.x;
+      float a = partial[c];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) a = nan_max(a, partial[w * kBlock + c]);
+      const BlockQuant quant(a);
+      mul_hi[c] = quant.mul_hi;
+      mul_lo[c] = quant.mul_lo;
+      if (c < nk) sT[tile.block * K + k0 + c] = quant.scale;
+    }
+    bulk::sync_threads(1, kThreads);
+
+    // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile.
+    float hi[kVec], lo[kVec];
+    load8(mul_hi + kVec * hl, hi);
+    load8(mul_lo + kVec * hl, lo);
+    bool normal = true;
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) normal = normal && lo[c] == 1.f;
+    const bool simple = __all_sync(0xffffffffu, normal);
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) {
+      const int cc = kVec * hl + c;
+      col_tile[cc * (kBlock / 4) + (g ^ col_swizzle(cc))] =
+          simple ? pack4(hi[c], v[0][c], v[1][c], v[2][c], v[3][c])
+                 : BlockQuant(hi[c], lo[c]).pack4({v[0][c], v[1][c], v[2][c], v[3][c]});
+    }
+    bulk::sync_threads(1, kThreads);
+
+    // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to 16 (zeros past nr).
+    const int chunks = (tile.nr + kColAlign - 1) / kColAlign;
+#pragma unroll
+    for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
+      const int idx = it * kThreads + threadIdx.x;
+      const int cc = idx / (kBlock / 16), chunk = idx % (kBlock / 16);
+      if (cc >= nk || chunk >= chunks) continue;
+      const int sw = col_swizzle(cc);  // even: whole chunks move (sw / 4), word pairs swap within (sw & 2)
+      uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (sw >> 2)));
+      if (sw & 2) w = make_uint4(w.z, w.w, w.x, w.y);
+      *reinterpret_cast<uint4*>(qT + (k0 + cc) * col_cap + tile.qt_col + chunk * 16) = w;
+    }
   }
 }
 
-// CTAs of kernel<Loader> with `smem` bytes of dynamic shared memory that the device runs at once
-// (the last answer is kept per thread: consecutive launches mostly ask the same question).
+// Stages of the ring for a launch: as many as fit next to the rest (at most kMaxStages).
 template <class Loader>
-int64_t resident_ctas(size_t smem, const char* name) {
-  thread_local int last_device = -1;
-  thread_local size_t last_smem = 0;
-  thread_local int64_t last_ctas = 0;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device != last_device || smem != last_smem) {
-    int sms = 0, per_sm = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), name);
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel<Loader>, kThreads, smem), name);
-    last_device = device;
-    last_smem = smem;
-    last_ctas = int64_t(sms) * std::max(per_sm, 1);
-  }
-  return last_ctas;
+int ring_stages(int E, bool cols) {
+  constexpr int64_t stage = int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
+  const int64_t room = kSharedBytes - Layout(E, cols, stage, 0).total;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxStages, room / stage)));
 }
 
-// Launches the multi-cast kernel over every expert block of x [T, K] (K = output columns).
+// Launches the multi-cast kernel over every expert block of the output [T, K] (K = output columns).
 template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
             float* sT, float* row_extra, cudaStream_t stream, const char* name) {
   if (T == 0) return;
-  const size_t tile = sizeof(typename Loader::Stage) * kBlock * kBlock;
-  const size_t smem = plan_bytes(E) + (qT != nullptr ? tile : 0);
-  // the limit raised once to the most any launch uses (the plan of kMaxExperts experts and a staged tile);
-  // a launch still takes only what it needs
-  allow_shared_memory<kernel<Loader>>(int(plan_bytes(kMaxExperts) + tile), name);
-  // Persistent: as many CTAs as fit on the device at once, never more than the tiles there can be.
+  constexpr int64_t stage = int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
+  const int n_stages = ring_stages<Loader>(E, qT != nullptr);
+  const int smem = Layout(E, qT != nullptr, stage, n_stages).total;
+  allow_shared_memory<kernel<Loader>>(kSharedBytes, name);  // once; a launch takes only what it needs
+  // Persistent: one CTA per SM, never more than the tiles there can be.
   const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);
-  const int64_t grid = std::min<int64_t>(most_tiles, resident_ctas<Loader>(smem, name));
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(most_tiles, sm_count()));
   kernel<Loader><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
-                                                                         col_capacity(T, E), row_extra);
+                                                                         col_capacity(T, E), row_extra, n_stages);
   check_launch(name);
 }
 

@@ -12,11 +12,11 @@
 namespace moegemm {
 namespace {
 
-using multicast::kThreads;
-using multicast::kWarps;
 using multicast::warp_amax;
 using multicast::imin64;
-constexpr int kRowsPerWarp = kBlock / kWarps;  // weight kernel: warp w owns rows w, w + 8, ...
+constexpr int kThreads = 256;                  // weight kernel: one CTA per 128x128 block
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsPerWarp = kBlock / kWarps;  // warp w owns rows w, w + 8, ...
 
 // Four consecutive values in their storage type (one 8- or 16-byte load).
 template <typename T>

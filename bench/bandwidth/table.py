@@ -11,7 +11,7 @@ Bytes are the minimal ones: every input read once, every output written once (th
 Timing: each kernel's calls captured `--iters` at a time in a CUDA graph (no host time), the graphs of one
 shape replayed interleaved over `--rounds` rounds, the median per call.
 
-    python -m bench.bandwidth.table [--quick] [--shapes NAMES] [--json PATH] [--md PATH]
+    python -m bench.bandwidth.table [--quick] [--shapes NAMES] [--kernels NAMES] [--json PATH] [--md PATH]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def parse_args():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Zipf splits only, fewer rounds")
     ap.add_argument("--shapes", default=None, help="comma-separated substrings of the shape names to keep")
+    ap.add_argument("--kernels", default=None, help="comma-separated substrings of the kernel names to keep")
     ap.add_argument("--iters", type=int, default=20, help="calls per CUDA graph (default 20)")
     ap.add_argument("--rounds", type=int, default=None, help="replays per kernel, interleaved (default 9, quick 5)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
@@ -128,6 +129,8 @@ def main() -> int:
     print(f"{'point':32s} {'kernel':30s} {'MB':>8s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s}", flush=True)
     for label, E, H, F, splits in points(args.quick, args.shapes):
         plan, ks = kernels(E, H, F, splits, ops, torch)
+        if args.kernels:
+            ks = {k: v for k, v in ks.items() if any(sub.strip() in k for sub in args.kernels.split(","))}
         graphs = {k: graph_of(fn, args.iters, torch) for k, (fn, _) in ks.items()}
         times = {k: [] for k in ks}
         for _ in range(rounds):

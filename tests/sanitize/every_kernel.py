@@ -39,9 +39,11 @@ for recipe in ["fp8_blockwise", "bf16"]:
         w.main_grad = torch.zeros(E, N, K, device="cuda")
         moegemm.grouped_linear(x, w, m, recipe=recipe).backward(torch.randn_like(y))  # accumulate path
         del w.main_grad
-for activation, recipe in [(a, r) for a in moegemm.reference.ACTIVATIONS for r in ("fp8_blockwise", "bf16")]:
-    # the fused activation kernels (FP8 multi-cast and bf16), forward and backward
-    mlp = moegemm.GroupedMLP(E, K, 144, activation=activation, bias=True, recipe=recipe, device="cuda",
+for activation, recipe, F in [(a, r, 144) for a in moegemm.reference.ACTIVATIONS for r in ("fp8_blockwise", "bf16")] + [
+        ("swiglu", "fp8_blockwise", 256), ("geglu", "fp8_blockwise", 256)]:
+    # the fused activation kernels (FP8 multi-cast and bf16), forward and backward; F = 256: the GLU
+    # gradient's two halves from one tile
+    mlp = moegemm.GroupedMLP(E, K, F, activation=activation, bias=True, recipe=recipe, device="cuda",
                              dtype=torch.bfloat16)
     xm = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(T, device="cuda", requires_grad=True)

@@ -26,10 +26,10 @@ struct Silu {
 };
 struct Gelu {  // exact (erf) GELU, as torch.nn.functional.gelu
   __device__ static float f(float x) { return 0.5f * x * (1.f + erff(x * kInvSqrt2)); }
-  __device__ static void fdf(float x, float& f, float& df) {
-    const float cdf = 0.5f * (1.f + erff(x * kInvSqrt2));
-    f = x * cdf;
-    df = cdf + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
+  __device__ static void fdf(float x, float& f, float& df) {  // f rounded as f(x) is (a paired backward uses it)
+    const float e = erff(x * kInvSqrt2);
+    f = 0.5f * x * (1.f + e);
+    df = 0.5f * (1.f + e) + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
   }
 };
 // The ReLUs keep NaN (relu(NaN) = NaN, as torch's; a comparison alone would map it to 0), in the value
@@ -57,6 +57,7 @@ template <class Act, bool kGlu>
 struct ActForward {
   using Raw = __nv_bfloat16;
   static constexpr int kInputs = kGlu ? 2 : 1;
+  static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   const __nv_bfloat16* h;
   const float* probs;
@@ -86,6 +87,7 @@ template <class Act, bool kGlu>
 struct ActBackward {
   using Raw = __nv_bfloat16;
   static constexpr int kInputs = kGlu ? 3 : 2;  // da, gate, up
+  static constexpr int kOut = 1;
   static constexpr bool kExtra = true;
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
@@ -128,6 +130,47 @@ struct ActBackward {
       const float up = kGlu ? u[i] : 1.f;
       v[i] = d[i] * p * up * df;
       extra += d[i] * f * up;
+    }
+    return extra;
+  }
+};
+
+// The GLU gradient with both halves from one tile (F a multiple of 128): tile column block kt stages da,
+// gate and up once, evaluates the activation once and makes dh's output blocks kt (gate half: da * p * up
+// * act'(gate)) and F / 128 + kt (up half: da * p * act(gate)), the same values as ActBackward's.
+template <class Act>
+struct ActBackwardPaired {
+  using Raw = __nv_bfloat16;
+  static constexpr int kInputs = 3;  // da, gate, up
+  static constexpr int kOut = 2;
+  static constexpr bool kExtra = true;
+  const __nv_bfloat16* da;
+  const __nv_bfloat16* h;
+  const float* probs;
+  int64_t F;
+  __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
+    seg[0] = {in == 2 ? F + k0 : k0, 0, nk};
+    return 1;
+  }
+  __device__ __forceinline__ const __nv_bfloat16* row_start(int in, int64_t row) const {
+    return in == 0 ? da + row * F : h + row * 2 * F;
+  }
+  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], int64_t row, int64_t,
+                                          float (&gate_grad)[multicast::kVec], float (&up_grad)[multicast::kVec]) const {
+    constexpr int n = multicast::kVec;
+    float d[n], g[n], u[n];
+    multicast::load8(raw[0], d);
+    multicast::load8(raw[1], g);
+    multicast::load8(raw[2], u);
+    const float p = prob(probs, row);
+    float extra = 0.f;
+#pragma unroll
+    for (int i = 0; i < n; ++i) {
+      float f, df;
+      Act::fdf(g[i], f, df);
+      gate_grad[i] = d[i] * p * u[i] * df;
+      up_grad[i] = d[i] * p * f;
+      extra += d[i] * f * u[i];
     }
     return extra;
   }
@@ -241,14 +284,17 @@ void act_quantize(const void* h_bf16, const float* probs, Activation act, int64_
 void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float* probs, Activation act, int64_t T,
                            int64_t F, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT, float* sT,
                            float* dprobs_partial, cudaStream_t stream) {
-  dispatch<ActBackward>(act, [&](auto loader) {
+  auto run = [&](auto loader) {
     loader.da = static_cast<const __nv_bfloat16*>(da_bf16);
     loader.h = static_cast<const __nv_bfloat16*>(h_bf16);
     loader.probs = probs;
     loader.F = F;
     const int64_t F1 = is_glu(act) ? 2 * F : F;
     multicast::launch(loader, T, F1, E, plan, q, s, qT, sT, dprobs_partial, stream, "act_backward_quantize");
-  });
+  };
+  if (F % kBlock == 0 && act == Activation::kSwiglu) return run(ActBackwardPaired<Silu>{});
+  if (F % kBlock == 0 && act == Activation::kGeglu) return run(ActBackwardPaired<Gelu>{});
+  dispatch<ActBackward>(act, run);
 }
 
 void act_bf16(const void* h_bf16, const float* probs, Activation act, int64_t T, int64_t F, void* a_bf16,

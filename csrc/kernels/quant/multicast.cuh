@@ -15,11 +15,13 @@
 //   Fp8RowsLoader         an FP8 row copy, dequantized (requantize_cols: the column copy of an FP8 input)
 //   activation loaders    act(h) (* up) * probs and its gradient (activation.cu), so the activation
 //                         between the two GEMMs of an expert MLP never goes through memory in bf16.
-// A loader has kInputs staged inputs of element type Raw; for output columns [k0, k0 + nk) it names up to
-// two column segments of each input (segments) and the start of a row of it (row_start); from the staged
-// rows it computes eight values (values). It may also return a per-element "extra" whose per-row sums
-// over each 128-column block are written to row_extra [T, Kb] (the probs gradient of the activation
-// backward).
+// A loader has kInputs staged inputs of element type Raw; for a tile's columns [k0, k0 + nk) it names up
+// to two column segments of each input (segments) and the start of a row of it (row_start); from the
+// staged rows it computes eight values of each of its kOut output blocks (values): with kOut = 2 a tile
+// makes output blocks kt and Kt + kt of the K = 2 Kt * 128 output columns (the two halves of a GLU
+// gradient from one read of its inputs). It may also return a per-element "extra" whose per-row sums
+// over each tile are written to row_extra [T, Kb] at the first output block (zeros at the second): the
+// probs gradient of the activation backward.
 #pragma once
 
 #include <algorithm>
@@ -97,6 +99,7 @@ template <typename T>
 struct PlainLoader {
   using Raw = T;
   static constexpr int kInputs = 1;
+  static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   const T* x;
   int64_t K;
@@ -117,6 +120,7 @@ struct PlainLoader {
 struct Fp8RowsLoader {
   using Raw = uint8_t;
   static constexpr int kInputs = 1;
+  static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   const uint8_t* q;
   const float* s;
@@ -272,10 +276,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   const int32_t* tok = plan_s;
   const int32_t* col = plan_s + (E + 1);
   const int32_t* blk = plan_s + 2 * (E + 1);
-  const int64_t Kb = (K + kBlock - 1) / kBlock;
+  constexpr int kOut = Loader::kOut;
+  const int64_t Kb = (K + kBlock - 1) / kBlock;  // output column blocks
+  const int64_t Kt = Kb / kOut;                  // tile columns
   const bool fits = plan_fits(plan_s, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
   const int64_t covered = fits ? tok[E] : 0;
-  const int64_t n_tiles = fits ? int64_t(blk[E]) * Kb : 0;
+  const int64_t n_tiles = fits ? int64_t(blk[E]) * Kt : 0;
   const int64_t n_mine = n_tiles > blockIdx.x ? (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;  // this CTA's
 
   // Loads of this CTA's tile j (tile blockIdx.x + j * gridDim.x) into stage j % n_stages, by every thread
@@ -284,14 +290,14 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   auto load_tile = [&](int64_t j) {
     const int stage = static_cast<int>(j % n_stages);
     const int64_t t = blockIdx.x + j * gridDim.x;
-    const int64_t b = t / Kb;
-    const int kb = static_cast<int>(t % Kb);
+    const int64_t b = t / Kt;
+    const int kb = static_cast<int>(t % Kt);
     const int e = owner = walk_expert(blk, E, b, owner);
     const int64_t i = b - blk[e];
     const int64_t row0 = tok[e] + i * kBlock;
     const int nr = static_cast<int>(imin64(kBlock, tok[e + 1] - row0));
     const int64_t k0 = int64_t(kb) * kBlock;
-    const int nk = static_cast<int>(imin64(kBlock, K - k0));
+    const int nk = static_cast<int>(imin64(kBlock, K / kOut - k0));
     if (threadIdx.x == 0) infos[stage] = TileInfo{row0, b, col[e] + i * kBlock, nr, kb};
     // Thread = (16-byte chunk c of a staged row, rows r0, r0 + kRowStep, ...): the chunk's column lies in at
     // most one segment of each input.
@@ -326,13 +332,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
     const int stage = static_cast<int>(j % n_stages);
     bulk::wait(&full[stage], static_cast<uint32_t>((j / n_stages) & 1));
     const TileInfo tile = infos[stage];
-    const int64_t k0 = int64_t(tile.kb) * kBlock;
-    const int nk = static_cast<int>(imin64(kBlock, K - k0));
+    const int64_t k0 = int64_t(tile.kb) * kBlock;  // of the tile, in the loader's columns
+    const int nk = static_cast<int>(imin64(kBlock, K / kOut - k0));
     const bool lane_active = kVec * hl < nk;  // nk is a multiple of 16
 
     // Values of the thread's 4 rows from the stage.
     const Raw* staged = stages + int64_t(stage) * (kStageBytes / sizeof(Raw));
-    float v[kRows][kVec];
+    float v[kOut][kRows][kVec];
     float extra[kRows];
 #pragma unroll
     for (int jr = 0; jr < kRows; ++jr) {
@@ -342,106 +348,117 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         const Raw* raw[Loader::kInputs];
 #pragma unroll
         for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
-        extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[jr]);
+        if constexpr (kOut == 1) extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr]);
+        else extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr], v[1][jr]);
       } else {
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) v[jr][c] = 0.f;
+        for (int c = 0; c < kVec; ++c)
+#pragma unroll
+          for (int ob = 0; ob < kOut; ++ob) v[ob][jr][c] = 0.f;
       }
     }
 
-    // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the half-warp
-    // (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the multipliers go
-    // back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
     if constexpr (Loader::kExtra) {
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
         const float sum = half_sum(extra[jr]);
-        if (row_extra != nullptr && r < tile.nr && hl == 0) row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
-      }
-    }
-    if (q != nullptr) {
-      float a[kRows];
-#pragma unroll
-      for (int jr = 0; jr < kRows; ++jr) {
-        a[jr] = 0.f;
-#pragma unroll
-        for (int c = 0; c < kVec; ++c) a[jr] = nan_max(a[jr], fabsf(v[jr][c]));
-      }
-      const float amax = scatter_amax4(a, hl);
-      const BlockQuant quant(amax);
-      const int mine = hl / 4;  // the row this lane made the scale of
-      if (kRows * g + mine < tile.nr && hl % 4 == 0) s[(tile.row0 + kRows * g + mine) * Kb + tile.kb] = quant.scale;
-      const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
-#pragma unroll
-      for (int jr = 0; jr < kRows; ++jr) {
-        const int from = (lane & kLanesPerRow) + 4 * jr;
-        const float hi = __shfl_sync(0xffffffffu, quant.mul_hi, from);
-        const float lo = simple ? 1.f : __shfl_sync(0xffffffffu, quant.mul_lo, from);
-        const int r = kRows * g + jr;
-        if (r < tile.nr && lane_active) {
-          uint2 packed;
-          packed.x = simple ? pack4(hi, v[jr][0], v[jr][1], v[jr][2], v[jr][3])
-                            : BlockQuant(hi, lo).pack4({v[jr][0], v[jr][1], v[jr][2], v[jr][3]});
-          packed.y = simple ? pack4(hi, v[jr][4], v[jr][5], v[jr][6], v[jr][7])
-                            : BlockQuant(hi, lo).pack4({v[jr][4], v[jr][5], v[jr][6], v[jr][7]});
-          *reinterpret_cast<uint2*>(q + (tile.row0 + r) * K + k0 + kVec * hl) = packed;
+        if (row_extra != nullptr && r < tile.nr && hl == 0) {
+          row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
+          if (kOut == 2) row_extra[(tile.row0 + r) * Kb + Kt + tile.kb] = 0.f;
         }
       }
     }
-    if (qT == nullptr) continue;  // uniform
+#pragma unroll
+    for (int ob = 0; ob < kOut; ++ob) {
+      const float (&vo)[kRows][kVec] = v[ob];
+      const int64_t kb_out = tile.kb + ob * Kt, k0_out = kb_out * kBlock;
+      // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the
+      // half-warp (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the
+      // multipliers go back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
+      if (q != nullptr) {
+        float a[kRows];
+#pragma unroll
+        for (int jr = 0; jr < kRows; ++jr) {
+          a[jr] = 0.f;
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) a[jr] = nan_max(a[jr], fabsf(vo[jr][c]));
+        }
+        const float amax = scatter_amax4(a, hl);
+        const BlockQuant quant(amax);
+        const int mine = hl / 4;  // the row this lane made the scale of
+        if (kRows * g + mine < tile.nr && hl % 4 == 0) s[(tile.row0 + kRows * g + mine) * Kb + kb_out] = quant.scale;
+        const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
+#pragma unroll
+        for (int jr = 0; jr < kRows; ++jr) {
+          const int from = (lane & kLanesPerRow) + 4 * jr;
+          const float hi = __shfl_sync(0xffffffffu, quant.mul_hi, from);
+          const float lo = simple ? 1.f : __shfl_sync(0xffffffffu, quant.mul_lo, from);
+          const int r = kRows * g + jr;
+          if (r < tile.nr && lane_active) {
+            uint2 packed;
+            packed.x = simple ? pack4(hi, vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3])
+                              : BlockQuant(hi, lo).pack4({vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]});
+            packed.y = simple ? pack4(hi, vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7])
+                              : BlockQuant(hi, lo).pack4({vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]});
+            *reinterpret_cast<uint2*>(q + (tile.row0 + r) * K + k0_out + kVec * hl) = packed;
+          }
+        }
+      }
+      if (qT == nullptr) continue;  // uniform (the same for every output block)
 
-    // Column maxima: the warp's two row groups, then the 16 warps through shared memory.
-    float cmax[kVec];
+      // Column maxima: the warp's two row groups, then the 16 warps through shared memory.
+      float cmax[kVec];
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) {
-      float a = fabsf(v[0][c]);
+      for (int c = 0; c < kVec; ++c) {
+        float a = fabsf(vo[0][c]);
 #pragma unroll
-      for (int jr = 1; jr < kRows; ++jr) a = nan_max(a, fabsf(v[jr][c]));
-      cmax[c] = nan_max(a, __shfl_xor_sync(0xffffffffu, a, kLanesPerRow));
-    }
-    if (half == 0) store8(partial + warp * kBlock + kVec * hl, cmax);
-    bulk::sync_threads(1, kThreads);
-    if (threadIdx.x < kBlock) {
-      const int c = threadIdx.x;
-      float a = partial[c];
+        for (int jr = 1; jr < kRows; ++jr) a = nan_max(a, fabsf(vo[jr][c]));
+        cmax[c] = nan_max(a, __shfl_xor_sync(0xffffffffu, a, kLanesPerRow));
+      }
+      if (half == 0) store8(partial + warp * kBlock + kVec * hl, cmax);
+      bulk::sync_threads(1, kThreads);
+      if (threadIdx.x < kBlock) {
+        const int c = threadIdx.x;
+        float a = partial[c];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) a = nan_max(a, partial[w * kBlock + c]);
-      const BlockQuant quant(a);
-      mul_hi[c] = quant.mul_hi;
-      mul_lo[c] = quant.mul_lo;
-      if (c < nk) sT[tile.block * K + k0 + c] = quant.scale;
-    }
-    bulk::sync_threads(1, kThreads);
+        for (int w = 1; w < kWarps; ++w) a = nan_max(a, partial[w * kBlock + c]);
+        const BlockQuant quant(a);
+        mul_hi[c] = quant.mul_hi;
+        mul_lo[c] = quant.mul_lo;
+        if (c < nk) sT[tile.block * K + k0_out + c] = quant.scale;
+      }
+      bulk::sync_threads(1, kThreads);
 
-    // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile.
-    float hi[kVec], lo[kVec];
-    load8(mul_hi + kVec * hl, hi);
-    load8(mul_lo + kVec * hl, lo);
-    bool normal = true;
+      // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile.
+      float hi[kVec], lo[kVec];
+      load8(mul_hi + kVec * hl, hi);
+      load8(mul_lo + kVec * hl, lo);
+      bool normal = true;
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) normal = normal && lo[c] == 1.f;
-    const bool simple = __all_sync(0xffffffffu, normal);
+      for (int c = 0; c < kVec; ++c) normal = normal && lo[c] == 1.f;
+      const bool simple = __all_sync(0xffffffffu, normal);
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) {
-      const int cc = kVec * hl + c;
-      col_tile[cc * (kBlock / 4) + (g ^ col_swizzle(cc))] =
-          simple ? pack4(hi[c], v[0][c], v[1][c], v[2][c], v[3][c])
-                 : BlockQuant(hi[c], lo[c]).pack4({v[0][c], v[1][c], v[2][c], v[3][c]});
-    }
-    bulk::sync_threads(1, kThreads);
+      for (int c = 0; c < kVec; ++c) {
+        const int cc = kVec * hl + c;
+        col_tile[cc * (kBlock / 4) + (g ^ col_swizzle(cc))] =
+            simple ? pack4(hi[c], vo[0][c], vo[1][c], vo[2][c], vo[3][c])
+                   : BlockQuant(hi[c], lo[c]).pack4({vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
+      }
+      bulk::sync_threads(1, kThreads);
 
-    // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to 16 (zeros past nr).
-    const int chunks = (tile.nr + kColAlign - 1) / kColAlign;
+      // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to 16 (zeros past nr).
+      const int chunks = (tile.nr + kColAlign - 1) / kColAlign;
 #pragma unroll
-    for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
-      const int idx = it * kThreads + threadIdx.x;
-      const int cc = idx / (kBlock / 16), chunk = idx % (kBlock / 16);
-      if (cc >= nk || chunk >= chunks) continue;
-      const int sw = col_swizzle(cc);  // even: whole chunks move (sw / 4), word pairs swap within (sw & 2)
-      uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (sw >> 2)));
-      if (sw & 2) w = make_uint4(w.z, w.w, w.x, w.y);
-      *reinterpret_cast<uint4*>(qT + (k0 + cc) * col_cap + tile.qt_col + chunk * 16) = w;
+      for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
+        const int idx = it * kThreads + threadIdx.x;
+        const int cc = idx / (kBlock / 16), chunk = idx % (kBlock / 16);
+        if (cc >= nk || chunk >= chunks) continue;
+        const int sw = col_swizzle(cc);  // even: whole chunks move (sw / 4), word pairs swap within (sw & 2)
+        uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (sw >> 2)));
+        if (sw & 2) w = make_uint4(w.z, w.w, w.x, w.y);
+        *reinterpret_cast<uint4*>(qT + (k0_out + cc) * col_cap + tile.qt_col + chunk * 16) = w;
+      }
     }
   }
 }

@@ -59,6 +59,24 @@ def test_fused_activation_kernels_match_reference(activation, with_probs, F):
         assert got_dp is None
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_fused_activation_backward_max_experts(activation):
+    # E = 1024: the plan fills so much shared memory that the paired GLU gradient (three staged inputs) runs
+    # with a single stage (each tile loaded, then used); ReLU: the unpaired form with two inputs
+    E, T, F = 1024, 3000, 128
+    F1 = 2 * F if activation in ref.GLU_ACTIVATIONS else F
+    plan, plan_ref = plans(zipf_splits(E, T), T)
+    h = torch.randn(T, F1, device=DEV, dtype=torch.bfloat16) * 2
+    da = torch.randn(T, F, device=DEV, dtype=torch.bfloat16)
+    probs = torch.rand(T, device=DEV)
+    *got_q, got_dp = cuda_ops.act_backward_quantize(da, h, probs, activation, plan)
+    *exp_q, exp_dp = ref.act_backward_quantize(da, h, probs, activation, plan_ref)
+    for g, e in zip(dequant_all(*got_q, plan_ref), dequant_all(*exp_q, plan_ref)):
+        assert rel(g, e) <= 5e-3
+    assert (got_q[0].view(torch.uint8) == exp_q[0].view(torch.uint8)).float().mean() > 0.995
+    assert rel(got_dp, exp_dp) <= 1e-5
+
+
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("with_probs", [True, False])
 def test_bf16_activation_kernels_match_reference(activation, with_probs):

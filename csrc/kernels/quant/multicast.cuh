@@ -28,7 +28,7 @@
 #include <cstdint>
 
 #include "moegemm.h"
-#include "kernels/common/bulk_copy.cuh"
+#include "kernels/common/async_copy.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
 #include "kernels/quant/fp8_block.cuh"
@@ -42,7 +42,6 @@ constexpr int kVec = 8;                          // values per lane: columns 8 h
 constexpr int kLanesPerRow = kBlock / kVec;      // 16: a half-warp covers a 128-column row block
 constexpr int kRows = 4;                         // rows per thread: group g = 2 warp + half owns 4g .. 4g + 3
 constexpr int kMaxStages = 8;
-constexpr int kMaxInputs = 3;
 constexpr int kSharedBytes = 227 * 1024;         // an sm_90 CTA's shared memory (all of it dynamic here)
 constexpr int kColTileBytes = kBlock * kBlock;   // the FP8 column tile, 128 columns of 128 rows
 
@@ -269,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   // The plan is read once per CTA (one coalesced read); tiles are then found in shared memory.
   for (int idx = threadIdx.x; idx < 3 * (E + 1); idx += kThreads) plan_s[idx] = plan[idx];
   if (threadIdx.x == 0) {
-    for (int i = 0; i < n_stages; ++i) bulk::barrier_init(&full[i], kThreads);
-    bulk::fence_barrier_init();
+    for (int i = 0; i < n_stages; ++i) async_copy::barrier_init(&full[i], kThreads);
+    async_copy::fence_barrier_init();
   }
   __syncthreads();
   const int32_t* tok = plan_s;
@@ -313,9 +312,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
       if (from < 0) continue;
       for (int r = r0; r < nr; r += kRowStep)
-        bulk::load16(dst + in * kStageElems + r * kBlock, src.row_start(in, row0 + r) + from);
+        async_copy::load16(dst + in * kStageElems + r * kBlock, src.row_start(in, row0 + r) + from);
     }
-    bulk::arrive_when_loaded(&full[stage]);
+    async_copy::arrive_when_loaded(&full[stage]);
   };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -326,11 +325,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   for (int64_t j = 0; j < n_stages - 1 && j < n_mine; ++j) load_tile(j);
   for (int64_t j = 0; j < n_mine; ++j) {
     // Every thread is done with tile j - 1's stage: tile j + n_stages - 1 may be loaded into it.
-    bulk::sync_threads(1, kThreads);
+    async_copy::sync_threads(1, kThreads);
     if (j + n_stages - 1 < n_mine) load_tile(j + n_stages - 1);
-    if (n_stages == 1) bulk::sync_threads(1, kThreads);  // (the tile's info, just written)
+    if (n_stages == 1) async_copy::sync_threads(1, kThreads);  // (the tile's info, just written)
     const int stage = static_cast<int>(j % n_stages);
-    bulk::wait(&full[stage], static_cast<uint32_t>((j / n_stages) & 1));
+    async_copy::wait(&full[stage], static_cast<uint32_t>((j / n_stages) & 1));
     const TileInfo tile = infos[stage];
     const int64_t k0 = int64_t(tile.kb) * kBlock;  // of the tile, in the loader's columns
     const int nk = static_cast<int>(imin64(kBlock, K / kOut - k0));
@@ -417,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         cmax[c] = nan_max(a, __shfl_xor_sync(0xffffffffu, a, kLanesPerRow));
       }
       if (half == 0) store8(partial + warp * kBlock + kVec * hl, cmax);
-      bulk::sync_threads(1, kThreads);
+      async_copy::sync_threads(1, kThreads);
       if (threadIdx.x < kBlock) {
         const int c = threadIdx.x;
         float a = partial[c];
@@ -428,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         mul_lo[c] = quant.mul_lo;
         if (c < nk) sT[tile.block * K + k0_out + c] = quant.scale;
       }
-      bulk::sync_threads(1, kThreads);
+      async_copy::sync_threads(1, kThreads);
 
       // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile.
       float hi[kVec], lo[kVec];
@@ -445,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
             simple ? pack4(hi[c], vo[0][c], vo[1][c], vo[2][c], vo[3][c])
                    : BlockQuant(hi[c], lo[c]).pack4({vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
       }
-      bulk::sync_threads(1, kThreads);
+      async_copy::sync_threads(1, kThreads);
 
       // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to 16 (zeros past nr).
       const int chunks = (tile.nr + kColAlign - 1) / kColAlign;

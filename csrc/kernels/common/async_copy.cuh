@@ -1,11 +1,10 @@
-// Asynchronous copies global -> shared memory completing on an mbarrier (16-byte cp.async per thread,
-// sm_80; bulk copies by the TMA engine, sm_90), and the mbarrier and named-barrier steps of a pipeline
-// over shared-memory stages. Device-only; PTX ISA 8.0.
+// Asynchronous copies global -> shared memory (16-byte cp.async per thread, sm_80+) completing on an
+// mbarrier, and the mbarrier and named-barrier steps of a ring of shared-memory stages. Device-only.
 #pragma once
 
 #include <cstdint>
 
-namespace moegemm::bulk {
+namespace moegemm::async_copy {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -15,17 +14,8 @@ __device__ __forceinline__ void barrier_init(uint64_t* bar, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
 }
 
-// Makes the barriers' initialization visible to the copy engine (before the CTA-wide sync that follows).
+// Makes the barriers' initialization visible to the asynchronous proxy (before the CTA-wide sync that follows).
 __device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-
-__device__ __forceinline__ void arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// One arrival that also announces `bytes` of copies completing on this phase.
-__device__ __forceinline__ void arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
 
 // Waits until the phase of parity `parity` has completed.
 __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
@@ -37,15 +27,6 @@ __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
         : "r"(smem_addr(bar)), "r"(parity)
         : "memory");
   } while (!done);
-}
-
-// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory,
-// completing them on `bar`'s current phase.
-__device__ __forceinline__ void load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
 }
 
 // 16 bytes from global to shared memory (both 16-byte aligned), bypassing L1.
@@ -64,4 +45,4 @@ __device__ __forceinline__ void sync_threads(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-}  // namespace moegemm::bulk
+}  // namespace moegemm::async_copy

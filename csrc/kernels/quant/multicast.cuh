@@ -36,8 +36,8 @@
 
 namespace moegemm::multicast {
 
-constexpr int kWarps = 16;
-constexpr int kThreads = kWarps * 32;  // 512
+constexpr int kWarps = 16;                       // one CTA per SM
+constexpr int kThreads = kWarps * 32;            // 512
 constexpr int kVec = 8;                          // values per lane: columns 8 hl .. 8 hl + 7 of a row
 constexpr int kLanesPerRow = kBlock / kVec;      // 16: a half-warp covers a 128-column row block
 constexpr int kRows = 4;                         // rows per thread: group g = 2 warp + half owns 4g .. 4g + 3
@@ -207,7 +207,7 @@ struct TileInfo {
   int64_t row0;    // first token
   int64_t block;   // 128-token block (row of sT)
   int64_t qt_col;  // first column of the tile's tokens in qT
-  int32_t nr, kb;  // tokens (1..128), column block
+  int32_t nr, kb;  // tokens (1..128), tile column block (the first output block's)
 };
 
 // The shared memory of a CTA, all dynamic: the stages' barriers and tile infos, the per-warp column
@@ -216,7 +216,7 @@ struct TileInfo {
 struct Layout {
   static constexpr int kFull = 0, kInfo = kFull + 8 * kMaxStages;
   static constexpr int kPartial = kInfo + int(sizeof(TileInfo)) * kMaxStages;         // [16 warps][128] floats
-  static constexpr int kMul = kPartial + kWarps * kBlock * 4;                 // [2][128] floats
+  static constexpr int kMul = kPartial + kWarps * kBlock * 4;                         // [2][128] floats
   static constexpr int kPlan = kMul + 2 * kBlock * 4;
   int col_tile, stages, total;
   __host__ __device__ Layout(int E, bool cols, int64_t stage_bytes, int n_stages) {
@@ -227,7 +227,7 @@ struct Layout {
 };
 
 // Rows [covered, T) of the row copy (q, s) and of row_extra belong to no expert (device counts summing
-// below T): zeros, spread over every consumer thread. q's rows are K bytes, K a multiple of 16.
+// below T): zeros, spread over every thread. q's rows are K bytes, K a multiple of 16.
 __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, int64_t K, int64_t Kb, uint8_t* q, float* s,
                                                    float* row_extra, int64_t tid, int64_t stride) {
   if (q != nullptr) {

@@ -216,8 +216,8 @@ class FP8WeightCache:
                 if capture and not e.captured:
                     e.pinned = True
             else:
-                pinned, e = (e if e is not None and e.pinned else None), None
-                e = self._quantize(i, w, pinned, stamp, capture)
+                e = None  # (the old copies must be freeable while quantizing)
+                e = self._quantize(i, w, stamp, capture)
             out.append(e.fp8)
         return tuple(out)
 
@@ -229,20 +229,18 @@ class FP8WeightCache:
             self._entries = [None] * len(weights)
         out = []
         for i, w in enumerate(weights):
-            e = self._entries[i]
-            pinned = e if e is not None and e.pinned and e.holds(w) else None
-            del e
-            out.append(self._quantize(i, w, pinned, stamp, capture).fp8)
+            out.append(self._quantize(i, w, stamp, capture).fp8)
         return tuple(out)
 
-    def _quantize(self, i: int, w: torch.Tensor, pinned: Optional[_Entry], stamp, capture: bool) -> _Entry:
-        """Quantize ``w`` into entry ``i``: in place when ``pinned`` (a captured graph reads its addresses),
-        else into a new entry, the old copies being dropped first. If quantizing fails (out of memory), no
-        stale copy is left behind: entry ``i`` is either None or the untouched pinned one, whose version
-        and stamp still name the weights it holds."""
+    def _quantize(self, i: int, w: torch.Tensor, stamp, capture: bool) -> _Entry:
+        """Quantize ``w`` into entry ``i``: in place when the entry holds ``w`` and is pinned (a captured
+        graph reads its addresses), else into a new entry, the old copies being dropped first. If quantizing
+        fails (out of memory), no stale copy is left behind: entry ``i`` is either None or the untouched
+        pinned one, whose version and stamp still name the weights it holds."""
         version = _version(w)  # before quantizing: a write racing with it must not be taken as seen
-        if pinned is None:
-            self._entries[i] = None  # frees the old copies now (unless a pending backward holds them)
+        pinned = self._entries[i]
+        if pinned is None or not (pinned.pinned and pinned.holds(w)):
+            pinned = self._entries[i] = None  # frees the old copies now (unless a pending backward holds them)
         fp8 = quantize(w)
         if pinned is not None:
             with torch.no_grad():

@@ -52,6 +52,18 @@ struct SquaredRelu {
 
 __device__ __forceinline__ float prob(const float* probs, int64_t row) { return probs != nullptr ? probs[row] : 1.f; }
 
+// One element of an activation's gradient, with the probs weight p and up (the GLU's up value, 1 without
+// one): the gate-side value da * p * up * act'(gate) and the up-side value da * p * act(gate); returns
+// da * act(gate) * up, the element's share of dprobs.
+template <class Act>
+__device__ __forceinline__ float act_grad(float d, float g, float up, float p, float& gate_grad, float& up_grad) {
+  float f, df;
+  Act::fdf(g, f, df);
+  gate_grad = d * p * up * df;
+  up_grad = d * p * f;
+  return d * f * up;
+}
+
 // a[t, k] = act(h[t, k]) * (GLU: h[t, F + k]) * probs[t]; staged: the gate columns (and the up columns).
 template <class Act, bool kGlu>
 struct ActForward {
@@ -117,27 +129,21 @@ struct ActBackward {
     multicast::load8(raw[1], g);
     if (kGlu && !up_half) multicast::load8(raw[kInputs - 1], u);
     const float p = prob(probs, row);
-    float extra = 0.f;
-    if (up_half) {
+    float extra = 0.f, unused;
+    if (up_half) {  // (act_grad's up-side value, without the derivative)
 #pragma unroll
       for (int i = 0; i < n; ++i) v[i] = d[i] * p * Act::f(g[i]);
       return 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < n; ++i) {
-      float f, df;
-      Act::fdf(g[i], f, df);
-      const float up = kGlu ? u[i] : 1.f;
-      v[i] = d[i] * p * up * df;
-      extra += d[i] * f * up;
-    }
+    for (int i = 0; i < n; ++i) extra += act_grad<Act>(d[i], g[i], kGlu ? u[i] : 1.f, p, v[i], unused);
     return extra;
   }
 };
 
 // The GLU gradient with both halves from one tile (F a multiple of 128): tile column block kt stages da,
 // gate and up once, evaluates the activation once and makes dh's output blocks kt (gate half: da * p * up
-// * act'(gate)) and F / 128 + kt (up half: da * p * act(gate)), the same values as ActBackward's.
+// * act'(gate)) and F / 128 + kt (up half: da * p * act(gate)): act_grad's values, as ActBackward's.
 template <class Act>
 struct ActBackwardPaired {
   using Raw = __nv_bfloat16;
@@ -165,13 +171,7 @@ struct ActBackwardPaired {
     const float p = prob(probs, row);
     float extra = 0.f;
 #pragma unroll
-    for (int i = 0; i < n; ++i) {
-      float f, df;
-      Act::fdf(g[i], f, df);
-      gate_grad[i] = d[i] * p * u[i] * df;
-      up_grad[i] = d[i] * p * f;
-      extra += d[i] * f * u[i];
-    }
+    for (int i = 0; i < n; ++i) extra += act_grad<Act>(d[i], g[i], u[i], p, gate_grad[i], up_grad[i]);
     return extra;
   }
 };
@@ -204,14 +204,7 @@ __global__ void __launch_bounds__(256) act_bf16_kernel(const __nv_bfloat16* __re
         float d[n], o_up[n];
         multicast::load8(da + row * F + k, d);
 #pragma unroll
-        for (int i = 0; i < n; ++i) {
-          float f, df;
-          Act::fdf(g[i], f, df);
-          const float up = kGlu ? u[i] : 1.f;
-          o[i] = d[i] * p * up * df;
-          o_up[i] = d[i] * p * f;
-          extra += d[i] * f * up;
-        }
+        for (int i = 0; i < n; ++i) extra += act_grad<Act>(d[i], g[i], kGlu ? u[i] : 1.f, p, o[i], o_up[i]);
         multicast::store8(out + row * ld + k, o);
         if (kGlu) multicast::store8(out + row * ld + F + k, o_up);
       }

@@ -158,13 +158,7 @@ __device__ __forceinline__ float warp_sum(float a) {
   return a;
 }
 
-// Reductions within each half-warp (one row block each); every lane of the warp must call them.
-__device__ __forceinline__ float half_amax(float a) {
-#pragma unroll
-  for (int o = kLanesPerRow / 2; o > 0; o >>= 1) a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, o));
-  return a;
-}
-
+// Sum within each half-warp (one row block each); every lane of the warp must call it.
 __device__ __forceinline__ float half_sum(float a) {
 #pragma unroll
   for (int o = kLanesPerRow / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
@@ -183,13 +177,6 @@ __device__ __forceinline__ float scatter_amax4(const float (&a)[kRows], int hl) 
   return nan_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
 }
 
-// Four values -> four e4m3 bytes with one multiplier (BlockQuant::pack4 of a block whose mul_lo is 1).
-__device__ __forceinline__ uint32_t pack4(float m, float v0, float v1, float v2, float v3) {
-  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v0 * m, v1 * m), __NV_SATFINITE, __NV_E4M3);
-  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v2 * m, v3 * m), __NV_SATFINITE, __NV_E4M3);
-  return uint32_t(lo) | uint32_t(hi) << 16;
-}
-
 // Owner of 128-token block b (find_expert's answer) given the owner `from` of an earlier block: the
 // warp tests the next 32 experts at once. Every lane of the warp calls it with the same arguments.
 __device__ __forceinline__ int walk_expert(const int32_t* blk, int E, int64_t b, int from) {
@@ -200,6 +187,12 @@ __device__ __forceinline__ int walk_expert(const int32_t* blk, int E, int64_t b,
     from += __popc(later);
     if (later != 0xffffffffu) return from;
   }
+}
+
+// Bytes of one stage of the ring: the loader's staged inputs, 128 x 128 elements each.
+template <class Loader>
+constexpr int64_t stage_bytes() {
+  return int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
 }
 
 // A tile as its loads found it, kept with its stage.
@@ -250,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
     float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra, int n_stages) {
   using Raw = typename Loader::Raw;
   constexpr int kStageElems = kBlock * kBlock;  // per input
-  constexpr int64_t kStageBytes = int64_t(Loader::kInputs) * kStageElems * sizeof(Raw);
+  constexpr int64_t kStageBytes = stage_bytes<Loader>();
   constexpr int kPerCopy = 16 / sizeof(Raw);    // elements per 16-byte copy
   constexpr int kChunksPerRow = kBlock / kPerCopy;
   constexpr int kRowStep = kThreads / kChunksPerRow;
@@ -396,9 +389,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
           const int r = kRows * g + jr;
           if (r < tile.nr && lane_active) {
             uint2 packed;
-            packed.x = simple ? pack4(hi, vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3])
+            packed.x = simple ? pack4_by(hi, {vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]})
                               : BlockQuant(hi, lo).pack4({vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]});
-            packed.y = simple ? pack4(hi, vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7])
+            packed.y = simple ? pack4_by(hi, {vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]})
                               : BlockQuant(hi, lo).pack4({vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]});
             *reinterpret_cast<uint2*>(q + (tile.row0 + r) * K + k0_out + kVec * hl) = packed;
           }
@@ -441,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
       for (int c = 0; c < kVec; ++c) {
         const int cc = kVec * hl + c;
         col_tile[cc * (kBlock / 4) + (g ^ col_swizzle(cc))] =
-            simple ? pack4(hi[c], vo[0][c], vo[1][c], vo[2][c], vo[3][c])
+            simple ? pack4_by(hi[c], {vo[0][c], vo[1][c], vo[2][c], vo[3][c]})
                    : BlockQuant(hi[c], lo[c]).pack4({vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
       }
       async_copy::sync_threads(1, kThreads);
@@ -465,9 +458,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 // Stages of the ring for a launch: as many as fit next to the rest (at most kMaxStages).
 template <class Loader>
 int ring_stages(int E, bool cols) {
-  constexpr int64_t stage = int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
-  const int64_t room = kSharedBytes - Layout(E, cols, stage, 0).total;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxStages, room / stage)));
+  const int64_t room = kSharedBytes - Layout(E, cols, stage_bytes<Loader>(), 0).total;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxStages, room / stage_bytes<Loader>())));
 }
 
 // Launches the multi-cast kernel over every expert block of the output [T, K] (K = output columns).
@@ -475,9 +467,8 @@ template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
             float* sT, float* row_extra, cudaStream_t stream, const char* name) {
   if (T == 0) return;
-  constexpr int64_t stage = int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
   const int n_stages = ring_stages<Loader>(E, qT != nullptr);
-  const int smem = Layout(E, qT != nullptr, stage, n_stages).total;
+  const int smem = Layout(E, qT != nullptr, stage_bytes<Loader>(), n_stages).total;
   allow_shared_memory<kernel<Loader>>(kSharedBytes, name);  // once; a launch takes only what it needs
   // Persistent: one CTA per SM, never more than the tiles there can be.
   const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);

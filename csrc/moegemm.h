@@ -138,7 +138,7 @@ struct RaggedReduction {
   WgradOut out_kind;
 };
 
-// Which kernel runs the FP8 ragged-row GEMM: the choice of csrc/kernels/gemm/heuristics.h, CUTLASS's
+// Which kernel runs an FP8 grouped GEMM: the choice of csrc/kernels/gemm/heuristics.h, CUTLASS's
 // ptr-array kernel, or moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/) with the tiling
 // heuristics.h picks (tiling < 0) or the one at that index of its table (kRaggedRowsTilings).
 enum class GemmKernel : int { kDefault = 0, kCutlass = 1, kSm90 = 2 };
@@ -151,8 +151,12 @@ int num_ragged_rows_tilings();  // the size of that table
 size_t gemm_fp8_ragged_m_workspace_size(int E, GemmChoice choice);
 void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
                        cudaStream_t stream);
-size_t gemm_fp8_ragged_k_workspace_size(int E, WgradOut out);
-void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream);
+// The FP8 ragged reduction (wgrad) takes the same choice: CUTLASS's ptr-array kernel or moegemm's own sm90
+// kernel, with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.
+int num_ragged_reduction_tilings();
+size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice);
+void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
+                       cudaStream_t stream);
 size_t gemm_bf16_ragged_m_workspace_size(int E, bool dgrad);
 void gemm_bf16_ragged_m(const RaggedRows& p, const void* a, const void* b, bool dgrad, void* workspace,
                         cudaStream_t stream);

@@ -129,15 +129,16 @@ WgradOut wgrad_out(const Tensor& out, bool accumulate) {
 }  // namespace
 
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
-                           const Tensor& out, bool accumulate) {
+                           const Tensor& out, bool accumulate, GemmChoice choice) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_k");
   const int E = num_experts(plan);
   const int64_t N = qaT.size(0), K = qbT.size(0), cols = qaT.size(1), blocks = saT.size(0);
   into_aligned(out, [&](const Tensor& o) {
     const WgradOut kind = wgrad_out(o, accumulate);
-    Tensor ws = workspace(gemm_fp8_ragged_k_workspace_size(E, kind), qaT);
-    gemm_fp8_ragged_k({plan_ptr(plan), E, N, K, /*T=*/0, cols, blocks, o.data_ptr(), kind}, {cbytes(qaT), saT.data_ptr<float>()},
-                      {cbytes(qbT), sbT.data_ptr<float>()}, ws.data_ptr(), current_stream(qaT));
+    const RaggedReduction p{plan_ptr(plan), E, N, K, /*T=*/0, cols, blocks, o.data_ptr(), kind};
+    Tensor ws = workspace(gemm_fp8_ragged_k_workspace_size(p, choice), qaT);
+    gemm_fp8_ragged_k(p, {cbytes(qaT), saT.data_ptr<float>()}, {cbytes(qbT), sbT.data_ptr<float>()}, choice, ws.data_ptr(),
+                      current_stream(qaT));
   });
 }
 

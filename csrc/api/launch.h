@@ -36,9 +36,10 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
 // kernel and tiling heuristics.h picks unless `choice` names them.
 Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              GemmChoice choice = {});
-// out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x).
+// out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the
+// kernel and tiling heuristics.h picks unless `choice` names them.
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
-                           const Tensor& out, bool accumulate);
+                           const Tensor& out, bool accumulate, GemmChoice choice = {});
 // bf16 recipe: fprop y [T, N] = a [T, K] w[e]ᵀ, or dgrad (dgrad = true) dx [T, K] = a [T, N] w[e].
 Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad);
 // bf16 recipe: out [E, N, K] (fp32 = or +=, bf16 =) dy_eᵀ x_e.

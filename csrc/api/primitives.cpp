@@ -30,8 +30,19 @@ void check_wgrad_shape(const Tensor& out, int E, int64_t N, int64_t K) {
               num(K), "], got ", shape(out));
 }
 
+// kernel and tiling of a raw GEMM op, checked against the sm90 kernel's table of `tilings` tilings.
+GemmChoice gemm_choice(int64_t kernel, int64_t tiling, int tilings) {
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "moegemm: kernel must be 0 (default), 1 (CUTLASS) or 2 (sm90), got ", num(kernel));
+  TORCH_CHECK(tiling == -1 || kernel == static_cast<int64_t>(GemmKernel::kSm90),
+              "moegemm: tiling selects one of the sm90 kernel's tilings: pass it with kernel=2, got kernel=", num(kernel));
+  TORCH_CHECK(tiling >= -1 && tiling < tilings, "moegemm: tiling must be -1 (the heuristic's) or an index of the sm90 tilings [0, ",
+              num(tilings), "), got ", num(tiling));
+  return {static_cast<GemmKernel>(kernel), static_cast<int>(tiling)};
+}
+
 void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Tensor& qbT_in, const Tensor& sbT_in,
-                            const Tensor& plan, const Tensor& out, bool accumulate) {
+                            const Tensor& plan, const Tensor& out, bool accumulate, int64_t kernel, int64_t tiling) {
+  const GemmChoice choice = gemm_choice(kernel, tiling, num_ragged_reduction_tilings());
   const Tensor qaT = input(qaT_in, "qaT", at::kFloat8_e4m3fn, 2, qaT_in);
   const Tensor qbT = input(qbT_in, "qbT", at::kFloat8_e4m3fn, 2, qaT);
   const Tensor saT = input(saT_in, "saT", at::kFloat, 2, qaT);
@@ -47,7 +58,7 @@ void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Te
   check_multiple_of_16(K, "qbT.shape[0] (K)");
   check_wgrad_shape(out, E, N, K);
   c10::DeviceGuard guard(qaT.device());
-  run_gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out, accumulate);
+  run_gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out, accumulate, choice);
 }
 
 // bf16 recipe: a [T, A] with w [E, N, K]; fprop has A = K, dgrad has A = N.
@@ -171,12 +182,7 @@ Quad quantize_weight_op(const Tensor& w_in) {
 
 Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
                             const Tensor& plan, int64_t kernel, int64_t tiling) {
-  TORCH_CHECK(kernel >= 0 && kernel <= 2, "moegemm: kernel must be 0 (default), 1 (CUTLASS) or 2 (sm90), got ", num(kernel));
-  TORCH_CHECK(tiling == -1 || kernel == static_cast<int64_t>(GemmKernel::kSm90),
-              "moegemm: tiling selects one of the sm90 kernel's tilings: pass it with kernel=2, got kernel=", num(kernel));
-  TORCH_CHECK(tiling >= -1 && tiling < num_ragged_rows_tilings(),
-              "moegemm: tiling must be -1 (the heuristic's) or an index of the sm90 tilings [0, ", num(num_ragged_rows_tilings()),
-              "), got ", num(tiling));
+  const GemmChoice choice = gemm_choice(kernel, tiling, num_ragged_rows_tilings());
   const Tensor qa = input(qa_in, "qa", at::kFloat8_e4m3fn, 2, qa_in);
   const Tensor qb = input(qb_in, "qb", at::kFloat8_e4m3fn, 3, qa);
   const Tensor sa = input(sa_in, "sa", at::kFloat, 2, qa);
@@ -191,19 +197,19 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tens
   TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ",
               shape(sb));
   c10::DeviceGuard guard(qa.device());
-  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan, {static_cast<GemmKernel>(kernel), static_cast<int>(tiling)});
+  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan, choice);
 }
 
 Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
-                            at::ScalarType out_dtype) {
+                            at::ScalarType out_dtype, int64_t kernel, int64_t tiling) {
   Tensor out = new_wgrad_for(plan, qaT.size(0), qbT.size(0), out_dtype, qaT);
-  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, false);
+  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, false, kernel, tiling);
   return out;
 }
 
 void gemm_fp8_ragged_k_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
-                                     const Tensor& plan, const Tensor& out) {
-  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, true);
+                                     const Tensor& plan, const Tensor& out, int64_t kernel, int64_t tiling) {
+  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, true, kernel, tiling);
 }
 
 Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_m(x, w, plan, false); }

@@ -25,13 +25,14 @@ Tensor act_bf16_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t 
 std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da, const Tensor& h, const std::optional<Tensor>& probs,
                                                 int64_t activation);
 // kernel: 0 the default (csrc/kernels/gemm/heuristics.h), 1 CUTLASS's ptr-array kernel, 2 moegemm's own sm90
-// kernel; tiling (sm90): -1 the heuristic's, else an index of heuristics.h's kRaggedRowsTilings.
+// kernel; tiling (sm90): -1 the heuristic's, else an index of heuristics.h's kRaggedRowsTilings (ragged_m) or
+// kRaggedReductionTilings (ragged_k).
 Tensor gemm_fp8_ragged_m_op(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                             int64_t kernel, int64_t tiling);
 Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
-                            at::ScalarType out_dtype);
+                            at::ScalarType out_dtype, int64_t kernel, int64_t tiling);
 void gemm_fp8_ragged_k_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
-                                     const Tensor& plan, const Tensor& out);
+                                     const Tensor& plan, const Tensor& out, int64_t kernel, int64_t tiling);
 Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan);
 Tensor gemm_bf16_dgrad_op(const Tensor& dy, const Tensor& w, const Tensor& plan);
 Tensor gemm_bf16_wgrad_op(const Tensor& dy, const Tensor& x, const Tensor& plan, at::ScalarType out_dtype);

@@ -65,11 +65,11 @@ def _gemm_fp8_ragged_m(qa, sa, qb, sb, plan, kernel=0, tiling=-1):
     return qa.new_empty((qa.shape[0], qb.shape[1]), dtype=torch.bfloat16)
 
 
-def _gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out_dtype):
+def _gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out_dtype, kernel=0, tiling=-1):
     return qaT.new_empty((plan.shape[1] - 1, qaT.shape[0], qbT.shape[0]), dtype=out_dtype)
 
 
-def _gemm_fp8_ragged_k_accumulate(qaT, saT, qbT, sbT, plan, out):
+def _gemm_fp8_ragged_k_accumulate(qaT, saT, qbT, sbT, plan, out, kernel=0, tiling=-1):
     return None
 
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402  (after the machine check)
 import moegemm  # noqa: E402
 from moegemm import reference as ref  # noqa: E402
 from moegemm.backends import cuda as cuda_ops  # noqa: E402
-from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_ROWS_TILINGS  # noqa: E402
+from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS, SM90_RAGGED_ROWS_TILINGS  # noqa: E402
 
 torch.manual_seed(0)
 splits = [0, 17, 130, 1, 64]
@@ -73,3 +73,17 @@ for kernel, tiling in [(GEMM_CUTLASS, -1)] + [(GEMM_SM90, i) for i in range(SM90
     assert ((y.double() - expect).norm() / expect.norm()).item() < 2e-3, (kernel, tiling)
 torch.cuda.synchronize()
 print("every_kernel: the FP8 ragged-row GEMM on every kernel and tiling agrees with the reference")
+
+# The FP8 ragged reduction (wgrad) on each of its kernels, every sm90 tiling and every output kind.
+_, _, qdyT, sdyT = cuda_ops.quantize_act(torch.randn(T, N, device="cuda", dtype=torch.bfloat16), plan, rows=False)
+_, _, qxT, sxT = cuda_ops.quantize_act(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), plan, rows=False)
+expect = ref.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, ref.make_plan(m, T), out_dtype=torch.float64)
+for kernel, tiling in [(GEMM_CUTLASS, -1)] + [(GEMM_SM90, i) for i in range(SM90_RAGGED_REDUCTION_TILINGS)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        dw = torch.ops.moegemm.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, dtype, kernel, tiling)
+        assert ((dw.double() - expect).norm() / expect.norm()).item() < 4e-3, (kernel, tiling, dtype)
+    acc = torch.ones(E, N, K, device="cuda")
+    torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qdyT, sdyT, qxT, sxT, plan, acc, kernel, tiling)
+    assert ((acc.double() - 1 - expect).norm() / expect.norm()).item() < 2e-3, (kernel, tiling, "accumulate")
+torch.cuda.synchronize()
+print("every_kernel: the FP8 ragged reduction on every kernel, tiling and output agrees with the reference")

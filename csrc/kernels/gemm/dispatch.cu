@@ -23,13 +23,24 @@ void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoi
   gemm::sm90_fp8_ragged_rows(p, a, b, tiling, stream);
 }
 
-size_t gemm_fp8_ragged_k_workspace_size(int E, WgradOut out) {
-  return out == WgradOut::kBF16 ? gemm::cutlass_fp8_ragged_k_bf16_workspace_size(E) : gemm::cutlass_fp8_ragged_k_f32_workspace_size(E);
+int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }
+
+size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice) {
+  if (gemm::fp8_ragged_reduction_kernel(choice.kernel, p) != GemmKernel::kCutlass) return 0;
+  return p.out_kind == WgradOut::kBF16 ? gemm::cutlass_fp8_ragged_k_bf16_workspace_size(p.E)
+                                       : gemm::cutlass_fp8_ragged_k_f32_workspace_size(p.E);
 }
 
-void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream) {
-  if (p.out_kind == WgradOut::kBF16) return gemm::cutlass_fp8_ragged_k_bf16(p, a, b, workspace, stream);
-  gemm::cutlass_fp8_ragged_k_f32(p, a, b, workspace, stream);
+void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
+                       cudaStream_t stream) {
+  if (gemm::fp8_ragged_reduction_kernel(choice.kernel, p) == GemmKernel::kCutlass) {
+    if (p.out_kind == WgradOut::kBF16) return gemm::cutlass_fp8_ragged_k_bf16(p, a, b, workspace, stream);
+    return gemm::cutlass_fp8_ragged_k_f32(p, a, b, workspace, stream);
+  }
+  if (choice.tiling >= gemm::kNumRaggedReductionTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: no such tiling");
+  const gemm::RaggedReductionTiling tiling = choice.tiling >= 0 ? gemm::kRaggedReductionTilings[choice.tiling]
+                                                                : gemm::ragged_reduction_tiling(p, sm_count());
+  gemm::sm90_fp8_ragged_reduction(p, a, b, tiling, stream);
 }
 
 size_t gemm_bf16_ragged_m_workspace_size(int E, bool dgrad) {

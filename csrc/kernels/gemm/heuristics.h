@@ -2,6 +2,7 @@
 // the device's SM count; m_splits stay on the device, so the row blocks are estimated).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -47,6 +48,50 @@ inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms)
     if (best_time == 0.0 || time < best_time) best = c.tiling, best_time = time;  // ties: the earlier candidate
   }
   return kRaggedRowsTilings[best];
+}
+
+// moegemm's own ragged-reduction kernel (sm90/fp8_ragged_reduction.cuh, the FP8 wgrad): BLOCK_M = 128
+// gradient rows, BLOCK_N = 128 or 256 columns. The table of tilings it is built with; a raw op may ask for
+// one by its index.
+struct RaggedReductionTiling {
+  int block_n;
+};
+constexpr RaggedReductionTiling kRaggedReductionTilings[] = {{128}, {256}};
+constexpr int kNumRaggedReductionTilings = sizeof(kRaggedReductionTilings) / sizeof(kRaggedReductionTilings[0]);
+
+// The tokens a ragged reduction covers, from the width of its column copies (col_capacity: T + 15 E
+// rounded up to 16; the counts themselves stay on the device).
+inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int64_t>(0, p.cols - (kColAlign - 1) * int64_t(p.E)); }
+
+// Tokens per expert from which moegemm's own kernel is the default wgrad: in the wgrad table
+// (bench/gemm/ragged_reduction.py, bench/results/ragged_reduction_h200.md) it is faster than CUTLASS's
+// kernel in both output modes on every problem with ~2000 or more tokens per expert (DeepGEMM's shapes of
+// 2048 to 8192, Mixtral-8x7B), slower below (~1024 on DeepSeek-V3-EP8 with Zipf splits, 192-384).
+constexpr int64_t kSm90WgradTokensPerExpert = 1536;
+
+// The tiling of moegemm's kernel: 256 columns and four epilogue buffers, except that an fp32
+// accumulation over short reductions, where moving the gradient is the bound, takes 128 columns, whose
+// whole output fits in the buffers (read before the main loop, added in registers); and 128 columns
+// when 256-wide tiles would leave SMs idle.
+inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
+  const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
+  const bool short_accumulation =
+      p.out_kind == WgradOut::kF32Accumulate && reduction_tokens(p) < kSm90WgradTokensPerExpert * p.E;
+  return kRaggedReductionTilings[p.K > 128 && wide_tiles >= sms && !short_accumulation ? 1 : 0];
+}
+
+// The FP8 ragged-reduction kernel: the caller's choice, else MOEGEMM_FP8_WGRAD (sm90 | cutlass, read once),
+// else moegemm's own kernel from kSm90WgradTokensPerExpert tokens per expert and CUTLASS's below.
+inline GemmKernel fp8_ragged_reduction_kernel(GemmKernel requested, const RaggedReduction& p) {
+  if (requested != GemmKernel::kDefault) return requested;
+  static const GemmKernel from_env = [] {
+    const char* v = std::getenv("MOEGEMM_FP8_WGRAD");
+    if (v != nullptr && std::strcmp(v, "sm90") == 0) return GemmKernel::kSm90;
+    if (v != nullptr && std::strcmp(v, "cutlass") == 0) return GemmKernel::kCutlass;
+    return GemmKernel::kDefault;
+  }();
+  if (from_env != GemmKernel::kDefault) return from_env;
+  return reduction_tokens(p) >= kSm90WgradTokensPerExpert * p.E ? GemmKernel::kSm90 : GemmKernel::kCutlass;
 }
 
 // The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (sm90 | cutlass, read once), else

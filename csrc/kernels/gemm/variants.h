@@ -26,5 +26,8 @@ void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const v
 struct RaggedRowsTiling;  // heuristics.h
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, const RaggedRowsTiling& tiling,
                           cudaStream_t stream);
+struct RaggedReductionTiling;  // heuristics.h
+void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
+                               cudaStream_t stream);
 
 }  // namespace moegemm::gemm

@@ -45,14 +45,13 @@
 #include "cute/arch/cluster_sm90.hpp"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
-#include "cute/arch/mma_sm90_desc.hpp"
-#include "cute/arch/mma_sm90_gmma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 
 #include "moegemm.h"
 #include "kernels/common/device.h"
 #include "kernels/gemm/sm90/scheduler.cuh"
+#include "kernels/gemm/sm90/wgmma.cuh"
 
 namespace moegemm::sm90 {
 
@@ -118,29 +117,6 @@ struct Fp8RaggedRowsParams {
 
 namespace detail {
 
-// A wgmma operand descriptor of a K-major tile of 128-byte rows in 128B-swizzled shared memory (8-row
-// atoms 1024 bytes apart), starting at `smem`. Its low bits hold the address / 16, so adding bytes / 16
-// to it moves the tile (another stage) or advances K within the swizzle row (32 e4m3 = 2).
-__device__ __forceinline__ uint64_t sw128_descriptor(const void* smem) {
-  cute::GmmaDescriptor d;
-  d.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
-  d.bitfield.leading_byte_offset_ = 1;  // unused by swizzled K-major layouts
-  d.bitfield.stride_byte_offset_ = 1024 >> 4;
-  d.bitfield.base_offset_ = 0;
-  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return d.desc_;
-}
-
-template <int kN> struct WgmmaOp;
-template <> struct WgmmaOp<128> { using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>; };
-template <> struct WgmmaOp<192> { using type = cute::SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>; };
-
-// One 64 x kN x 32 wgmma, d (kN / 2 fp32 per thread) = a · bᵀ (+ d when accumulate).
-template <int kN, int... I>
-__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float* d, bool accumulate, std::integer_sequence<int, I...>) {
-  WgmmaOp<kN>::type::fma(a, b, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
 // out += scale · acc over a part's accumulator: a thread's values i of 8-column chunk i / 4, row + 8 when
 // i & 2; chunks below kLoChunks take the first weight-scale block's product (lo0 / lo1 for the two rows),
 // the others the second's.
@@ -151,19 +127,6 @@ __device__ __forceinline__ void promote(float* out, const float* acc, float lo0,
     const float s = i / 4 < kLoChunks ? ((i & 2) ? lo1 : lo0) : ((i & 2) ? hi1 : hi0);
     out[i] = fmaf(s, acc[i], out[i]);
   }
-}
-
-// Two fp32 values as a bf16 pair (round to nearest even), the lower column first.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// Byte offset of (row, col) in a warpgroup's epilogue tile: 64-column slabs of 64 rows x 128 bytes, each
-// with the 128B swizzle (16-byte unit u of row r stored at unit u ^ (r % 8)), as the TMA store reads it.
-__device__ __forceinline__ int epilogue_offset(int row, int col) {
-  const int slab = col / 64, c = col % 64, unit = c / 8;
-  return slab * (64 * 128) + row * 128 + ((unit ^ (row % 8)) * 16) + (c % 8) * 2;
 }
 
 }  // namespace detail
@@ -333,8 +296,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     uint8_t* smem_d_wg = smem_d + warpgroup * (Cfg::kWarpgroupRows * Cfg::kPartN * 2);
     // The wgmma descriptors change only in their low 32 bits (the start address) across stages and K
     // steps: 32-bit arithmetic on warp-uniform values, which the compiler keeps in uniform registers.
-    const uint64_t a_desc0 = detail::sw128_descriptor(smem_a + warpgroup * Cfg::kWarpgroupRows * kBlock);
-    const uint64_t b_desc0 = detail::sw128_descriptor(smem_b);
+    const uint64_t a_desc0 = sw128_descriptor(smem_a + warpgroup * Cfg::kWarpgroupRows * kBlock);
+    const uint64_t b_desc0 = sw128_descriptor(smem_b);
     const uint32_t a_lo0 = __shfl_sync(0xffffffff, static_cast<uint32_t>(a_desc0), 0);
     const uint32_t b_lo0 = __shfl_sync(0xffffffff, static_cast<uint32_t>(b_desc0), 0);
     const uint64_t a_hi = a_desc0 & 0xffffffff00000000ull, b_hi = b_desc0 & 0xffffffff00000000ull;
@@ -385,7 +348,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
             cute::warpgroup_arrive();
 #pragma unroll
             for (int k = 0; k < kBlock / 32; ++k)
-              detail::wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc,
+              wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc,
                                          k > 0, std::make_integer_sequence<int, Cfg::kAccum>{});
             cute::warpgroup_commit_batch();
             cute::warpgroup_wait<0>();
@@ -426,8 +389,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           for (int j = 0; j < Cfg::kPartN / 8; ++j)
 #pragma unroll
             for (int v = 0; v < 2; ++v)
-              *reinterpret_cast<uint32_t*>(smem_d_wg + detail::epilogue_offset(r + 8 * v, j * 8 + (lane % 4) * 2)) =
-                  detail::pack_bf16x2(out[h][j * 4 + v * 2], out[h][j * 4 + v * 2 + 1]);
+              *reinterpret_cast<uint32_t*>(smem_d_wg + epilogue_offset(r + 8 * v, j * 8 + (lane % 4) * 2)) =
+                  pack_bf16x2(out[h][j * 4 + v * 2], out[h][j * 4 + v * 2 + 1]);
           cutlass::arch::fence_view_async_shared();
         }
         cutlass::arch::NamedBarrier::sync(128, warpgroup);
@@ -445,7 +408,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
             const int r = u / kUnits, col = (u % kUnits) * 8;
             if (col0 + col < N)
               *reinterpret_cast<uint4*>(p.out + int64_t(wg_row0 + r) * N + col0 + col) =
-                  *reinterpret_cast<const uint4*>(smem_d_wg + detail::epilogue_offset(r, col));
+                  *reinterpret_cast<const uint4*>(smem_d_wg + epilogue_offset(r, col));
           }
         }
       }

@@ -1,5 +1,7 @@
-// The tile order of moegemm's persistent ragged-row GEMMs, read from the plan (csrc/kernels/plan/plan.cuh).
+// The tile orders of moegemm's persistent GEMMs: ragged rows (fprop, dgrad), read from the plan
+// (csrc/kernels/plan/plan.cuh), and ragged reduction (wgrad).
 //
+// Ragged rows:
 // Expert e owns the 128-row blocks [blk[e], blk[e+1]) of the plan's third row; each M tile starts at a
 // block of its expert (row tok[e] + 128 i), so no tile mixes experts' weights and nothing is padded:
 // the rows of an expert's last tile that belong to the next expert are computed and not stored. Each
@@ -62,5 +64,30 @@ __device__ __forceinline__ Shared shared_operand(const RowTile& t, const RowTile
   if (t.n_block == u.n_block) return Shared::kB;
   return t.row0 == u.row0 ? Shared::kA : Shared::kNone;
 }
+
+// Ragged reduction: every expert owns the same m_blocks x n_blocks output tiles of its gradient [N, K]
+// (ids expert by expert, row-major within an expert: the CTAs working at one time share a few A row tiles
+// and stream the expert's B); the tokens of the expert are the tile's reduction, so its length is the
+// expert's (none for an empty expert). The grid walks the ids statically, CTA c taking c, c + grid, ...
+struct ReductionTile {
+  int expert;
+  int m_block;
+  int n_block;
+};
+
+// Tile ids are 32-bit: the launcher refuses problems of 2^31 tiles or more.
+struct RaggedReductionTiles {
+  int E;
+  int m_blocks;
+  int n_blocks;
+
+  __device__ __forceinline__ int count() const { return E * m_blocks * n_blocks; }
+
+  __device__ __forceinline__ ReductionTile at(int id) const {
+    const int per_expert = m_blocks * n_blocks;
+    const int e = id / per_expert, local = id - e * per_expert;
+    return {e, local / n_blocks, local % n_blocks};
+  }
+};
 
 }  // namespace moegemm::sm90

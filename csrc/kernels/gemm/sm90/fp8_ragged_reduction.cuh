@@ -1,0 +1,434 @@
+// moegemm's own FP8 grouped GEMM with a ragged reduction (the weight gradient) for sm90a:
+//   out[e] ([N, K]) (+)= Σ_i Σ_{t in block i of e} saT[blk_e + i, n] · sbT[blk_e + i, k] · qaT[n, col_e + t] · qbT[k, col_e + t]
+// on quantize_act's per-expert column copies: qaT [N, cols] (dy) and qbT [K, cols] (x) e4m3, expert e's
+// m_e tokens at columns [col_e, col_e + m_e), with 128x1 scales along the tokens, saT [blocks, N] and
+// sbT [blocks, K], expert e's 128-token blocks from row blk_e (the plan's rows, csrc/moegemm.h).
+//
+// The design (one CTA per SM, warp-specialized, as the ragged-row kernel fp8_ragged_rows.cuh):
+// - One TMA descriptor per operand over the whole column copy, none per expert: a tile's K loop reads
+//   128-token boxes from column col_e. An expert's last box reaches past its tokens (into its padding and
+//   the next expert's tokens, whose bytes the layout leaves unspecified): the math warpgroups set those
+//   bytes of both operands to zero in shared memory before the box's wgmmas, so nothing is padded in
+//   global memory and no size goes to the host.
+// - Every expert owns the same output tiles (scheduler.cuh, RaggedReductionTiles), walked statically by
+//   the persistent grid; a tile's reduction is its expert's tokens. An empty expert's tiles read nothing:
+//   they store zeros (written outputs) or are skipped (accumulated outputs keep their values).
+// - A producer warpgroup: one thread issues the TMA copies of A (128 gradient rows) and B (BLOCK_N
+//   columns) per 128-token block into a ring of stages; one warp loads the stage's scales (saT of the
+//   tile's rows, sbT of its columns, 16-byte loads) into shared memory beside them.
+// - Two math warpgroups of 64 rows each: per block, a wgmma chain per 128-column part into a temporary
+//   accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary across the tile:
+//   1x128 blocks along the tokens on both operands), the column scales read from shared memory per
+//   8-column chunk; the stage is released after its last part's promotion.
+// - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns)
+//   through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
+//   written or added into the output (Megatron's main_grad): when all of the warpgroup's columns fit in
+//   its buffers, its current values are loaded into them by TMA as the tile starts and added in registers,
+//   else TMA's reduce-add adds in L2. bf16 is written. A 3-D tensor map over [E, N, K] clips rows past N
+//   and columns past K. The last stores overlap the next tile's main loop.
+// - A plan that does not fit the column copy (plan_fits) is taken as the plan of no tokens.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "cute/arch/copy_sm90_desc.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+
+#include "moegemm.h"
+#include "kernels/plan/plan.cuh"
+#include "kernels/gemm/sm90/scheduler.cuh"
+#include "kernels/gemm/sm90/wgmma.cuh"
+
+namespace moegemm::sm90 {
+
+// One kernel configuration: BLOCK_M = 128 rows of the gradient (two warpgroups of 64), BLOCK_K = 128
+// tokens (one scale block per stage), BLOCK_N = 128 or 256 columns in parts of 128, each one wgmma chain
+// (64 x 128 x 32) into the temporary accumulator; the output kind (WgradOut) fixed per instantiation.
+template <int kBlockN_, WgradOut kOut_>
+struct Fp8RaggedReductionConfig {
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr WgradOut kOut = kOut_;
+  // (BLOCK_N = 192 in one part measured slower than 256 on every problem of the wgrad table; its column
+  // scales would not fit in the registers beside two 96-value accumulators.)
+  static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N of 128 or 256 columns");
+  static constexpr int kBlockM = kBlock, kBlockK = kBlock;
+  static constexpr int kPartN = 128;  // the scale warp loads 128 column scales per part
+  static constexpr int kParts = kBlockN / kPartN;
+  static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x 128 wgmma
+  // One part: its column scales go to registers before the wgmmas and the stage is released at their end;
+  // two (their accumulators fill the registers): the scales are read from shared memory in the promotion
+  // and the stage is released after it.
+  static constexpr bool kColsInRegisters = kParts == 1;
+  static constexpr int kMathWarpgroups = 2;  // 64 rows each
+  static constexpr int kWarpgroupRows = kBlockM / kMathWarpgroups;
+  static constexpr int kThreads = 128 * (kMathWarpgroups + 1);
+  // setmaxnreg moves registers between the warpgroups within the launch's allocation (fp8_ragged_rows.cuh)
+  static constexpr int kProducerRegisters = 56, kMathRegisters = 224;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kMathWarpgroups * kMathRegisters + kProducerRegisters <= (kMathWarpgroups + 1) * kLaunchRegisters,
+                "setmaxnreg moves registers within the launch's allocation");
+
+  // epilogue: slabs of a warpgroup's 64 rows x one 128-byte swizzle span
+  static constexpr int kOutBytes = kOut == WgradOut::kBF16 ? 2 : 4;
+  static constexpr int kSlabCols = 128 / kOutBytes;
+  static constexpr int kSlabBytes = kWarpgroupRows * 128;
+  // buffers per warpgroup: 4 measured faster than 2 wherever the output is the bound (the wgrad table)
+  static constexpr int kSlabBuffers = 4;
+  // fp32 accumulation with all of a warpgroup's output columns in its buffers: the gradient's current
+  // values are loaded into them by TMA when the tile starts (behind its main loop), added in registers and
+  // stored with a plain TMA store (faster than the reduce-add, which adds in L2); else the reduce-add.
+  static constexpr bool kLoadC = kOut == WgradOut::kF32Accumulate && kSlabBuffers * kSlabCols >= kBlockN;
+
+  // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
+  static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
+  static constexpr int kBytesB = kBlockN * kBlockK;
+  static constexpr int kBytesD = kMathWarpgroups * kSlabBuffers * kSlabBytes;
+  static constexpr int kBytesStage = kBytesA + kBytesB + (kBlockM + kBlockN) * 4 + 2 * 8;
+  static constexpr int kStages = (232448 - kBytesD) / kBytesStage;
+  static constexpr int kOffsetA = kBytesD;
+  static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
+  static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;      // fp32 [kStages][kBlockM]
+  static constexpr int kOffsetScalesB = kOffsetScalesA + kStages * kBlockM * 4;  // fp32 [kStages][kBlockN]
+  static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kBlockN * 4;
+  static constexpr int kSmemBytes = kOffsetBarriers + (2 * kStages + kMathWarpgroups) * 8;
+  static_assert(kStages >= 3, "a pipeline of at least three stages");
+  static_assert(kSmemBytes <= 232448, "shared memory per block on sm90");
+};
+
+struct Fp8RaggedReductionParams {
+  CUtensorMap a;  // qaT [N, cols], box 128 x 128, 128B swizzle
+  CUtensorMap b;  // qbT [K, cols], box kBlockN x 128
+  CUtensorMap d;  // out [E, N, K] (fp32 or bf16), box 64 x kSlabCols of one expert
+  const float* sa;  // saT [blocks, N]
+  const float* sb;  // sbT [blocks, K]
+  const int32_t* plan;
+  int E, N, K;
+  int64_t cols, blocks;
+};
+
+namespace detail {
+
+// Sets bytes [keep, 128) of every row of a 128B-swizzled tile of `rows` 128-byte rows to zero: the tokens
+// of a 128-token box past its expert's. Thread `t` of `threads` takes every threads-th 16-byte unit.
+__device__ __forceinline__ void zero_past(uint8_t* tile, int rows, int keep, int t, int threads) {
+  for (int i = t; i < rows * 8; i += threads) {
+    const int row = i / 8, col = (i % 8) * 16;
+    if (col + 16 <= keep) continue;
+    uint4* unit = reinterpret_cast<uint4*>(tile + sw128_offset(row, col));
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (col < keep) {  // the unit that holds the expert's last tokens: keep its first keep - col bytes
+      v = *unit;
+      uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int bytes = keep - col - 4 * j;  // of word j that stay
+        w[j] = bytes >= 4 ? w[j] : bytes <= 0 ? 0u : w[j] & ((1u << (8 * bytes)) - 1u);
+      }
+    }
+    *unit = v;
+  }
+}
+
+// out += acc · a_row · b_col over a part's accumulator: rows r (values with i & 2 clear: a0) and r + 8
+// (a1); the 8-column chunk j = i / 4's two columns of this thread at b[kStride j] (fp32 pairs: registers,
+// or shared memory with b offset by the lane).
+template <int kAccum, int kStride>
+__device__ __forceinline__ void promote_rows_cols(float* out, const float* acc, float a0, float a1, const float2* b) {
+#pragma unroll
+  for (int j = 0; j < kAccum / 4; ++j) {
+    const float2 c = b[kStride * j];
+    out[4 * j + 0] = fmaf(acc[4 * j + 0], a0 * c.x, out[4 * j + 0]);
+    out[4 * j + 1] = fmaf(acc[4 * j + 1], a0 * c.y, out[4 * j + 1]);
+    out[4 * j + 2] = fmaf(acc[4 * j + 2], a1 * c.x, out[4 * j + 2]);
+    out[4 * j + 3] = fmaf(acc[4 * j + 3], a1 * c.y, out[4 * j + 3]);
+  }
+}
+
+}  // namespace detail
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(const __grid_constant__ Fp8RaggedReductionParams p) {
+#if defined(__CUDA_ARCH__) && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kStages = Cfg::kStages;
+  constexpr bool kAccumulate = Cfg::kOut == WgradOut::kF32Accumulate;
+
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (cute::cast_smem_ptr_to_uint(smem) % 1024 != 0) __trap();  // the swizzled layouts need it
+  uint8_t* smem_d = smem;
+  uint8_t* smem_a = smem + Cfg::kOffsetA;
+  uint8_t* smem_b = smem + Cfg::kOffsetB;
+  float* smem_sa = reinterpret_cast<float*>(smem + Cfg::kOffsetScalesA);
+  float* smem_sb = reinterpret_cast<float*>(smem + Cfg::kOffsetScalesB);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetBarriers);
+  uint64_t* empty = full + kStages;
+  uint64_t* c_full = empty + kStages;  // per math warpgroup: its tile's gradient values loaded (kLoadC)
+
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
+
+  // A plan that does not fit the column copy counts as the plan of no tokens.
+  const bool fits = plan_fits(p.plan, p.E, PlanLimits{kNoLimit, p.cols, p.blocks});
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 1 + 32);                        // the TMA thread (+ bytes), each scale lane
+      Barrier::init(&empty[s], Cfg::kMathWarpgroups * 4);     // each math warp
+    }
+    for (int w = 0; w < Cfg::kMathWarpgroups; ++w) Barrier::init(&c_full[w], 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  if (threadIdx.x == Cfg::kMathWarpgroups * 128) {
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.a));
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.b));
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.d));
+  }
+  __syncthreads();
+
+  // The problem and the tile walk, set up by each role after its register reconfiguration.
+  int N, K, num_tiles;
+  const int32_t *tok, *col, *blk;
+  RaggedReductionTiles tiles;
+  auto set_up = [&] {
+    N = p.N, K = p.K;
+    tok = p.plan, col = p.plan + (p.E + 1), blk = p.plan + 2 * (p.E + 1);
+    tiles = {p.E, (N + Cfg::kBlockM - 1) / Cfg::kBlockM, (K + Cfg::kBlockN - 1) / Cfg::kBlockN};
+    num_tiles = tiles.count();
+  };
+  // A role's walk over its tiles: the tile after the current one, with its expert's tokens and its column
+  // (or scale-block) start, loaded while the current tile runs (dependent global loads, hidden behind it).
+  struct Walk {
+    ReductionTile t;
+    int m, start;
+  };
+  auto walk = [&](int id, const int32_t* starts) {
+    Walk w{};
+    if (id < num_tiles) {
+      w.t = tiles.at(id);
+      w.m = fits ? tok[w.t.expert + 1] - tok[w.t.expert] : 0;
+      w.start = starts[w.t.expert];
+    }
+    return w;
+  };
+
+  if (warpgroup == Cfg::kMathWarpgroups) {
+    // ---- producer: one thread issues every TMA copy, one warp loads the scales
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
+    set_up();
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) {
+      constexpr uint64_t kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+      int stage = 0;
+      uint32_t phase = 0;
+      Walk next = walk(blockIdx.x, col);
+      for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+        const Walk cur = next;
+        next = walk(id + gridDim.x, col);
+        const ReductionTile t = cur.t;
+        const int m = cur.m, c0 = cur.start;
+        if (m == 0) continue;
+        const int m0 = t.m_block * Cfg::kBlockM, n0 = t.n_block * Cfg::kBlockN;
+        for (int k0 = 0; k0 < m; k0 += kBlock) {
+          Barrier::wait(&empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB);
+          cute::SM90_TMA_LOAD_2D::copy(&p.a, &full[stage], kHint, smem_a + stage * Cfg::kBytesA, c0 + k0, m0);
+          cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, smem_b + stage * Cfg::kBytesB, c0 + k0, n0);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+      }
+    } else if (warp == 1) {
+      int stage = 0;
+      uint32_t phase = 0;
+      Walk next = walk(blockIdx.x, blk);
+      for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+        const Walk cur = next;
+        next = walk(id + gridDim.x, blk);
+        const ReductionTile t = cur.t;
+        const int m = __shfl_sync(0xffffffff, cur.m, 0);  // warp-uniform to the compiler
+        if (m == 0) continue;
+        // this lane's 4 rows and 4 x kParts columns of the tile, those inside N and K (both multiples of 16)
+        const int m0 = t.m_block * Cfg::kBlockM + 4 * lane, n0 = t.n_block * Cfg::kBlockN + 4 * lane;
+        const float* sa = p.sa + int64_t(cur.start) * N + m0;
+        const float* sb = p.sb + int64_t(cur.start) * K + n0;
+        for (int k0 = 0; k0 < m; k0 += kBlock) {
+          // loaded before the wait, so that their latency overlaps it
+          const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 a = m0 < N ? __ldg(reinterpret_cast<const float4*>(sa)) : zero;
+          float4 b[Cfg::kParts];
+#pragma unroll
+          for (int h = 0; h < Cfg::kParts; ++h)
+            b[h] = n0 + h * Cfg::kPartN < K ? __ldg(reinterpret_cast<const float4*>(sb + h * Cfg::kPartN)) : zero;
+          Barrier::wait(&empty[stage], phase ^ 1);
+          reinterpret_cast<float4*>(smem_sa + stage * Cfg::kBlockM)[lane] = a;
+#pragma unroll
+          for (int h = 0; h < Cfg::kParts; ++h)
+            reinterpret_cast<float4*>(smem_sb + stage * Cfg::kBlockN + h * Cfg::kPartN)[lane] = b[h];
+          Barrier::arrive(&full[stage]);  // each lane releases its own stores
+          if (++stage == kStages) stage = 0, phase ^= 1;
+          sa += N, sb += K;
+        }
+      }
+    }
+  } else {
+    // ---- math warpgroups
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
+    set_up();
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+
+    // The warp's reads of a stage are done: release it (the warp barrier orders every lane's reads first).
+    auto release = [&](int s) {
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(&empty[s]);
+    };
+
+    float acc[Cfg::kAccum];
+    float out[Cfg::kParts][Cfg::kAccum];
+    int stage = 0;
+    uint32_t phase = 0;
+    int slab = 0;  // slabs stored so far by this warpgroup: the next one's buffer
+    uint32_t c_phase = 0;
+    uint8_t* smem_d_wg = smem_d + warpgroup * Cfg::kSlabBuffers * Cfg::kSlabBytes;
+    const uint64_t a_desc0 = sw128_descriptor(smem_a + warpgroup * Cfg::kWarpgroupRows * kBlock);
+    const uint64_t b_desc0 = sw128_descriptor(smem_b);
+    const uint32_t a_lo0 = __shfl_sync(0xffffffff, static_cast<uint32_t>(a_desc0), 0);
+    const uint32_t b_lo0 = __shfl_sync(0xffffffff, static_cast<uint32_t>(b_desc0), 0);
+    const uint64_t a_hi = a_desc0 & 0xffffffff00000000ull, b_hi = b_desc0 & 0xffffffff00000000ull;
+    // this thread's accumulator rows r, r + 8 of the warpgroup's 64 and its columns 2 (lane % 4) + {0, 1} of each chunk
+    const int r = warp * 16 + lane / 4;
+    int sa_row = warpgroup * Cfg::kWarpgroupRows + r;
+    asm volatile("" : "+r"(sa_row));  // kept in a register, not recomputed from %tid per block
+    const float* smem_sa_row = smem_sa + sa_row;
+    const float2* smem_sb_cols = reinterpret_cast<const float2*>(smem_sb) + lane % 4;
+
+    Walk next = walk(blockIdx.x, tok);
+    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+      const Walk cur = next;
+      next = walk(id + gridDim.x, tok);
+      const ReductionTile t = cur.t;
+      // broadcast from lane 0: warp-uniform to the compiler, which keeps the K loop's values in uniform registers
+      const int m = __shfl_sync(0xffffffff, cur.m, 0);
+      if (kAccumulate && m == 0) continue;  // nothing to add
+      const int row0 = t.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupRows;  // this warpgroup's rows
+      const int n0 = t.n_block * Cfg::kBlockN;
+      if constexpr (Cfg::kLoadC) {
+        if (row0 < N && tid == 0) {
+          cute::tma_store_wait<0>();  // the last tile's stores have read the buffers
+          const int slabs = (min(K - n0, Cfg::kBlockN) + Cfg::kSlabCols - 1) / Cfg::kSlabCols;
+          TxBarrier::arrive_and_expect_tx(&c_full[warpgroup], slabs * Cfg::kSlabBytes);
+          for (int c = 0; c < slabs; ++c)
+            cute::SM90_TMA_LOAD_3D::copy(&p.d, &c_full[warpgroup], static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST),
+                                         smem_d_wg + c * Cfg::kSlabBytes, n0 + c * Cfg::kSlabCols, row0, t.expert);
+        }
+      }
+
+#pragma unroll
+      for (int h = 0; h < Cfg::kParts; ++h)
+#pragma unroll
+        for (int i = 0; i < Cfg::kAccum; ++i) out[h][i] = 0.f;
+
+      for (int k0 = 0; k0 < m; k0 += kBlock) {
+        const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
+        Barrier::wait(&full[stage], phase);
+        if (m - k0 < kBlock) {
+          // the expert's last box: its tokens past m belong to no one here, zero them in both operands
+          const int t256 = warpgroup * 128 + tid;
+          detail::zero_past(smem_a + stage * Cfg::kBytesA, Cfg::kBlockM, m - k0, t256, 256);
+          detail::zero_past(smem_b + stage * Cfg::kBytesB, Cfg::kBlockN, m - k0, t256, 256);
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(256, 2);
+        }
+        const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
+        // the column scales into registers now, so that the stage is released at the wgmma's end
+        float2 cols[Cfg::kColsInRegisters ? Cfg::kAccum / 4 : 1];
+        if constexpr (Cfg::kColsInRegisters) {
+#pragma unroll
+          for (int j = 0; j < Cfg::kAccum / 4; ++j) cols[j] = smem_sb_cols[stage * Cfg::kBlockN / 2 + 4 * j];
+        }
+#pragma unroll
+        for (int h = 0; h < Cfg::kParts; ++h) {
+#pragma unroll
+          for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
+          cute::warpgroup_arrive();
+#pragma unroll
+          for (int k = 0; k < kBlock / 32; ++k)
+            wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc, k > 0,
+                               std::make_integer_sequence<int, Cfg::kAccum>{});
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+#pragma unroll
+          for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
+          if constexpr (Cfg::kColsInRegisters) {
+            release(stage);
+            detail::promote_rows_cols<Cfg::kAccum, 1>(out[h], acc, a0, a1, cols);
+          } else {  // the column scales from shared memory, the stage released after the last part's promotion
+            detail::promote_rows_cols<Cfg::kAccum, 4>(out[h], acc, a0, a1,
+                                                      smem_sb_cols + (stage * Cfg::kBlockN + h * Cfg::kPartN) / 2);
+          }
+        }
+        if constexpr (!Cfg::kColsInRegisters) release(stage);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+
+      // ---- epilogue: this warpgroup's 64 rows of the tile, slab by slab
+      if (row0 >= N) continue;  // all of them past the gradient's rows
+      if constexpr (Cfg::kLoadC) {
+        Barrier::wait(&c_full[warpgroup], c_phase);
+        c_phase ^= 1;
+      }
+#pragma unroll
+      for (int h = 0; h < Cfg::kParts; ++h) {
+#pragma unroll
+        for (int s = 0; s < Cfg::kPartN / Cfg::kSlabCols; ++s) {
+          const int col0 = n0 + h * Cfg::kPartN + s * Cfg::kSlabCols;
+          if (col0 >= K) break;
+          uint8_t* buf;
+          if constexpr (Cfg::kLoadC) {  // slab s in buffer s, holding the gradient's values: each thread adds to its own
+            buf = smem_d_wg + (h * (Cfg::kPartN / Cfg::kSlabCols) + s) * Cfg::kSlabBytes;
+          } else {
+            buf = smem_d_wg + (slab++ % Cfg::kSlabBuffers) * Cfg::kSlabBytes;
+            if (tid == 0) cute::tma_store_wait<Cfg::kSlabBuffers - 1>();  // the store that last read `buf` is done
+            cutlass::arch::NamedBarrier::sync(128, warpgroup);
+          }
+          constexpr int kChunks = Cfg::kSlabCols / 8;  // 8-column chunks per slab
+#pragma unroll
+          for (int jj = 0; jj < kChunks; ++jj) {
+            const int j = s * kChunks + jj, c = 8 * jj + 2 * (lane % 4);
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+              const float lo = out[h][4 * j + 2 * v], hi = out[h][4 * j + 2 * v + 1];
+              if constexpr (Cfg::kOut == WgradOut::kBF16) {
+                *reinterpret_cast<uint32_t*>(buf + sw128_offset(r + 8 * v, 2 * c)) = pack_bf16x2(lo, hi);
+              } else {
+                float2* dst = reinterpret_cast<float2*>(buf + sw128_offset(r + 8 * v, 4 * c));
+                if constexpr (Cfg::kLoadC) {
+                  const float2 old = *dst;
+                  *dst = make_float2(old.x + lo, old.y + hi);
+                } else {
+                  *dst = make_float2(lo, hi);
+                }
+              }
+            }
+          }
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(128, warpgroup);
+          if (tid == 0) {
+            if constexpr (kAccumulate && !Cfg::kLoadC)
+              cute::SM90_TMA_REDUCE_ADD_3D::copy(&p.d, buf, col0, row0, t.expert);
+            else
+              cute::SM90_TMA_STORE_3D::copy(&p.d, buf, col0, row0, t.expert);
+            cute::tma_store_arrive();
+          }
+        }
+      }
+    }
+    if (tid == 0) cute::tma_store_wait<0>();
+  }
+#endif
+}
+
+}  // namespace moegemm::sm90

@@ -10,6 +10,8 @@ untouched gradient) for empty experts, and bitwise equality of two runs."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -112,7 +114,7 @@ EDGE_SPLITS = {
 @pytest.mark.parametrize("case", EDGE_SPLITS.keys())
 @pytest.mark.parametrize("N,K", [(128, 128), (256, 384), (400, 272), (1408, 2048)])
 def test_edge_counts(case, N, K, kernel):
-    check_against_reference(EDGE_SPLITS[case], N, K, kernel, seed=hash((case, N, K)) & 0xFFFF)
+    check_against_reference(EDGE_SPLITS[case], N, K, kernel, seed=zlib.crc32(f"{case} {N} {K}".encode()))
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())

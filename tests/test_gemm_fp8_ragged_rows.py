@@ -2,11 +2,14 @@
 
 kernel=1 is CUTLASS's ptr-array kernel, kernel=2 moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/)
 in each of its tilings (csrc/kernels/gemm/heuristics.h: BLOCK_N 128, 192 or 256, alone or in 2-CTA clusters).
-Each case draws fresh operands, poisons the output's memory first, and checks ‖out − ref‖/‖ref‖ ≤ 2e-3
+Each case draws fresh operands, poisons the output's memory first, and checks ‖out − ref‖/‖ref‖ ≤ 4e-3
+(the bf16 output's rounding alone is up to 2^-8 of each value: on one row of 128 values it passed 2e-3)
 against the float64 reference on the same quantized operands, zeros on rows no expert covers, and bitwise
 equality of two runs."""
 
 from __future__ import annotations
+
+import zlib
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ if HAS_HOPPER:
     from moegemm.backends import cuda as cuda_ops
 
 DEV = "cuda"
+TOL = 4e-3  # relative to the float64 reference: the bf16 output's rounding and fp32 accumulation
 # test id -> (kernel, tiling) of torch.ops.moegemm.gemm_fp8_ragged_m
 KERNELS = {"cutlass": (GEMM_CUTLASS, -1), "sm90_default": (GEMM_SM90, -1),
            **{f"sm90_tiling{i}": (GEMM_SM90, i) for i in range(SM90_RAGGED_ROWS_TILINGS)}}
@@ -72,7 +76,7 @@ def check_against_reference(splits, N, K, kernel, seed):
         out = poisoned_call(lambda: run(qa, sa, qb, sb, plan, kernel), T, qb.shape[1])
         expect = ref.gemm_fp8_ragged_m(qa, sa, qb, sb, plan_ref, torch.float64)
         assert torch.isfinite(out).all(), (name, splits[:8])
-        assert rel(out, expect) <= 2e-3, (name, splits[:8])
+        assert rel(out, expect) <= TOL, (name, splits[:8])
         assert torch.equal(out, run(qa, sa, qb, sb, plan, kernel)), (name, "not bitwise repeatable")
 
 
@@ -88,7 +92,7 @@ EDGE_SPLITS = {
 @pytest.mark.parametrize("case", EDGE_SPLITS.keys())
 @pytest.mark.parametrize("N,K", [(128, 128), (256, 384), (400, 272), (1408, 2048)])
 def test_edge_counts(case, N, K, kernel):
-    check_against_reference(EDGE_SPLITS[case], N, K, kernel, seed=hash((case, N, K)) & 0xFFFF)
+    check_against_reference(EDGE_SPLITS[case], N, K, kernel, seed=zlib.crc32(f"{case} {N} {K}".encode()))
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -113,7 +117,7 @@ def test_uncovered_rows_and_clamped_counts(kernel):
         covered = int(ref.make_plan(m, T)[0, -1])
         assert torch.equal(out[covered:], torch.zeros_like(out[covered:])), counts
         if covered:
-            assert rel(out[:covered], expect[:covered]) <= 2e-3, counts
+            assert rel(out[:covered], expect[:covered]) <= TOL, counts
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -142,7 +146,7 @@ def test_kernels_agree_and_graph_replay_with_new_splits(kernel):
         torch.cuda.synchronize()
         plan_ref = ref.make_plan(m, T)
         qx, sx, _, _ = ref.quantize_act(x, plan_ref, cols=False)
-        assert rel(out, ref.gemm_fp8_ragged_m(qx, sx, qw, sw, plan_ref, torch.float64)) <= 2e-3, splits[:4]
+        assert rel(out, ref.gemm_fp8_ragged_m(qx, sx, qw, sw, plan_ref, torch.float64)) <= TOL, splits[:4]
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -163,7 +167,7 @@ def test_past_int32_elements(kernel):
     rows = slice(T - 300, T)
     a = qa[rows].double() * sa[rows].double().repeat_interleave(128, dim=1)
     b = qb[2].double() * sb[2].double().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:N, :K]
-    assert rel(out[rows], a @ b.T) <= 2e-3
+    assert rel(out[rows], a @ b.T) <= TOL
 
 
 def test_non_contiguous_operand_error_shows_strides():

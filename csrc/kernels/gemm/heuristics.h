@@ -66,7 +66,9 @@ inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int6
 // Tokens per expert from which moegemm's own kernel is the default wgrad: in the wgrad table
 // (bench/gemm/ragged_reduction.py, bench/results/ragged_reduction_h200.md) it is faster than CUTLASS's
 // kernel in both output modes on every problem with ~2000 or more tokens per expert (DeepGEMM's shapes of
-// 2048 to 8192, Mixtral-8x7B), slower below (~1024 on DeepSeek-V3-EP8 with Zipf splits, 192-384).
+// 2048 to 8192, Mixtral-8x7B); below, slower with Zipf splits (DeepSeek-V3-EP8 at ~1024 tokens per expert,
+// the shapes of 192-384: every expert ends in a partial 128-token box, bench/NOTES.md) and faster with
+// balanced ones, which the host cannot tell apart.
 constexpr int64_t kSm90WgradTokensPerExpert = 1536;
 
 // The tiling of moegemm's kernel: 256 columns and four epilogue buffers, except that an fp32

@@ -18,8 +18,10 @@
 //   tile's rows, sbT of its columns, 16-byte loads) into shared memory beside them.
 // - Two math warpgroups of 64 rows each: per block, a wgmma chain per 128-column part into a temporary
 //   accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary across the tile:
-//   1x128 blocks along the tokens on both operands), the column scales read from shared memory per
-//   8-column chunk; the stage is released after its last part's promotion.
+//   1x128 blocks along the tokens on both operands). With one part the column scales go to registers
+//   before the wgmmas and the stage is released at their end; with two (their accumulators fill the
+//   registers) they are read from shared memory per 8-column chunk and the stage is released after the
+//   last part's promotion.
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns)
 //   through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
 //   written or added into the output (Megatron's main_grad): when all of the warpgroup's columns fit in

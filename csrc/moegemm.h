@@ -123,8 +123,9 @@ struct RaggedRows {
 enum class WgradOut : int { kF32 = 0, kF32Accumulate = 1, kBF16 = 2 };
 
 // Ragged reduction (wgrad): out [E, N, K], per expert the sum over its tokens of dy_t^T x_t. Experts
-// without tokens get no GEMM tiles (a zero-length reduction hangs or misbehaves in CUTLASS's sm90
-// kernels): their zeros are written by zero_empty_experts, or their accumulator is left as it is.
+// without tokens get zeros, or their accumulator is left as it is: moegemm's sm90 kernel does it in its
+// tiles; CUTLASS's kernels get no tiles for them (a zero-length reduction hangs or misbehaves there) and
+// zero_empty_experts writes the zeros.
 //   FP8:  the per-expert column copies of quantize_act: a = dy (qT [N, cols], sT [blocks, N]),
 //         b = x (qT [K, cols], sT [blocks, K]); cols = col_capacity, blocks = block_capacity.
 //   bf16: a = dy [T, N], b = x [T, K].

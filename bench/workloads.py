@@ -38,3 +38,25 @@ def balanced_splits(E: int, T: int) -> list:
     return [T // E + (1 if e < T % E else 0) for e in range(E)]
 
 
+def jittered_splits(groups: int, nominal: int, rng) -> list:
+    """DeepGEMM's grouped problems as the GEMM tables time them: each group's count uniform within
+    +-30 % of the nominal (``rng``: a random.Random)."""
+    return [rng.randint(int(nominal * 0.7), int(nominal * 1.3)) for _ in range(groups)]
+
+
+def table_points(quick: bool, keep: str | None = None) -> list:
+    """(label, E, hidden, ffn, splits) of the points of the per-kernel tables (bench/gemm, bench/bandwidth):
+    every model shape with Zipf splits and, unless ``quick``, balanced ones; the small-experts workload
+    with its own skew only. With ``keep`` (comma-separated), only the labels containing one of its keys."""
+    out = []
+    for name, (E, H, F, T) in {**SHAPES, **SMALL_EXPERTS}.items():
+        small = name in SMALL_EXPERTS
+        out.append((f"{name} zipf", E, H, F, small_experts_splits(E, T) if small else zipf_splits(E, T)))
+        if not quick and not small:
+            out.append((f"{name} balanced", E, H, F, balanced_splits(E, T)))
+    if keep:
+        keys = [k.strip() for k in keep.split(",")]
+        out = [p for p in out if any(k in p[0] for k in keys)]
+    return out
+
+

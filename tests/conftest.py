@@ -86,6 +86,25 @@ def cuda_alive() -> None:
         assert (a * 2).sum().item() == 56.0
 
 
+# The counts per expert every grouped-GEMM kernel test runs: empty experts, one token, counts around the
+# 128-token blocks, one expert holding every token, a single token, experts shorter than a block (around
+# the column copy's 16-token alignment too).
+GEMM_EDGE_SPLITS = {
+    "edge_counts": [0, 1, 17, 127, 128, 129, 0, 255, 256, 257, 3],
+    "one_expert_all_tokens": [0, 0, 1000, 0],
+    "single_token": [1],
+    "short_experts": [5, 64, 65, 63, 1, 2, 16, 15],
+}
+
+
+def poisoned(fn, shape, dtype):
+    """fn() after leaving NaNs in the memory the caching allocator is likely to hand an output of this
+    shape and dtype, so that an output element the kernel fails to write shows."""
+    poison = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del poison
+    return fn()
+
+
 def capture_step(step):
     """``(graph, outputs)``: ``step()`` run twice on a side stream (warm-up), then captured once."""
     s = torch.cuda.Stream()

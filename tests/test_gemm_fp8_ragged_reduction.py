@@ -18,7 +18,7 @@ import torch
 from moegemm import reference as ref
 from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS
 
-from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
+from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, poisoned, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
@@ -52,8 +52,8 @@ def garbage_outside_experts(qT, plan_ref, gen):
     raw[:, ~owned] = noise[:, ~owned]
 
 
-def column_operands(splits, N, K, gen, T_plan=None):
-    E, T = len(splits), sum(splits)
+def column_operands(splits, N, K, gen):
+    T = sum(splits)
     dy = torch.randn(T, N, device=DEV, generator=gen).to(torch.bfloat16)
     x = torch.randn(T, K, device=DEV, generator=gen).to(torch.bfloat16)
     m = torch.tensor(splits, dtype=torch.int64, device=DEV)
@@ -79,9 +79,7 @@ def check_against_reference(splits, N, K, kernel, seed):
             got, want = out.double() - acc0.double(), expect
             assert torch.equal(out[empty], acc0[empty]), (out_kind, "empty experts' gradient changed")
         else:
-            poison = torch.full((E, N, K), float("nan"), device=DEV)
-            del poison
-            out = wgrad(*ops, plan, kernel, out_kind)
+            out = poisoned(lambda: wgrad(*ops, plan, kernel, out_kind), (E, N, K), torch.float32)
             got, want = out, expect
             assert torch.equal(out[empty], torch.zeros_like(out[empty])), (out_kind, "empty experts not zero")
         assert torch.isfinite(out).all(), (out_kind, splits[:8])
@@ -102,19 +100,11 @@ def test_tiling_table_size():
         wgrad(*ops, plan, (GEMM_CUTLASS, 0), "bf16")
 
 
-EDGE_SPLITS = {
-    "edge_counts": [0, 1, 17, 127, 128, 129, 0, 255, 256, 257, 3],
-    "one_expert_all_tokens": [0, 0, 1000, 0],
-    "single_token": [1],
-    "short_experts": [5, 64, 65, 63, 1, 2, 16, 15],
-}
-
-
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
-@pytest.mark.parametrize("case", EDGE_SPLITS.keys())
+@pytest.mark.parametrize("case", GEMM_EDGE_SPLITS.keys())
 @pytest.mark.parametrize("N,K", [(128, 128), (256, 384), (400, 272), (1408, 2048)])
 def test_edge_counts(case, N, K, kernel):
-    check_against_reference(EDGE_SPLITS[case], N, K, kernel, seed=zlib.crc32(f"{case} {N} {K}".encode()))
+    check_against_reference(GEMM_EDGE_SPLITS[case], N, K, kernel, seed=zlib.crc32(f"{case} {N} {K}".encode()))
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -175,7 +165,7 @@ def test_graph_replay_with_new_splits(kernel):
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
 def test_past_int32_elements(kernel):
     """K * cols > 2^31: the last expert's tokens of qbT lie past 2^31 bytes."""
-    K, N, E = 8192, 128, 3
+    K, N = 8192, 128
     T = (1 << 31) // K + 300
     gen = torch.Generator(device=DEV).manual_seed(3)
     splits = [100, T - 400, 300]

@@ -17,7 +17,7 @@ import torch
 from moegemm import reference as ref
 from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_ROWS_TILINGS
 
-from conftest import HAS_HOPPER, rel, requires_cuda, zipf_splits
+from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, poisoned, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
@@ -35,13 +35,6 @@ def operands(T, E, N, K, gen):
     x = torch.randn(T, K, device=DEV, generator=gen).to(torch.bfloat16)
     w = (torch.randn(E, N, K, device=DEV, generator=gen) * 0.05).to(torch.bfloat16)
     return x, w
-
-
-def poisoned_call(fn, T, N):
-    """fn() after leaving NaNs in the memory the caching allocator is likely to hand its output."""
-    poison = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-    del poison
-    return fn()
 
 
 def test_tiling_table_size():
@@ -73,26 +66,18 @@ def check_against_reference(splits, N, K, kernel, seed):
     dy = torch.randn(T, N, device=DEV, generator=gen).to(torch.bfloat16)
     qdy, sdy, _, _ = cuda_ops.quantize_act(dy, plan, cols=False)
     for name, (qa, sa, qb, sb) in {"fprop": (qx, sx, qw, sw), "dgrad": (qdy, sdy, qwT, swT)}.items():
-        out = poisoned_call(lambda: run(qa, sa, qb, sb, plan, kernel), T, qb.shape[1])
+        out = poisoned(lambda: run(qa, sa, qb, sb, plan, kernel), (T, qb.shape[1]), torch.bfloat16)
         expect = ref.gemm_fp8_ragged_m(qa, sa, qb, sb, plan_ref, torch.float64)
         assert torch.isfinite(out).all(), (name, splits[:8])
         assert rel(out, expect) <= TOL, (name, splits[:8])
         assert torch.equal(out, run(qa, sa, qb, sb, plan, kernel)), (name, "not bitwise repeatable")
 
 
-EDGE_SPLITS = {
-    "edge_counts": [0, 1, 17, 127, 128, 129, 0, 255, 256, 257, 3],
-    "one_expert_all_tokens": [0, 0, 1000, 0],
-    "single_row": [1],
-    "tail_rows_only": [5, 64, 65, 63, 1, 2],
-}
-
-
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
-@pytest.mark.parametrize("case", EDGE_SPLITS.keys())
+@pytest.mark.parametrize("case", GEMM_EDGE_SPLITS.keys())
 @pytest.mark.parametrize("N,K", [(128, 128), (256, 384), (400, 272), (1408, 2048)])
 def test_edge_counts(case, N, K, kernel):
-    check_against_reference(EDGE_SPLITS[case], N, K, kernel, seed=zlib.crc32(f"{case} {N} {K}".encode()))
+    check_against_reference(GEMM_EDGE_SPLITS[case], N, K, kernel, seed=zlib.crc32(f"{case} {N} {K}".encode()))
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -112,7 +97,7 @@ def test_uncovered_rows_and_clamped_counts(kernel):
         plan = cuda_ops.make_plan(m, T)
         qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
         qw, sw, _, _ = cuda_ops.quantize_weight(w)
-        out = poisoned_call(lambda: run(qx, sx, qw, sw, plan, kernel), T, N)
+        out = poisoned(lambda: run(qx, sx, qw, sw, plan, kernel), (T, N), torch.bfloat16)
         expect = ref.gemm_fp8_ragged_m(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
         covered = int(ref.make_plan(m, T)[0, -1])
         assert torch.equal(out[covered:], torch.zeros_like(out[covered:])), counts

@@ -37,23 +37,6 @@ def parse_args():
     return ap.parse_args()
 
 
-def points(quick: bool, keep: str | None):
-    """(label, E, H, F, splits) of every benchmark point."""
-    from bench.workloads import SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
-
-    out = []
-    for name, (E, H, F, T) in SHAPES.items():
-        out.append((f"{name} zipf", E, H, F, zipf_splits(E, T)))
-        if not quick:
-            out.append((f"{name} balanced", E, H, F, balanced_splits(E, T)))
-    for name, (E, H, F, T) in SMALL_EXPERTS.items():
-        out.append((name, E, H, F, small_experts_splits(E, T)))
-    if keep:
-        keys = [k.strip() for k in keep.split(",")]
-        out = [p for p in out if any(k in p[0] for k in keys)]
-    return out
-
-
 def multicast_bytes(T: int, K: int, splits: list, rows: bool = True, cols: bool = True) -> float:
     """Bytes written by a multi-cast quantization of [T, K]: FP8 rows + 1x128 scales, FP8 columns (each
     expert's tokens rounded up to 16) + 128x1 scales (one per 128-token block of an expert)."""
@@ -127,7 +110,9 @@ def main() -> int:
     print(f"copy bandwidth {copy:.0f} GB/s ({ce['copy_how']})", flush=True)
     rows = []
     print(f"{'point':32s} {'kernel':30s} {'MB':>8s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s}", flush=True)
-    for label, E, H, F, splits in points(args.quick, args.shapes):
+    from bench.workloads import table_points
+
+    for label, E, H, F, splits in table_points(args.quick, args.shapes):
         plan, ks = kernels(E, H, F, splits, ops, torch)
         if args.kernels:
             ks = {k: v for k, v in ks.items() if any(sub.strip() in k for sub in args.kernels.split(","))}

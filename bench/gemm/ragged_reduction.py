@@ -49,19 +49,12 @@ def parse_args():
 
 def problems(quick: bool, shapes: str | None) -> list:
     """(label, splits, N, K) of every row of the table: the gradient [N, K] per expert."""
-    from bench.workloads import SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
+    from bench.workloads import jittered_splits, table_points
 
-    out = []
     rng = random.Random(0)
-    for G, M, N, tokens in DEEPGEMM_SHAPES:
-        out.append((f"DG {G}x{tokens} M={M} N={N}", [rng.randint(int(tokens * 0.7), int(tokens * 1.3)) for _ in range(G)], M, N))
-    for name, (E, H, F, T) in dict(SHAPES, **SMALL_EXPERTS).items():
-        modes = {"zipf": small_experts_splits(E, T) if name in SMALL_EXPERTS else zipf_splits(E, T)}
-        if not quick and name not in SMALL_EXPERTS:
-            modes["balanced"] = balanced_splits(E, T)
-        for mode, splits in modes.items():
-            for gemm, N, K in (("fc1 wgrad", 2 * F, H), ("fc2 wgrad", H, F)):
-                out.append((f"{name} {mode} {gemm}", splits, N, K))
+    out = [(f"DG {G}x{tokens} M={M} N={N}", jittered_splits(G, tokens, rng), M, N) for G, M, N, tokens in DEEPGEMM_SHAPES]
+    for label, E, H, F, splits in table_points(quick):
+        out += [(f"{label} fc1 wgrad", splits, 2 * F, H), (f"{label} fc2 wgrad", splits, H, F)]
     if shapes:
         keys = [s.strip() for s in shapes.split(",")]
         out = [p for p in out if any(k in p[0] for k in keys)]

@@ -48,20 +48,13 @@ def parse_args():
 
 def problems(quick: bool) -> list:
     """(label, splits, N, K) of every row of the table."""
-    from bench.workloads import SHAPES, SMALL_EXPERTS, balanced_splits, small_experts_splits, zipf_splits
+    from bench.workloads import jittered_splits, table_points
 
-    out = []
     rng = random.Random(0)
-    for G, rows, N, K in DEEPGEMM_SHAPES:
-        out.append((f"DG {G}x{rows} N={N} K={K}", [rng.randint(int(rows * 0.7), int(rows * 1.3)) for _ in range(G)], N, K))
-    shapes = dict(SHAPES, **SMALL_EXPERTS)
-    for name, (E, H, F, T) in shapes.items():
-        modes = {"zipf": small_experts_splits(E, T) if name in SMALL_EXPERTS else zipf_splits(E, T)}
-        if not quick and name not in SMALL_EXPERTS:
-            modes["balanced"] = balanced_splits(E, T)
-        for mode, splits in modes.items():
-            for gemm, N, K in (("fc1 fprop", 2 * F, H), ("fc2 fprop", H, F), ("fc1 dgrad", H, 2 * F), ("fc2 dgrad", F, H)):
-                out.append((f"{name} {mode} {gemm}", splits, N, K))
+    out = [(f"DG {G}x{rows} N={N} K={K}", jittered_splits(G, rows, rng), N, K) for G, rows, N, K in DEEPGEMM_SHAPES]
+    for label, E, H, F, splits in table_points(quick):
+        for gemm, N, K in (("fc1 fprop", 2 * F, H), ("fc2 fprop", H, F), ("fc1 dgrad", H, 2 * F), ("fc2 dgrad", F, H)):
+            out.append((f"{label} {gemm}", splits, N, K))
     return out
 
 

@@ -44,6 +44,7 @@
 
 #include "moegemm.h"
 #include "kernels/plan/plan.cuh"
+#include "kernels/gemm/sm90/cta.h"
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
 
@@ -53,13 +54,13 @@ namespace moegemm::sm90 {
 // tokens (one scale block per stage), BLOCK_N = 128 or 256 columns in parts of 128, each one wgmma chain
 // (64 x 128 x 32) into the temporary accumulator; the output kind (WgradOut) fixed per instantiation.
 template <int kBlockN_, WgradOut kOut_>
-struct Fp8RaggedReductionConfig {
+struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr WgradOut kOut = kOut_;
-  // (BLOCK_N = 192 in one part measured slower than 256 on every problem of the wgrad table; its column
-  // scales would not fit in the registers beside two 96-value accumulators.)
+  // (BLOCK_N = 192 in one part measured slower than 256 on most problems of the wgrad table, bench/NOTES.md;
+  // its column scales would not fit in the registers beside two 96-value accumulators.)
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N of 128 or 256 columns");
-  static constexpr int kBlockM = kBlock, kBlockK = kBlock;
+  static constexpr int kBlockK = kBlock;
   static constexpr int kPartN = 128;  // the scale warp loads 128 column scales per part
   static constexpr int kParts = kBlockN / kPartN;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x 128 wgmma
@@ -67,14 +68,6 @@ struct Fp8RaggedReductionConfig {
   // two (their accumulators fill the registers): the scales are read from shared memory in the promotion
   // and the stage is released after it.
   static constexpr bool kColsInRegisters = kParts == 1;
-  static constexpr int kMathWarpgroups = 2;  // 64 rows each
-  static constexpr int kWarpgroupRows = kBlockM / kMathWarpgroups;
-  static constexpr int kThreads = 128 * (kMathWarpgroups + 1);
-  // setmaxnreg moves registers between the warpgroups within the launch's allocation (fp8_ragged_rows.cuh)
-  static constexpr int kProducerRegisters = 56, kMathRegisters = 224;
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(kMathWarpgroups * kMathRegisters + kProducerRegisters <= (kMathWarpgroups + 1) * kLaunchRegisters,
-                "setmaxnreg moves registers within the launch's allocation");
 
   // epilogue: slabs of a warpgroup's 64 rows x one 128-byte swizzle span
   static constexpr int kOutBytes = kOut == WgradOut::kBF16 ? 2 : 4;
@@ -92,7 +85,7 @@ struct Fp8RaggedReductionConfig {
   static constexpr int kBytesB = kBlockN * kBlockK;
   static constexpr int kBytesD = kMathWarpgroups * kSlabBuffers * kSlabBytes;
   static constexpr int kBytesStage = kBytesA + kBytesB + (kBlockM + kBlockN) * 4 + 2 * 8;
-  static constexpr int kStages = (232448 - kBytesD) / kBytesStage;
+  static constexpr int kStages = (kSharedBytes - kBytesD) / kBytesStage;
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
   static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;      // fp32 [kStages][kBlockM]
@@ -100,7 +93,7 @@ struct Fp8RaggedReductionConfig {
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kBlockN * 4;
   static constexpr int kSmemBytes = kOffsetBarriers + (2 * kStages + kMathWarpgroups) * 8;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
-  static_assert(kSmemBytes <= 232448, "shared memory per block on sm90");
+  static_assert(kSmemBytes <= kSharedBytes, "shared memory per block on sm90");
 };
 
 struct Fp8RaggedReductionParams {

@@ -50,6 +50,7 @@
 
 #include "moegemm.h"
 #include "kernels/common/device.h"
+#include "kernels/gemm/sm90/cta.h"
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
 
@@ -62,26 +63,15 @@ namespace moegemm::sm90 {
 // n0 with n0 % 128 in {0, 64}, so its part straddles two weight-scale blocks at column 128 or 64.
 // kStages: as many as fit beside the epilogue buffer.
 template <int kBlockN_, int kCluster_>
-struct Fp8RaggedRowsConfig {
+struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
   static_assert(kBlockN == 128 || kBlockN == 192 || kBlockN == 256, "BLOCK_N of 128, 192 or 256 columns");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
-  static constexpr int kBlockM = kBlock, kBlockK = kBlock;
+  static constexpr int kBlockK = kBlock;
   static constexpr int kPartN = kBlockN == 256 ? 128 : kBlockN;
   static constexpr int kParts = kBlockN / kPartN;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma
-  static constexpr int kMathWarpgroups = 2;  // 64 rows each
-  static constexpr int kWarpgroupRows = kBlockM / kMathWarpgroups;
-  static constexpr int kThreads = 128 * (kMathWarpgroups + 1);
-  // Registers per thread after setmaxnreg: the math warpgroups' 2 x 96 (or 64 + 128) accumulators and the
-  // producer's tile walk without spills. setmaxnreg only moves registers between the CTA's warpgroups:
-  // the sum stays within what the launch gave each thread (65536 / kThreads, in units of 8), else the
-  // math warpgroups wait forever for registers.
-  static constexpr int kProducerRegisters = 56, kMathRegisters = 224;
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(kMathWarpgroups * kMathRegisters + kProducerRegisters <= (kMathWarpgroups + 1) * kLaunchRegisters,
-                "setmaxnreg moves registers within the launch's allocation");
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
   static constexpr int kScalesB = 2;     // weight-scale blocks per stage: a tile's columns touch at most two
 
@@ -91,7 +81,7 @@ struct Fp8RaggedRowsConfig {
   static constexpr int kBoxRowsA = kBlockM / kCluster, kBoxRowsB = kBlockN / kCluster;  // a TMA box: one CTA's share
   static constexpr int kBytesD = kBlockM * kPartN * 2;  // bf16 epilogue tile: one part at a time
   static constexpr int kBytesStage = kBytesA + kBytesB + kBlockM * 4 + kScalesB * 4 + 16 + 2 * 8;
-  static constexpr int kStages = (232448 - kBytesD) / kBytesStage;
+  static constexpr int kStages = (kSharedBytes - kBytesD) / kBytesStage;
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
   static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;                   // fp32 [kStages][kBlockM]
@@ -101,7 +91,7 @@ struct Fp8RaggedRowsConfig {
   static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
   static_assert(sizeof(RowTile) == 16 && kOffsetTiles % 16 == 0, "a stage's tile as one 16-byte shared-memory word");
-  static_assert(kSmemBytes <= 232448, "shared memory per block on sm90");
+  static_assert(kSmemBytes <= kSharedBytes, "shared memory per block on sm90");
 };
 
 struct Fp8RaggedRowsParams {

@@ -94,6 +94,7 @@ GEMM_EDGE_SPLITS = {
     "one_expert_all_tokens": [0, 0, 1000, 0],
     "single_token": [1],
     "short_experts": [5, 64, 65, 63, 1, 2, 16, 15],
+    "step_ends": [32, 96, 160, 224, 31, 33, 97, 0, 383],
 }
 
 

@@ -7,8 +7,9 @@
 // The design (one CTA per SM, warp-specialized, as the ragged-row kernel fp8_ragged_rows.cuh):
 // - One TMA descriptor per operand over the whole column copy, none per expert: a tile's K loop reads
 //   128-token boxes from column col_e. An expert's last box reaches past its tokens (into its padding and
-//   the next expert's tokens, whose bytes the layout leaves unspecified): the math warpgroups set those
-//   bytes of both operands to zero in shared memory before the box's wgmmas, so nothing is padded in
+//   the next expert's tokens, whose bytes the layout leaves unspecified): its 32-token wgmma steps past
+//   the expert's tokens are skipped, and in its last step the math warpgroups set the bytes past them to
+//   zero in both operands in shared memory (none when the tokens end on a step), so nothing is padded in
 //   global memory and no size goes to the host.
 // - Every expert owns the same output tiles (scheduler.cuh, RaggedReductionTiles), walked statically by
 //   the persistent grid; a tile's reduction is its expert's tokens. An empty expert's tiles read nothing:
@@ -61,6 +62,7 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // its column scales would not fit in the registers beside two 96-value accumulators.)
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N of 128 or 256 columns");
   static constexpr int kBlockK = kBlock;
+  static_assert(kBlockK == 4 * 32, "four 32-token wgmma steps per box (the kernel's chains of 1 to 4 steps)");
   static constexpr int kPartN = 128;  // the scale warp loads 128 column scales per part
   static constexpr int kParts = kBlockN / kPartN;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x 128 wgmma
@@ -109,24 +111,36 @@ struct Fp8RaggedReductionParams {
 
 namespace detail {
 
-// Sets bytes [keep, 128) of every row of a 128B-swizzled tile of `rows` 128-byte rows to zero: the tokens
-// of a 128-token box past its expert's. Thread `t` of `threads` takes every threads-th 16-byte unit.
-__device__ __forceinline__ void zero_past(uint8_t* tile, int rows, int keep, int t, int threads) {
-  for (int i = t; i < rows * 8; i += threads) {
-    const int row = i / 8, col = (i % 8) * 16;
-    if (col + 16 <= keep) continue;
-    uint4* unit = reinterpret_cast<uint4*>(tile + sw128_offset(row, col));
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (col < keep) {  // the unit that holds the expert's last tokens: keep its first keep - col bytes
-      v = *unit;
-      uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+// Sets bytes [keep, end) of every 128-byte row of a stage's A (kRowsA rows) and B (kRowsB rows) tiles,
+// 128B-swizzled, to zero: the tokens of an expert's last box past its own that the box's wgmmas read (keep
+// < end, end a multiple of 16). Thread t of kThreads takes rows t, t + kThreads, ... of the two tiles in
+// turn and in each the units from the one holding byte keep (its first keep % 16 bytes kept) to the one
+// before `end`: straight-line code, since two warps per scheduler hide no latency (a loop over every
+// unit with a branch per unit cost ~2 us per box, bench/NOTES.md).
+template <int kRowsA, int kRowsB, int kThreads>
+__device__ __forceinline__ void zero_past(uint8_t* a, uint8_t* b, int keep, int end, int t) {
+  static_assert(kRowsA % 8 == 0, "B's rows on A's swizzle phases");
+  const int first = keep / 16, last = end / 16;
+  uint32_t mask[4];  // of unit `first`'s words: the bytes that stay
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int bytes = keep - col - 4 * j;  // of word j that stay
-        w[j] = bytes >= 4 ? w[j] : bytes <= 0 ? 0u : w[j] & ((1u << (8 * bytes)) - 1u);
-      }
-    }
+  for (int j = 0; j < 4; ++j) {
+    const int bytes = keep % 16 - 4 * j;
+    mask[j] = bytes >= 4 ? ~0u : bytes <= 0 ? 0u : (1u << (8 * bytes)) - 1u;
+  }
+  constexpr int kRows = kRowsA + kRowsB;
+#pragma unroll
+  for (int q0 = 0; q0 < kRows; q0 += kThreads) {
+    const int q = q0 + t;
+    if (kRows % kThreads != 0 && q >= kRows) break;
+    uint8_t* row = q < kRowsA ? a + q * 128 : b + (q - kRowsA) * 128;
+    const int phase = q % 8;  // unit u of the row stored at unit u ^ phase
+    uint4* unit = reinterpret_cast<uint4*>(row + (first ^ phase) * 16);
+    uint4 v = *unit;
+    v.x &= mask[0], v.y &= mask[1], v.z &= mask[2], v.w &= mask[3];
     *unit = v;
+#pragma unroll
+    for (int u = 1; u < 8; ++u)
+      if (u > first && u < last) *reinterpret_cast<uint4*>(row + (u ^ phase) * 16) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -329,13 +343,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       for (int k0 = 0; k0 < m; k0 += kBlock) {
         const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
         Barrier::wait(&full[stage], phase);
+        // The expert's last box: its 32-token wgmma steps past the expert's tokens are skipped, and the bytes
+        // past them in its last step (another expert's tokens, or padding) are set to zero in both operands.
+        int ksteps = kBlock / 32;
         if (m - k0 < kBlock) {
-          // the expert's last box: its tokens past m belong to no one here, zero them in both operands
-          const int t256 = warpgroup * 128 + tid;
-          detail::zero_past(smem_a + stage * Cfg::kBytesA, Cfg::kBlockM, m - k0, t256, 256);
-          detail::zero_past(smem_b + stage * Cfg::kBytesB, Cfg::kBlockN, m - k0, t256, 256);
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(256, 2);
+          const int keep = m - k0;
+          ksteps = (keep + 31) / 32;
+          if (keep % 32 != 0) {
+            detail::zero_past<Cfg::kBlockM, Cfg::kBlockN, 256>(smem_a + stage * Cfg::kBytesA, smem_b + stage * Cfg::kBytesB, keep,
+                                                               32 * ksteps, warpgroup * 128 + tid);
+            cutlass::arch::fence_view_async_shared();
+            cutlass::arch::NamedBarrier::sync(256, 2);
+          }
         }
         const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
         // the column scales into registers now, so that the stage is released at the wgmma's end
@@ -348,12 +367,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
         for (int h = 0; h < Cfg::kParts; ++h) {
 #pragma unroll
           for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
-          cute::warpgroup_arrive();
+          // the part's wgmma chain over the box's first `steps` 32-token steps (one straight-line chain per count:
+          // a wgmma under a branch makes ptxas fence every wgmma)
+          auto chain = [&](auto steps) {
+            cute::warpgroup_arrive();
 #pragma unroll
-          for (int k = 0; k < kBlock / 32; ++k)
-            wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc, k > 0,
-                               std::make_integer_sequence<int, Cfg::kAccum>{});
-          cute::warpgroup_commit_batch();
+            for (int k = 0; k < decltype(steps)::value; ++k)
+              wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc, k > 0,
+                                 std::make_integer_sequence<int, Cfg::kAccum>{});
+            cute::warpgroup_commit_batch();
+          };
+          switch (ksteps) {
+            case 1: chain(std::integral_constant<int, 1>{}); break;
+            case 2: chain(std::integral_constant<int, 2>{}); break;
+            case 3: chain(std::integral_constant<int, 3>{}); break;
+            default: chain(std::integral_constant<int, 4>{}); break;
+          }
           cute::warpgroup_wait<0>();
 #pragma unroll
           for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);

@@ -26,14 +26,14 @@ void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoi
 int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }
 
 size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice) {
-  if (gemm::fp8_ragged_reduction_kernel(choice.kernel, p) != GemmKernel::kCutlass) return 0;
+  if (gemm::fp8_ragged_reduction_kernel(choice.kernel) != GemmKernel::kCutlass) return 0;
   return p.out_kind == WgradOut::kBF16 ? gemm::cutlass_fp8_ragged_k_bf16_workspace_size(p.E)
                                        : gemm::cutlass_fp8_ragged_k_f32_workspace_size(p.E);
 }
 
 void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
                        cudaStream_t stream) {
-  if (gemm::fp8_ragged_reduction_kernel(choice.kernel, p) == GemmKernel::kCutlass) {
+  if (gemm::fp8_ragged_reduction_kernel(choice.kernel) == GemmKernel::kCutlass) {
     if (p.out_kind == WgradOut::kBF16) return gemm::cutlass_fp8_ragged_k_bf16(p, a, b, workspace, stream);
     return gemm::cutlass_fp8_ragged_k_f32(p, a, b, workspace, stream);
   }

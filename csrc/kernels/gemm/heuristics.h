@@ -63,37 +63,34 @@ constexpr int kNumRaggedReductionTilings = sizeof(kRaggedReductionTilings) / siz
 // rounded up to 16; the counts themselves stay on the device).
 inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int64_t>(0, p.cols - (kColAlign - 1) * int64_t(p.E)); }
 
-// Tokens per expert from which moegemm's own kernel is the default wgrad: in the wgrad table
-// (bench/gemm/ragged_reduction.py, bench/results/ragged_reduction_h200.md) it is faster than CUTLASS's
-// kernel in both output modes on every problem with ~2000 or more tokens per expert (DeepGEMM's shapes of
-// 2048 to 8192, Mixtral-8x7B); below, slower with Zipf splits (DeepSeek-V3-EP8 at ~1024 tokens per expert,
-// the shapes of 192-384: every expert ends in a partial 128-token box, bench/NOTES.md) and faster with
-// balanced ones, which the host cannot tell apart.
-constexpr int64_t kSm90WgradTokensPerExpert = 1536;
+// Tokens per expert below which an fp32 accumulation is short: moving the gradient in and out is its
+// bound, and 128-column tiles, whose whole output fits in the epilogue buffers (read before the main loop,
+// added in registers), beat 256-column ones. In the wgrad table (bench/gemm/ragged_reduction.py on an H200,
+// bench/results/ragged_reduction_h200.md) 128 columns were faster with up to ~400 tokens per expert (V2-Lite,
+// Qwen3, DeepGEMM's 64x384, small experts) and 256 from ~1000 (DeepSeek-V3-EP8 and DeepGEMM's 32x1024 on).
+constexpr int64_t kShortReductionTokensPerExpert = 512;
 
-// The tiling of moegemm's kernel: 256 columns and four epilogue buffers, except that an fp32
-// accumulation over short reductions, where moving the gradient is the bound, takes 128 columns, whose
-// whole output fits in the buffers (read before the main loop, added in registers); and 128 columns
-// when 256-wide tiles would leave SMs idle.
+// The tiling of moegemm's kernel: 256 columns, except 128 for a short fp32 accumulation and when 256-wide
+// tiles would leave SMs idle.
 inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
   const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
   const bool short_accumulation =
-      p.out_kind == WgradOut::kF32Accumulate && reduction_tokens(p) < kSm90WgradTokensPerExpert * p.E;
+      p.out_kind == WgradOut::kF32Accumulate && reduction_tokens(p) < kShortReductionTokensPerExpert * p.E;
   return kRaggedReductionTilings[p.K > 128 && wide_tiles >= sms && !short_accumulation ? 1 : 0];
 }
 
 // The FP8 ragged-reduction kernel: the caller's choice, else MOEGEMM_FP8_WGRAD (sm90 | cutlass, read once),
-// else moegemm's own kernel from kSm90WgradTokensPerExpert tokens per expert and CUTLASS's below.
-inline GemmKernel fp8_ragged_reduction_kernel(GemmKernel requested, const RaggedReduction& p) {
+// else moegemm's own kernel: in the wgrad table at 4928e16 faster than CUTLASS's on every problem with bf16
+// output, and with fp32 accumulation on all but five (Zipf splits on V2-Lite fc1, Qwen3 and V3-EP8: by
+// 1.4-4 %), by 10-27 % on each model with balanced splits.
+inline GemmKernel fp8_ragged_reduction_kernel(GemmKernel requested) {
   if (requested != GemmKernel::kDefault) return requested;
   static const GemmKernel from_env = [] {
     const char* v = std::getenv("MOEGEMM_FP8_WGRAD");
-    if (v != nullptr && std::strcmp(v, "sm90") == 0) return GemmKernel::kSm90;
     if (v != nullptr && std::strcmp(v, "cutlass") == 0) return GemmKernel::kCutlass;
-    return GemmKernel::kDefault;
+    return GemmKernel::kSm90;
   }();
-  if (from_env != GemmKernel::kDefault) return from_env;
-  return reduction_tokens(p) >= kSm90WgradTokensPerExpert * p.E ? GemmKernel::kSm90 : GemmKernel::kCutlass;
+  return from_env;
 }
 
 // The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (sm90 | cutlass, read once), else

@@ -5,7 +5,8 @@ byte it holds is taken by ballast, then ``torch.cuda.set_per_process_memory_frac
 given budget) during one phase of a training step (forward, backward or backward_dw), for budgets from 0
 up until the step passes, so that the failure moves through the phase's allocations: in the FP8 weight
 cache's quantization, inside the forward op, inside the backward op, inside the split backward's wgrad
-op. After each failure: the error is ``torch.OutOfMemoryError`` and the CUDA context still works; every
+op (where it allocates: on moegemm's own wgrad kernel backward_dw allocates nothing and passes with a
+budget of 0). After each failure: the error is ``torch.OutOfMemoryError`` and the CUDA context still works; every
 kept FP8 weight copy is the exact quantization of the current weights (a warm cache is untouched); the
 split backward's store is empty; the next step, after the failed one is discarded (gradients zeroed),
 gives bitwise the outputs and gradients of a run that never failed; and once the step's results and the
@@ -208,6 +209,7 @@ def test_out_of_memory_mid_step(kind, recipe, mode):
     cache = rig.layer._fp8_cache
     phases = ["forward", "backward"] + (["backward_dw"] if rig.split else [])
     failures = []
+    passed_at = {}  # phase -> the budget it first passed with
     for phase in phases:
         for warm in ([False, True] if phase == "forward" and recipe == "fp8_blockwise" else [False]):
             for budget in BUDGETS:
@@ -220,6 +222,7 @@ def test_out_of_memory_mid_step(kind, recipe, mode):
                 outcome, info = _attempt(rig, phase, budget)
                 if outcome == "passed":
                     assert_bitwise(info, expected, f"{phase} passed with {budget} bytes")
+                    passed_at[phase] = budget
                     info = kept = None
                     break
                 failures.append((phase, info))
@@ -243,5 +246,5 @@ def test_out_of_memory_mid_step(kind, recipe, mode):
     if recipe == "fp8_blockwise":  # the cold cache's quantization failed too
         assert any(phase == "forward" and any(f.startswith("weight_cache.py") for f in frames)
                    for phase, frames in failures), inside
-    if rig.split:
-        assert any(phase == "backward_dw" for phase, _ in failures), inside
+    if rig.split:  # its wgrad op failed, or it allocates nothing (moegemm's own wgrad kernel needs no workspace)
+        assert any(phase == "backward_dw" for phase, _ in failures) or passed_at["backward_dw"] == 0, inside

@@ -1,7 +1,8 @@
 // FP8 blockwise quantization kernels (docs/design.md#fp8-recipe).
 //   quantize_act: the multi-cast kernel (multicast.cuh) reading x as it is.
 //   requantize_cols: the same kernel reading an FP8 row copy (dequantized), writing only the column copy.
-//   quantize_weight_kernel: one CTA per 128x128 block of one expert; writes W and Wᵀ copies.
+//   quantize_weight_kernel: one CTA per 128x128 block of one expert; writes W and Wᵀ copies, both in whole
+//   128-byte lines (Wᵀ through a swizzled FP8 tile in shared memory and 4x4 byte transposes in registers).
 #include <algorithm>
 
 #include "moegemm.h"
@@ -28,10 +29,25 @@ struct alignas(4 * sizeof(T)) Raw4 {
   }
 };
 
+// The FP8 tile in shared memory: 128 rows of 32 words (4 e4m3 each); row r's word w stored at w ^ 4 (r / 16 % 8),
+// so that both the row writes (a warp: one row's 32 words) and the transposed reads (a warp: 16 rows apart
+// by 16 each, 4 consecutive words) reach 32 different banks.
+__device__ __forceinline__ int tile_word(int r, int w) { return r * (kBlock / 4) + (w ^ (4 * ((r / 16) % 8))); }
+
+// Bytes j of a, b, c, d as one word [a_j, b_j, c_j, d_j], for j = 0..3: a 4x4 byte transpose.
+__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
+  const uint32_t ab01 = __byte_perm(a, b, 0x5140), ab23 = __byte_perm(a, b, 0x7362);  // [a0 b0 a1 b1], [a2 b2 a3 b3]
+  const uint32_t cd01 = __byte_perm(c, d, 0x5140), cd23 = __byte_perm(c, d, 0x7362);
+  out[0] = __byte_perm(ab01, cd01, 0x5410);
+  out[1] = __byte_perm(ab01, cd01, 0x7632);
+  out[2] = __byte_perm(ab23, cd23, 0x5410);
+  out[3] = __byte_perm(ab23, cd23, 0x7632);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) quantize_weight_kernel(const T* __restrict__ w, int64_t N, int64_t K,
     uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT) {
-  __shared__ __align__(16) uint8_t tileq[kBlock][kBlock + 16];
+  __shared__ uint32_t tileq[kBlock * kBlock / 4];
   __shared__ float warp_max[kWarps];
   const int64_t e = blockIdx.z;
   const int64_t n0 = int64_t(blockIdx.y) * kBlock, k0 = int64_t(blockIdx.x) * kBlock;
@@ -74,21 +90,27 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_weight_kernel(const T* _
     float v[4];
     raw[j].get(v);
     const uint32_t packed = quant.pack4(v);
-    *reinterpret_cast<uint32_t*>(&tileq[r][4 * lane]) = packed;
+    tileq[tile_word(r, lane)] = packed;
     if (r < nn && lane_active) *reinterpret_cast<uint32_t*>(q + e * N * K + (n0 + r) * K + k0 + 4 * lane) = packed;
   }
   __syncthreads();
-  // Transposed copy: item = (column k, 16 rows of n); 1024 items, 4 per thread.
-  for (int item = threadIdx.x; item < kBlock * (kBlock / 16); item += kThreads) {
-    const int k = item % kBlock, r0 = (item / kBlock) * 16;
-    if (k >= nk || r0 >= nn) continue;
-    uint32_t out[4];
+  // Transposed copy: thread = (4 columns kq, 16 rows rc) of the tile, 16 bytes of each column's row of Wᵀ; the 8
+  // threads of one kq write those 4 rows of Wᵀ in whole 128-byte lines. nn and nk are multiples of 16.
+  static_assert(kThreads == (kBlock / 4) * (kBlock / 16), "one thread per 4 columns x 16 rows");
+  const int kq = threadIdx.x / 8, rc = threadIdx.x % 8;
+  if (4 * kq >= nk || 16 * rc >= nn) return;
+  uint32_t cols[4][4];  // [column c][rows 4g..4g+3]
 #pragma unroll
-    for (int g = 0; g < 4; ++g)
-      out[g] = uint32_t(tileq[r0 + 4 * g][k]) | uint32_t(tileq[r0 + 4 * g + 1][k]) << 8 |
-               uint32_t(tileq[r0 + 4 * g + 2][k]) << 16 | uint32_t(tileq[r0 + 4 * g + 3][k]) << 24;
-    *reinterpret_cast<uint4*>(qT + e * N * K + (k0 + k) * N + n0 + r0) = make_uint4(out[0], out[1], out[2], out[3]);
+  for (int g = 0; g < 4; ++g) {
+    const int r = 16 * rc + 4 * g;
+    uint32_t t[4];
+    transpose4x4(tileq[tile_word(r, kq)], tileq[tile_word(r + 1, kq)], tileq[tile_word(r + 2, kq)], tileq[tile_word(r + 3, kq)], t);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) cols[c][g] = t[c];
   }
+  uint8_t* dst = qT + e * N * K + (k0 + 4 * kq) * N + n0 + 16 * rc;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) *reinterpret_cast<uint4*>(dst + c * N) = make_uint4(cols[c][0], cols[c][1], cols[c][2], cols[c][3]);
 }
 
 template <typename T>

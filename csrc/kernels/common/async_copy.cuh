@@ -34,6 +34,10 @@ __device__ __forceinline__ void load16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
+// Waits until every cp.async this thread issued has landed (its own copies only: a CTA barrier follows
+// before other threads read them).
+__device__ __forceinline__ void wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // One arrival on `bar` once every cp.async this thread issued before has landed (the barrier counts the
 // issuing threads: no arrival of their own).
 __device__ __forceinline__ void arrive_when_loaded(uint64_t* bar) {

@@ -2,7 +2,7 @@
 //   quantize_act: the multi-cast kernel (multicast.cuh) reading x as it is.
 //   requantize_cols: the same kernel reading an FP8 row copy (dequantized), writing only the column copy.
 //   quantize_weight_kernel: one CTA per 128x128 block of one expert, staged in shared memory by cp.async;
-//   writes W and Wᵀ copies, both in whole 128-byte lines (Wᵀ through a swizzled FP8 tile in shared memory
+//   writes W and Wᵀ copies, both as contiguous 128-byte row segments (Wᵀ through a swizzled FP8 tile in shared memory
 //   and 4x4 byte transposes in registers).
 #include <algorithm>
 
@@ -33,8 +33,8 @@ struct alignas(4 * sizeof(T)) Raw4 {
 };
 
 // The FP8 tile in shared memory: 128 rows of 32 words (4 e4m3 each); row r's word w stored at w ^ 4 (r / 16 % 8),
-// so that both the row writes (a warp: one row's 32 words) and the transposed reads (a warp: 16 rows apart
-// by 16 each, 4 consecutive words) reach 32 different banks.
+// so that both the row writes (a warp: one row's 32 words) and the transposed reads (a warp: 8 rows, 16
+// apart, 4 consecutive words of each) reach 32 different banks.
 __device__ __forceinline__ int tile_word(int r, int w) { return r * (kBlock / 4) + (w ^ (4 * ((r / 16) % 8))); }
 
 // Bytes j of a, b, c, d as one word [a_j, b_j, c_j, d_j], for j = 0..3: a 4x4 byte transpose.
@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
   }
   __syncthreads();
   // Transposed copy: thread = (4 columns kq, 16 rows rc) of the tile, 16 bytes of each column's row of Wᵀ; the 8
-  // threads of one kq write those 4 rows of Wᵀ in whole 128-byte lines (nn and nk are multiples of 16).
+  // threads of one kq write those 4 rows' 128 contiguous bytes (whole lines when N is a multiple of 128; nn and nk
+  // are multiples of 16).
   static_assert(kThreads == (kBlock / 4) * (kBlock / 16), "one thread per 4 columns x 16 rows");
   const int kq = threadIdx.x / 8, rc = threadIdx.x % 8;
   if (4 * kq >= nk || 16 * rc >= nn) return;

@@ -117,13 +117,8 @@ def main() -> int:
                 calls[f"{k} {m}"] = call(operands, plan, kernel, mode, out)
             del base, res
         if dg:  # each group's tokens padded to 128 with zeros, as DeepGEMM requires; its host sizes
-            padded = [-(-c // dg_peer.ALIGN) * dg_peer.ALIGN for c in splits]
-            dyp = torch.zeros(sum(padded), N, device=dev, dtype=torch.bfloat16)
-            xp = torch.zeros(sum(padded), K, device=dev, dtype=torch.bfloat16)
-            src = dst = 0
-            for c, cp in zip(splits, padded):
-                dyp[dst:dst + c], xp[dst:dst + c] = dy[src:src + c], x[src:src + c]
-                src, dst = src + c, dst + cp
+            dyp, padded = dg_peer.pad_groups(dy, splits)
+            xp, _ = dg_peer.pad_groups(x, splits)
             aq, sa = dg_peer.quantize_cols(dyp)
             bq, sb = dg_peer.quantize_cols(xp)
             calls["DeepGEMM f32+="], _ = dg_peer.wgrad(dg, aq, sa, bq, sb, padded)

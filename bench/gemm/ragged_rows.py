@@ -102,12 +102,7 @@ def main() -> int:
             rec["rel_diff_vs_cutlass"][v] = ((out - base).norm() / base.norm().clamp_min(1e-30)).item()
             calls[v] = lambda kw=kw: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, **kw)
         if dg:  # each group padded to 128 rows, as DeepGEMM requires
-            padded = [-(-c // dg_peer.ALIGN) * dg_peer.ALIGN for c in splits]
-            xp = torch.zeros(sum(padded), K, device=dev, dtype=torch.bfloat16)
-            src = dst = 0
-            for c, cp in zip(splits, padded):
-                xp[dst:dst + c] = x[src:src + c]
-                src, dst = src + c, dst + cp
+            xp, padded = dg_peer.pad_groups(x, splits)
             xq, xs = dg_peer.quantize_rows(xp)
             wq = torch.empty(E, N, K, device=dev, dtype=torch.float8_e4m3fn)
             ws = torch.empty(E, -(-N // 128), K // 128, device=dev)

@@ -145,6 +145,20 @@ def load(package: Path, root: Path = DEFAULT_ROOT):
 
 
 # ----------------------------------------------------------------------------------- operands and GEMMs
+def pad_groups(t, counts):
+    """t [sum(counts), C] with each group's rows padded with zero rows to a multiple of ALIGN, as DeepGEMM's
+    contiguous layout requires: (the padded tensor, the padded counts: DeepGEMM's host sizes)."""
+    import torch
+
+    padded = [-(-c // ALIGN) * ALIGN for c in counts]
+    out = torch.zeros(sum(padded), t.shape[1], device=t.device, dtype=t.dtype)
+    src = dst = 0
+    for c, cp in zip(counts, padded):
+        out[dst:dst + c] = t[src:src + c]
+        src, dst = src + c, dst + cp
+    return out, padded
+
+
 def quantize_rows(t):
     """FP8 e4m3 of t [R, C] in 1x128 blocks along each row: (q [R, C], fp32 scales [R, C/128])."""
     import torch

@@ -79,31 +79,28 @@ inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, i
   return kRaggedReductionTilings[p.K > 128 && wide_tiles >= sms && !short_accumulation ? 1 : 0];
 }
 
-// The FP8 ragged-reduction kernel: the caller's choice, else MOEGEMM_FP8_WGRAD (sm90 | cutlass, read once),
-// else moegemm's own kernel: in the wgrad table at 4928e16 faster than CUTLASS's on every problem with bf16
-// output, and with fp32 accumulation on all but five (Zipf splits on V2-Lite fc1, Qwen3 and V3-EP8: by
-// 1.4-4 %), by 10-27 % on each model with balanced splits.
-inline GemmKernel fp8_ragged_reduction_kernel(GemmKernel requested) {
-  if (requested != GemmKernel::kDefault) return requested;
-  static const GemmKernel from_env = [] {
-    const char* v = std::getenv("MOEGEMM_FP8_WGRAD");
-    if (v != nullptr && std::strcmp(v, "cutlass") == 0) return GemmKernel::kCutlass;
-    return GemmKernel::kSm90;
-  }();
-  return from_env;
+// The kernel an FP8 grouped GEMM runs when the caller names none: CUTLASS's when the environment variable
+// `env` says "cutlass", else moegemm's own sm90 kernel.
+inline GemmKernel kernel_from_env(const char* env) {
+  const char* v = std::getenv(env);
+  return v != nullptr && std::strcmp(v, "cutlass") == 0 ? GemmKernel::kCutlass : GemmKernel::kSm90;
 }
 
-// The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (sm90 | cutlass, read once), else
-// moegemm's own sm90 kernel (faster than CUTLASS's ptr-array kernel on every shape of the GEMM table,
+// The FP8 ragged-reduction kernel: the caller's choice, else MOEGEMM_FP8_WGRAD (read once), else moegemm's
+// own kernel: in the wgrad table at 4928e16 faster than CUTLASS's on every problem with bf16 output, and
+// with fp32 accumulation on all but five (Zipf splits on V2-Lite fc1, Qwen3 and V3-EP8: by 1.4-4 %), by
+// 10-27 % on each model with balanced splits.
+inline GemmKernel fp8_ragged_reduction_kernel(GemmKernel requested) {
+  static const GemmKernel from_env = kernel_from_env("MOEGEMM_FP8_WGRAD");
+  return requested != GemmKernel::kDefault ? requested : from_env;
+}
+
+// The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (read once), else moegemm's own sm90
+// kernel (faster than CUTLASS's ptr-array kernel on every shape of the GEMM table,
 // bench/results/ragged_rows_h200.md).
 inline GemmKernel fp8_ragged_rows_kernel(GemmKernel requested) {
-  if (requested != GemmKernel::kDefault) return requested;
-  static const GemmKernel from_env = [] {
-    const char* v = std::getenv("MOEGEMM_FP8_GEMM");
-    if (v != nullptr && std::strcmp(v, "cutlass") == 0) return GemmKernel::kCutlass;
-    return GemmKernel::kSm90;
-  }();
-  return from_env;
+  static const GemmKernel from_env = kernel_from_env("MOEGEMM_FP8_GEMM");
+  return requested != GemmKernel::kDefault ? requested : from_env;
 }
 
 }  // namespace moegemm::gemm

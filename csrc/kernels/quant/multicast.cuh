@@ -4,11 +4,12 @@
 // tiles. Each value is read once and written as the 1x128 row-block copy q [T, K] + s [T, Kb] and the
 // per-expert transposed 128x1 column-block copy qT [K, col_cap] + sT [NB, K] (either pair may be skipped).
 //
-// Pipeline: the CTA's 16 warps copy each tile's input rows into a ring of shared-memory stages with
-// 16-byte cp.async (only the tile's tokens; the copies complete on the stage's mbarrier), n_stages - 1
-// tiles ahead; then compute the tile's values from the stage into registers (4 rows x 8 columns per
-// thread), write the row copy, reduce the column maxima through shared memory, and write the column copy
-// through a swizzled shared-memory tile with full-line stores.
+// Pipeline: warp 0 finds each tile (no division per tile); the CTA's 16 warps copy its input rows into a
+// ring of shared-memory stages with 16-byte cp.async (only the tile's tokens; the copies complete on the
+// stage's mbarrier), n_stages tiles ahead; then compute the tile's values from the stage into registers
+// (4 rows x 8 columns per thread), write the row copy, reduce the column maxima through shared memory
+// (every warp taking 8 columns), and write the column copy through a swizzled shared-memory tile with
+// full-line stores: three CTA barriers per tile (see kernel).
 //
 // Loaders say what is staged and how values are made of it:
 //   PlainLoader<T>        x itself (quantize_act)
@@ -26,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "moegemm.h"
 #include "kernels/common/async_copy.cuh"
@@ -54,14 +56,15 @@ struct Segment {
 // Eight consecutive values as floats (one 16-byte load for 16-bit types, two for fp32).
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&v)[kVec]);
+// bf16 -> fp32 is a 16-bit shift: the low half moves up, the high half keeps its place (one instruction each).
 template <>
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[kVec]) {
   const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x; v[2 * i + 1] = f.y;
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
 }
 template <>
@@ -195,7 +198,8 @@ constexpr int64_t stage_bytes() {
   return int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
 }
 
-// A tile as its loads found it, kept with its stage.
+// A tile as warp 0 found it. Tile j of a CTA lives in slot j % (2 n_stages) of the info ring: written an
+// iteration before its loads read it, and read again when the tile is computed.
 struct TileInfo {
   int64_t row0;    // first token
   int64_t block;   // 128-token block (row of sT)
@@ -203,12 +207,12 @@ struct TileInfo {
   int32_t nr, kb;  // tokens (1..128), tile column block (the first output block's)
 };
 
-// The shared memory of a CTA, all dynamic: the stages' barriers and tile infos, the per-warp column
+// The shared memory of a CTA, all dynamic: the stages' barriers, the tile infos, the per-warp column
 // maxima, the column multipliers, the plan, the FP8 column tile (when the column copy is made), then the
 // ring of stages.
 struct Layout {
   static constexpr int kFull = 0, kInfo = kFull + 8 * kMaxStages;
-  static constexpr int kPartial = kInfo + int(sizeof(TileInfo)) * kMaxStages;         // [16 warps][128] floats
+  static constexpr int kPartial = kInfo + int(sizeof(TileInfo)) * 2 * kMaxStages;     // [16 warps][128] floats
   static constexpr int kMul = kPartial + kWarps * kBlock * 4;                         // [2][128] floats
   static constexpr int kPlan = kMul + 2 * kBlock * 4;
   int col_tile, stages, total;
@@ -218,6 +222,10 @@ struct Layout {
     total = stages + int(stage_bytes) * n_stages;
   }
 };
+
+// Where warp w's maximum of column c sits in the per-warp column maxima: row w, rotated by 8 columns per
+// group of 4 warps, so that the lanes reading 4 warps' rows of 8 columns meet 32 different banks.
+__device__ __forceinline__ int partial_index(int w, int c) { return w * kBlock + (c + kVec * (w / 4)) % kBlock; }
 
 // Rows [covered, T) of the row copy (q, s) and of row_extra belong to no expert (device counts summing
 // below T): zeros, spread over every thread. q's rows are K bytes, K a multiple of 16.
@@ -237,11 +245,21 @@ __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, 
 // reading one column's 16-byte chunks hit 8 different ones.
 __device__ __forceinline__ int col_swizzle(int c) { return 2 * (c / kVec); }
 
+// One CTA per SM walks its tiles j = 0, 1, ... (tile blockIdx.x + j * gridDim.x). Per tile, three barriers:
+//   values from the stage; row copy; column maxima -> shared     | barrier A: the stage is free, so every
+//   thread issues its loads of tile j + n_stages into it (found by warp 0 while tile j was waited for);
+//   column scales, 8 columns per warp                            | barrier B
+//   the column copy into the FP8 column tile                     | barrier C
+//   the column tile out to qT.
+// The next tile's column maxima, scales and column tile come after the next barrier that every thread
+// passes past this tile's last reads of them, so one buffer of each suffices. Tiles of 128 tokens and 128
+// columns (all but an expert's last and the last column block) take a path without bounds checks.
 template <class Loader>
 __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int64_t K, int E,
     const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT,
     float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra, int n_stages) {
   using Raw = typename Loader::Raw;
+  constexpr int kOut = Loader::kOut;
   constexpr int kStageElems = kBlock * kBlock;  // per input
   constexpr int64_t kStageBytes = stage_bytes<Loader>();
   constexpr int kPerCopy = 16 / sizeof(Raw);    // elements per 16-byte copy
@@ -268,33 +286,41 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   const int32_t* tok = plan_s;
   const int32_t* col = plan_s + (E + 1);
   const int32_t* blk = plan_s + 2 * (E + 1);
-  constexpr int kOut = Loader::kOut;
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // output column blocks
   const int64_t Kt = Kb / kOut;                  // tile columns
   const bool fits = plan_fits(plan_s, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
   const int64_t covered = fits ? tok[E] : 0;
   const int64_t n_tiles = fits ? int64_t(blk[E]) * Kt : 0;
-  const int64_t n_mine = n_tiles > blockIdx.x ? (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;  // this CTA's
+  const int n_mine = n_tiles > blockIdx.x ? static_cast<int>((n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x) : 0;
+  const int ring = 2 * n_stages;  // info slots
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int half = lane / kLanesPerRow, hl = lane % kLanesPerRow;
+  const int g = 2 * warp + half;  // thread (warp w, half h, lane hl): rows 4g .. 4g + 3, columns 8hl .. 8hl + 7
 
-  // Loads of this CTA's tile j (tile blockIdx.x + j * gridDim.x) into stage j % n_stages, by every thread
-  // (in order of j: the owner of a tile's block is found from the previous one's).
+  // Warp 0 finds the CTA's tiles in order and records each in its info slot: the next tile's 128-token
+  // block and column block by adding the grid's (no division per tile), the block's owner from the
+  // previous tile's.
   int owner = 0;
-  auto load_tile = [&](int64_t j) {
-    const int stage = static_cast<int>(j % n_stages);
-    const int64_t t = blockIdx.x + j * gridDim.x;
-    const int64_t b = t / Kt;
-    const int kb = static_cast<int>(t % Kt);
+  const int kt = static_cast<int>(Kt > 0 ? Kt : 1), grid_blocks = gridDim.x / kt, grid_kb = gridDim.x % kt;  // (Kt < 2^31)
+  int next_b = blockIdx.x / kt, next_kb = blockIdx.x % kt;  // (blocks < 2^31: plan values are int32)
+  auto find_tile = [&](int slot) {
+    const int b = next_b, kb = next_kb;
+    next_b += grid_blocks;
+    next_kb += grid_kb;
+    if (next_kb >= kt) next_kb -= kt, ++next_b;
     const int e = owner = walk_expert(blk, E, b, owner);
     const int64_t i = b - blk[e];
     const int64_t row0 = tok[e] + i * kBlock;
-    const int nr = static_cast<int>(imin64(kBlock, tok[e + 1] - row0));
-    const int64_t k0 = int64_t(kb) * kBlock;
+    if (lane == 0) infos[slot] = TileInfo{row0, b, col[e] + i * kBlock, static_cast<int>(imin64(kBlock, tok[e + 1] - row0)), kb};
+  };
+  // Every thread's share of the loads of the tile in info slot `slot` into `stage`: 16-byte chunk c of rows
+  // r0, r0 + kRowStep, ... of the tile (a chunk's columns lie in at most one segment of each input).
+  auto load_tile = [&](int slot, int stage) {
+    const TileInfo tile = infos[slot];
+    const int64_t k0 = int64_t(tile.kb) * kBlock;
     const int nk = static_cast<int>(imin64(kBlock, K / kOut - k0));
-    if (threadIdx.x == 0) infos[stage] = TileInfo{row0, b, col[e] + i * kBlock, nr, kb};
-    // Thread = (16-byte chunk c of a staged row, rows r0, r0 + kRowStep, ...): the chunk's column lies in at
-    // most one segment of each input.
-    Raw* dst = stages + int64_t(stage) * (kStageBytes / sizeof(Raw)) + kPerCopy * (threadIdx.x % kChunksPerRow);
     const int cc = kPerCopy * (threadIdx.x % kChunksPerRow), r0 = threadIdx.x / kChunksPerRow;
+    Raw* dst = stages + int64_t(stage) * (kStageBytes / sizeof(Raw)) + cc;
 #pragma unroll
     for (int in = 0; in < Loader::kInputs; ++in) {
       Segment seg[2];
@@ -304,154 +330,199 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
       for (int x = 0; x < 2; ++x)  // (constant indices: the segments stay in registers)
         if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
       if (from < 0) continue;
-      for (int r = r0; r < nr; r += kRowStep)
-        async_copy::load16(dst + in * kStageElems + r * kBlock, src.row_start(in, row0 + r) + from);
+      for (int r = r0; r < tile.nr; r += kRowStep)
+        async_copy::load16(dst + in * kStageElems + r * kBlock, src.row_start(in, tile.row0 + r) + from);
     }
     async_copy::arrive_when_loaded(&full[stage]);
   };
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int half = lane / kLanesPerRow, hl = lane % kLanesPerRow;
-  const int g = 2 * warp + half;  // thread (warp w, half h, lane hl): rows 4g .. 4g + 3, columns 8hl .. 8hl + 7
   if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + threadIdx.x,
                                        int64_t(gridDim.x) * kThreads);
-  for (int64_t j = 0; j < n_stages - 1 && j < n_mine; ++j) load_tile(j);
-  for (int64_t j = 0; j < n_mine; ++j) {
-    // Every thread is done with tile j - 1's stage: tile j + n_stages - 1 may be loaded into it.
-    async_copy::sync_threads(1, kThreads);
-    if (j + n_stages - 1 < n_mine) load_tile(j + n_stages - 1);
-    if (n_stages == 1) async_copy::sync_threads(1, kThreads);  // (the tile's info, just written)
-    const int stage = static_cast<int>(j % n_stages);
-    async_copy::wait(&full[stage], static_cast<uint32_t>((j / n_stages) & 1));
-    const TileInfo tile = infos[stage];
+  const int n_ahead = n_mine < n_stages ? n_mine : n_stages;
+  if (warp == 0)
+    for (int j = 0; j < n_ahead; ++j) find_tile(j);
+  async_copy::sync_threads(1, kThreads);
+  for (int j = 0; j < n_ahead; ++j) load_tile(j, j);
+
+  // Tile j sits in stage j % n_stages (its use number parity = j / n_stages) and info slot j % ring;
+  // tile j + n_stages in the same stage and slot (j + n_stages) % ring. Counted, not divided.
+  int stage = 0, slot = 0;
+  uint32_t parity = 0;
+  for (int j = 0; j < n_mine; ++j) {
+    const int slot_ahead = slot + n_stages < ring ? slot + n_stages : slot + n_stages - ring;
+    if (warp == 0 && j + n_stages < n_mine) find_tile(slot_ahead);  // its loads read it after barrier A
+    async_copy::wait(&full[stage], parity);
+    const TileInfo tile = infos[slot];
     const int64_t k0 = int64_t(tile.kb) * kBlock;  // of the tile, in the loader's columns
     const int nk = static_cast<int>(imin64(kBlock, K / kOut - k0));
-    const bool lane_active = kVec * hl < nk;  // nk is a multiple of 16
-
-    // Values of the thread's 4 rows from the stage.
     const Raw* staged = stages + int64_t(stage) * (kStageBytes / sizeof(Raw));
-    float v[kOut][kRows][kVec];
-    float extra[kRows];
-#pragma unroll
-    for (int jr = 0; jr < kRows; ++jr) {
-      const int r = kRows * g + jr;
-      extra[jr] = 0.f;
-      if (r < tile.nr && lane_active) {
-        const Raw* raw[Loader::kInputs];
-#pragma unroll
-        for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
-        if constexpr (kOut == 1) extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr]);
-        else extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr], v[1][jr]);
-      } else {
-#pragma unroll
-        for (int c = 0; c < kVec; ++c)
-#pragma unroll
-          for (int ob = 0; ob < kOut; ++ob) v[ob][jr][c] = 0.f;
-      }
-    }
 
-    if constexpr (Loader::kExtra) {
+    auto compute = [&](auto whole) {
+      constexpr bool kWhole = decltype(whole)::value;  // 128 tokens x 128 columns: no bounds to check
+      const bool lane_active = kWhole || kVec * hl < nk;  // nk is a multiple of 16
+      auto row_in = [&](int r) { return kWhole || r < tile.nr; };
+
+      // Values of the thread's 4 rows from the stage.
+      float v[kOut][kRows][kVec];
+      float extra[kRows];
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
-        const float sum = half_sum(extra[jr]);
-        if (row_extra != nullptr && r < tile.nr && hl == 0) {
-          row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
-          if (kOut == 2) row_extra[(tile.row0 + r) * Kb + Kt + tile.kb] = 0.f;
+        extra[jr] = 0.f;
+        if (row_in(r) && lane_active) {
+          const Raw* raw[Loader::kInputs];
+#pragma unroll
+          for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
+          if constexpr (kOut == 1) extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr]);
+          else extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr], v[1][jr]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c)
+#pragma unroll
+            for (int ob = 0; ob < kOut; ++ob) v[ob][jr][c] = 0.f;
         }
       }
-    }
+
+      if constexpr (Loader::kExtra) {
 #pragma unroll
-    for (int ob = 0; ob < kOut; ++ob) {
-      const float (&vo)[kRows][kVec] = v[ob];
-      const int64_t kb_out = tile.kb + ob * Kt, k0_out = kb_out * kBlock;
-      // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the
-      // half-warp (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the
-      // multipliers go back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
-      if (q != nullptr) {
-        float a[kRows];
+        for (int jr = 0; jr < kRows; ++jr) {
+          const int r = kRows * g + jr;
+          const float sum = half_sum(extra[jr]);
+          if (row_extra != nullptr && row_in(r) && hl == 0) {
+            row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
+            if (kOut == 2) row_extra[(tile.row0 + r) * Kb + Kt + tile.kb] = 0.f;
+          }
+        }
+      }
+#pragma unroll
+      for (int ob = 0; ob < kOut; ++ob) {
+        const float (&vo)[kRows][kVec] = v[ob];
+        const int64_t kb_out = tile.kb + ob * Kt, k0_out = kb_out * kBlock;
+        // The maxima of each row over the thread's 8 columns and of each column over its 4 rows: in one pass
+        // for one output block (registers to spare); for two, the column maxima after the row copy.
+        float a[kRows], cmax[kVec];
+        auto column_maxima = [&] {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) {
+            cmax[c] = fabsf(vo[0][c]);
+#pragma unroll
+            for (int jr = 1; jr < kRows; ++jr) cmax[c] = nan_max(cmax[c], fabsf(vo[jr][c]));
+          }
+        };
 #pragma unroll
         for (int jr = 0; jr < kRows; ++jr) {
           a[jr] = 0.f;
 #pragma unroll
           for (int c = 0; c < kVec; ++c) a[jr] = nan_max(a[jr], fabsf(vo[jr][c]));
         }
-        const float amax = scatter_amax4(a, hl);
-        const BlockQuant quant(amax);
-        const int mine = hl / 4;  // the row this lane made the scale of
-        if (kRows * g + mine < tile.nr && hl % 4 == 0) s[(tile.row0 + kRows * g + mine) * Kb + kb_out] = quant.scale;
-        const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
+        if (kOut == 1 && qT != nullptr) column_maxima();
+        // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the
+        // half-warp (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the
+        // multipliers go back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
+        if (q != nullptr) {
+          const float amax = scatter_amax4(a, hl);
+          const BlockQuant quant(amax);
+          const int mine = hl / 4;  // the row this lane made the scale of
+          if (row_in(kRows * g + mine) && hl % 4 == 0) s[(tile.row0 + kRows * g + mine) * Kb + kb_out] = quant.scale;
+          const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
+          uint8_t* qrow = q + (tile.row0 + kRows * g) * K + k0_out + kVec * hl;
+          float hi[kRows];
 #pragma unroll
-        for (int jr = 0; jr < kRows; ++jr) {
-          const int from = (lane & kLanesPerRow) + 4 * jr;
-          const float hi = __shfl_sync(0xffffffffu, quant.mul_hi, from);
-          const float lo = simple ? 1.f : __shfl_sync(0xffffffffu, quant.mul_lo, from);
-          const int r = kRows * g + jr;
-          if (r < tile.nr && lane_active) {
-            uint2 packed;
-            packed.x = simple ? pack4_by(hi, {vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]})
-                              : BlockQuant(hi, lo).pack4({vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]});
-            packed.y = simple ? pack4_by(hi, {vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]})
-                              : BlockQuant(hi, lo).pack4({vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]});
-            *reinterpret_cast<uint2*>(q + (tile.row0 + r) * K + k0_out + kVec * hl) = packed;
+          for (int jr = 0; jr < kRows; ++jr) hi[jr] = __shfl_sync(0xffffffffu, quant.mul_hi, (lane & kLanesPerRow) + 4 * jr);
+          if (simple) {
+#pragma unroll
+            for (int jr = 0; jr < kRows; ++jr)
+              if (row_in(kRows * g + jr) && lane_active)
+                *reinterpret_cast<uint2*>(qrow + jr * K) =
+                    make_uint2(pack4_by(hi[jr], {vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]}),
+                               pack4_by(hi[jr], {vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]}));
+          } else {
+#pragma unroll
+            for (int jr = 0; jr < kRows; ++jr) {
+              const BlockQuant row(hi[jr], __shfl_sync(0xffffffffu, quant.mul_lo, (lane & kLanesPerRow) + 4 * jr));
+              if (row_in(kRows * g + jr) && lane_active)
+                *reinterpret_cast<uint2*>(qrow + jr * K) = make_uint2(row.pack4({vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]}),
+                                                                      row.pack4({vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]}));
+            }
           }
         }
-      }
-      if (qT == nullptr) continue;  // uniform (the same for every output block)
 
-      // Column maxima: the warp's two row groups, then the 16 warps through shared memory.
-      float cmax[kVec];
+        // Column maxima over the warp's 8 rows: half 0 keeps columns 0-3 of its eight, half 1 columns 4-7,
+        // each taking the other half's rows by one shuffle; one 16-byte store per lane.
+        if (qT != nullptr) {
+          if (kOut == 2) column_maxima();
+          float kept[4];
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) {
-        float a = fabsf(vo[0][c]);
-#pragma unroll
-        for (int jr = 1; jr < kRows; ++jr) a = nan_max(a, fabsf(vo[jr][c]));
-        cmax[c] = nan_max(a, __shfl_xor_sync(0xffffffffu, a, kLanesPerRow));
-      }
-      if (half == 0) store8(partial + warp * kBlock + kVec * hl, cmax);
-      async_copy::sync_threads(1, kThreads);
-      if (threadIdx.x < kBlock) {
-        const int c = threadIdx.x;
-        float a = partial[c];
-#pragma unroll
-        for (int w = 1; w < kWarps; ++w) a = nan_max(a, partial[w * kBlock + c]);
-        const BlockQuant quant(a);
-        mul_hi[c] = quant.mul_hi;
-        mul_lo[c] = quant.mul_lo;
-        if (c < nk) sT[tile.block * K + k0_out + c] = quant.scale;
-      }
-      async_copy::sync_threads(1, kThreads);
+          for (int c = 0; c < 4; ++c) {
+            const float mine = half ? cmax[4 + c] : cmax[c], theirs = half ? cmax[c] : cmax[4 + c];
+            kept[c] = nan_max(mine, __shfl_xor_sync(0xffffffffu, theirs, kLanesPerRow));
+          }
+          *reinterpret_cast<float4*>(partial + partial_index(warp, kVec * hl) + 4 * half) =
+              make_float4(kept[0], kept[1], kept[2], kept[3]);
+        }
+        // Barrier A. Every thread has read its values: at the last output block's (when the others' values
+        // no longer hold registers), the stage takes the loads of tile j + n_stages.
+        if (ob == kOut - 1 || qT != nullptr) async_copy::sync_threads(1, kThreads);
+        if (ob == kOut - 1 && j + n_stages < n_mine) load_tile(slot_ahead, stage);
+        if (qT == nullptr) continue;  // uniform (the same for every output block)
 
-      // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile.
-      float hi[kVec], lo[kVec];
-      load8(mul_hi + kVec * hl, hi);
-      load8(mul_lo + kVec * hl, lo);
-      bool normal = true;
+        // Column scales: warp w reduces columns 8w .. 8w + 7, lane (quarter qd, column c8) the maxima of
+        // warps 4qd .. 4qd + 3, then the four quarters by shuffles.
+        {
+          const int c8 = lane % kVec, qd = lane / kVec, c = kVec * warp + c8;
+          float a = partial[partial_index(4 * qd, c)];
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) normal = normal && lo[c] == 1.f;
-      const bool simple = __all_sync(0xffffffffu, normal);
-#pragma unroll
-      for (int c = 0; c < kVec; ++c) {
-        const int cc = kVec * hl + c;
-        col_tile[cc * (kBlock / 4) + (g ^ col_swizzle(cc))] =
-            simple ? pack4_by(hi[c], {vo[0][c], vo[1][c], vo[2][c], vo[3][c]})
-                   : BlockQuant(hi[c], lo[c]).pack4({vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
-      }
-      async_copy::sync_threads(1, kThreads);
+          for (int w = 1; w < 4; ++w) a = nan_max(a, partial[partial_index(4 * qd + w, c)]);
+          a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 8));
+          a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 16));
+          const BlockQuant quant(a);
+          if (qd == 0) {
+            mul_hi[c] = quant.mul_hi;
+            mul_lo[c] = quant.mul_lo;
+            if (kWhole || c < nk) sT[tile.block * K + k0_out + c] = quant.scale;
+          }
+        }
+        async_copy::sync_threads(1, kThreads);  // barrier B
 
-      // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to 16 (zeros past nr).
-      const int chunks = (tile.nr + kColAlign - 1) / kColAlign;
+        // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile
+        // (the thread's 8 columns share one swizzle).
+        float hi[kVec], lo[kVec];
+        load8(mul_hi + kVec * hl, hi);
+        load8(mul_lo + kVec * hl, lo);
+        bool normal = true;
 #pragma unroll
-      for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
-        const int idx = it * kThreads + threadIdx.x;
-        const int cc = idx / (kBlock / 16), chunk = idx % (kBlock / 16);
-        if (cc >= nk || chunk >= chunks) continue;
-        const int sw = col_swizzle(cc);  // even: whole chunks move (sw / 4), word pairs swap within (sw & 2)
-        uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (sw >> 2)));
-        if (sw & 2) w = make_uint4(w.z, w.w, w.x, w.y);
-        *reinterpret_cast<uint4*>(qT + (k0_out + cc) * col_cap + tile.qt_col + chunk * 16) = w;
+        for (int c = 0; c < kVec; ++c) normal = normal && lo[c] == 1.f;
+        uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
+        if (__all_sync(0xffffffffu, normal)) {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = pack4_by(hi[c], {vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
+        } else {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c)
+            words[c * (kBlock / 4)] = BlockQuant(hi[c], lo[c]).pack4({vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
+        }
+        async_copy::sync_threads(1, kThreads);  // barrier C
+
+        // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to 16 (zeros past nr).
+        const int chunks = kWhole ? kBlock / kColAlign : (tile.nr + kColAlign - 1) / kColAlign;
+#pragma unroll
+        for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
+          const int idx = it * kThreads + threadIdx.x;
+          const int cc = idx / (kBlock / 16), chunk = idx % (kBlock / 16);
+          if (!kWhole && (cc >= nk || chunk >= chunks)) continue;
+          const int sw = col_swizzle(cc);  // even: whole chunks move (sw / 4), word pairs swap within (sw & 2)
+          uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (sw >> 2)));
+          if (sw & 2) w = make_uint4(w.z, w.w, w.x, w.y);
+          *reinterpret_cast<uint4*>(qT + (k0_out + cc) * col_cap + tile.qt_col + chunk * 16) = w;
+        }
       }
-    }
+    };
+    // (Two output blocks take the checked path only: the second path's code would push the paired GLU
+    // gradient, 64 values per thread, into spills.)
+    if (kOut == 1 && tile.nr == kBlock && nk == kBlock) compute(std::true_type{});
+    else compute(std::false_type{});
+    if (++stage == n_stages) stage = 0, parity ^= 1;
+    if (++slot == ring) slot = 0;
   }
 }
 

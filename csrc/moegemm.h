@@ -76,7 +76,8 @@ void act_backward_bf16(const void* da_bf16, const void* h_bf16, const float* pro
                        int64_t F, void* dh_bf16, float* dprobs_partial, cudaStream_t stream);
 constexpr int kActBf16Cols = 256;  // columns per dprobs partial sum (one warp, 8 per lane)
 
-// 128x128-block weight quantization of w [E, N, K]: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb].
+// 128x128-block weight quantization of w [E, N, K]: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb]
+// (qT and sT both null: no transposed copy, for a forward without dgrad).
 void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K,
                      uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
 

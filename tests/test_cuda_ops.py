@@ -214,6 +214,31 @@ def test_grouped_linear_cuda_matches_reference_backend(recipe, monkeypatch):
         assert rel(g, e) <= tol
 
 
+def test_forwards_without_dgrad_match_training_forward():
+    """Without dx (no grad at all, or only the weight's), the weights' transposed FP8 copies are not made:
+    the outputs equal those of a forward that makes them, bitwise, and the weight gradient too."""
+    E, T, H, F = 8, 1000, 256, 384
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    w1 = (torch.randn(E, 2 * F, H, device=DEV) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, device=DEV) * 0.05).to(torch.bfloat16)
+    probs = torch.rand(T, device=DEV)
+    dy = torch.randn(T, 2 * F, device=DEV, dtype=torch.bfloat16)
+
+    xg, wg = x.clone().requires_grad_(), w1.clone().requires_grad_()
+    y_train = moegemm.grouped_linear(xg, wg, m)
+    y_train.backward(dy)
+    mlp_train = moegemm.grouped_mlp(xg, wg, w2.clone().requires_grad_(), m, probs)
+    with torch.no_grad():
+        assert torch.equal(moegemm.grouped_linear(x, w1, m), y_train.detach())
+        assert torch.equal(moegemm.grouped_mlp(x, w1, w2, m, probs), mlp_train.detach())
+    w_only = w1.clone().requires_grad_()
+    y = moegemm.grouped_linear(x, w_only, m)  # dw only: no dgrad, so no Wᵀ
+    assert torch.equal(y.detach(), y_train.detach())
+    y.backward(dy)
+    assert torch.equal(w_only.grad, wg.grad)
+
+
 def test_zero_tokens():
     w = torch.randn(4, 128, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     x = torch.zeros(0, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)

@@ -64,7 +64,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
                          : run_quantize_act(x, DType::kBF16, plan, true, need_dw);
     Quantized qw = weight_given ? fp8_weight_input(fp8_weight, contract::linear::fp8_weights::kWeight, kLinearFp8Names,
                                                    E, N, K, need_dx, x)
-                                : run_quantize_weight(weight_input(weight), to_dtype(weight, "weight"));
+                                : run_quantize_weight(weight_input(weight), to_dtype(weight, "weight"), need_dx);
     y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)

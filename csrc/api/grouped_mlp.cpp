@@ -60,13 +60,13 @@ bool pre_quantized(const c10::List<std::optional<Tensor>>& fp8_weights) {
 
 Quantized fc1_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
                   const Tensor& like) {
-  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc1_weight"));
+  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc1_weight"), transposed);
   return fp8_weight_input(fp8_weights, fp8_weights_of::kFc1Weight, kFc1Fp8Names, s.E, s.F1, s.H, transposed, like);
 }
 
 Quantized fc2_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
                   const Tensor& like) {
-  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc2_weight"));
+  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc2_weight"), transposed);
   return fp8_weight_input(fp8_weights, fp8_weights_of::kFc2Weight, kFc2Fp8Names, s.E, s.H, s.F, transposed, like);
 }
 

@@ -43,14 +43,15 @@ Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, boo
   return out;
 }
 
-Quantized run_quantize_weight(const Tensor& w, DType dtype) {
+Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed) {
   MOEGEMM_RANGE("moegemm::run_quantize_weight");
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
   Quantized out{empty({E, N, K}, at::kFloat8_e4m3fn, w), empty({E, Nb, Kb}, at::kFloat, w),
-                empty({E, K, N}, at::kFloat8_e4m3fn, w), empty({E, Kb, Nb}, at::kFloat, w)};
-  quantize_weight(w.data_ptr(), dtype, E, N, K, bytes(out.q), out.s.data_ptr<float>(), bytes(out.qT), out.sT.data_ptr<float>(),
-                  current_stream(w));
+                transposed ? empty({E, K, N}, at::kFloat8_e4m3fn, w) : none_like(w, at::kFloat8_e4m3fn),
+                transposed ? empty({E, Kb, Nb}, at::kFloat, w) : none_like(w, at::kFloat)};
+  quantize_weight(w.data_ptr(), dtype, E, N, K, bytes(out.q), out.s.data_ptr<float>(), transposed ? bytes(out.qT) : nullptr,
+                  transposed ? out.sT.data_ptr<float>() : nullptr, current_stream(w));
   return out;
 }
 

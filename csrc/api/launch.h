@@ -17,7 +17,8 @@ struct Quantized {
 
 Tensor run_make_plan(const Tensor& m_splits, int64_t T);
 Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols);
-Quantized run_quantize_weight(const Tensor& w, DType dtype);
+// {q, s, qT, sT} of w [E, N, K]; without `transposed`, qT and sT are [0] placeholders (not written).
+Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed);
 // An FP8 x given as its row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout, as an
 // FP8 dispatcher delivers it): {q, s, qT, sT} with, if `cols`, the per-expert column copy made from the
 // rows (dequantize, re-quantize in 128x1 blocks; else [0] placeholders).

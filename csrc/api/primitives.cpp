@@ -177,7 +177,7 @@ Quad quantize_weight_op(const Tensor& w_in) {
   check_multiple_of_16(w.size(1), "weight.shape[1] (N)");
   check_multiple_of_16(w.size(2), "weight.shape[2] (K)");
   c10::DeviceGuard guard(w.device());
-  return as_tuple(run_quantize_weight(w, dtype));
+  return as_tuple(run_quantize_weight(w, dtype, true));
 }
 
 Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
   const int64_t Nb = (N + kBlock - 1) / kBlock, Kb = (K + kBlock - 1) / kBlock;
   if (threadIdx.x == 0) {
     s[(e * Nb + blockIdx.y) * Kb + blockIdx.x] = scale;
-    sT[(e * Kb + blockIdx.x) * Nb + blockIdx.y] = scale;
+    if (qT != nullptr) sT[(e * Kb + blockIdx.x) * Nb + blockIdx.y] = scale;
   }
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
@@ -114,10 +114,11 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
       float v[4];
       reinterpret_cast<const Raw4<T>*>(tile + r * kBlock)[lane].get(v);
       const uint32_t packed = quant.pack4(v);
-      tileq[tile_word(r, lane)] = packed;
+      if (qT != nullptr) tileq[tile_word(r, lane)] = packed;
       *reinterpret_cast<uint32_t*>(q + e * N * K + (n0 + r) * K + k0 + 4 * lane) = packed;
     }
   }
+  if (qT == nullptr) return;  // (the same for every thread) no transposed copy
   __syncthreads();
   // Transposed copy: thread = (4 columns kq, 16 rows rc) of the tile, 16 bytes of each column's row of Wᵀ; the 8
   // threads of one kq write those 4 rows' 128 contiguous bytes (whole lines when N is a multiple of 128; nn and nk

@@ -28,7 +28,7 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("act_bf16(Tensor h, Tensor? probs, int activation) -> Tensor");
   m.def("act_backward_bf16(Tensor da, Tensor h, Tensor? probs, int activation) -> (Tensor, Tensor)");
-  m.def("gemm_fp8_ragged_m(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan, int kernel=0, int tiling=-1) -> Tensor");
+  m.def("gemm_fp8_ragged_m(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan, int tiling=-1) -> Tensor");
   m.def("gemm_fp8_ragged_k(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, ScalarType out_dtype, int kernel=0, int tiling=-1) -> Tensor");
   m.def("gemm_fp8_ragged_k_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, Tensor(a!) out, int kernel=0, int tiling=-1) -> ()");
   m.def("gemm_bf16_fprop(Tensor x, Tensor w, Tensor plan) -> Tensor");

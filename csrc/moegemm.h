@@ -20,6 +20,13 @@ constexpr int kPtrAlign = 16;     // every tensor's data pointer: TMA and 16-byt
 enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The 1x128 row scales of an FP8 row copy q [T, K] are stored K-major: the scale of token t in K block kb at
+// s[kb * row_scale_pitch(T) + t], so that an M tile's 128 rows of one K block are 512 contiguous bytes (one
+// coalesced load per stage in the GEMM, coalesced stores in the quantizers). As a torch tensor: shape
+// [T, Kb], strides (1, pitch). The pitch is T rounded up to 4: each K block's row starts 16-byte aligned.
+constexpr int kRowScaleAlign = 4;
+constexpr int64_t row_scale_pitch(int64_t T) { return (T + kRowScaleAlign - 1) / kRowScaleAlign * kRowScaleAlign; }
 inline int64_t col_capacity(int64_t T, int64_t E) { return ceil_div(T + (kColAlign - 1) * E, kColAlign) * kColAlign; }
 inline int64_t block_capacity(int64_t T, int64_t E) { return (T + (kBlock - 1) * E) / kBlock; }
 
@@ -37,13 +44,13 @@ struct PlanLimits {
 void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t* plan, cudaStream_t stream);
 
 // Multi-cast activation quantization of x [T, K] in one launch. Either output pair may be null.
-//   rows: q [T, K] e4m3, s [T, ceil(K/128)]
+//   rows: q [T, K] e4m3, s [T, ceil(K/128)] (K-major, row_scale_pitch)
 //   cols: qT [K, col_capacity] e4m3, sT [block_capacity, K]
 void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const int32_t* plan,
                   uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
 
 // The column copy of an FP8 input given as its row copy (q [T, K] e4m3 with 1x128 scales s [T, ceil(K/128)],
-// quantize_act's row layout, e.g. from an FP8 dispatcher): each value is dequantized (q * s, exact in fp32)
+// quantize_act's row layout (K-major scales), e.g. from an FP8 dispatcher): each value is dequantized (q * s, exact in fp32)
 // and quantized again in per-expert 128x1 blocks, written as quantize_act's cols (qT [K, col_capacity],
 // sT [block_capacity, K]).
 void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
@@ -110,7 +117,7 @@ struct Fp8Operand {
 
 // Ragged rows (fprop, dgrad): out [T, N] bf16; the rows of expert e get a_e times expert e's weight,
 // the rows past the covered tokens zeros.
-//   FP8:  a = (qa [T, K], 1x128 scales [T, Kb]), b = (qb [E, N, K], 128x128 scales [E, Nb, Kb]),
+//   FP8:  a = (qa [T, K], 1x128 scales [T, Kb] K-major), b = (qb [E, N, K], 128x128 scales [E, Nb, Kb]),
 //         out = a_e qb[e]^T; dgrad passes the W^T copy with N and K swapped.
 //   bf16: a [T, K]; fprop b = w [E, N, K] (out = a_e w[e]^T); dgrad b = w [E, K, N] (out = a_e w[e]).
 struct RaggedRows {
@@ -140,21 +147,18 @@ struct RaggedReduction {
   WgradOut out_kind;
 };
 
-// Which kernel runs an FP8 grouped GEMM: the choice of csrc/kernels/gemm/heuristics.h, CUTLASS's
-// ptr-array kernel, or moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/) with the tiling
-// heuristics.h picks (tiling < 0) or the one at that index of its table (kRaggedRowsTilings).
+// The FP8 ragged-row GEMM (fprop, dgrad) runs on moegemm's own persistent sm90 kernel
+// (csrc/kernels/gemm/sm90/) with the tiling heuristics.h picks (tiling < 0) or the one at that index of its
+// table (kRaggedRowsTilings). No workspace.
+int num_ragged_rows_tilings();  // the size of that table
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, int tiling, cudaStream_t stream);
+// The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
+// moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.
 enum class GemmKernel : int { kDefault = 0, kCutlass = 1, kSm90 = 2 };
 struct GemmChoice {
   GemmKernel kernel = GemmKernel::kDefault;
   int tiling = -1;
 };
-
-int num_ragged_rows_tilings();  // the size of that table
-size_t gemm_fp8_ragged_m_workspace_size(int E, GemmChoice choice);
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
-                       cudaStream_t stream);
-// The FP8 ragged reduction (wgrad) takes the same choice: CUTLASS's ptr-array kernel or moegemm's own sm90
-// kernel, with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.
 int num_ragged_reduction_tilings();
 size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice);
 void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,

@@ -1,7 +1,8 @@
 """The layout contract shared by every part of moegemm, declared once for Python (``csrc/moegemm.h`` and
 ``csrc/api/common.h`` declare it for C++; ``tests/test_layout.py`` checks that both agree).
 
-* FP8 scaling blocks of ``BLOCK`` (1×128 activation rows, 128×1 per-expert columns, 128×128 weights).
+* FP8 scaling blocks of ``BLOCK`` (1×128 activation rows, 128×1 per-expert columns, 128×128 weights);
+  the 1×128 row scales ``[T, Kb]`` stored K-major (``empty_row_scales``).
 * The plan ``[PLAN_ROWS, E+1]`` int32: token starts, column starts of the per-expert transposed copy
   (segments padded to ``COL_ALIGN`` tokens), first 128-token scale block of each expert.
 * Capacities of the transposed copy (``col_capacity``) and of its scales (``block_capacity``).
@@ -19,6 +20,7 @@ MAX_PLAN_VALUE = 2**31 - 1  # plan entries are int32: col_capacity(T, E) must fi
 MAX_TOKENS = MAX_PLAN_VALUE - (COL_ALIGN - 1) * MAX_EXPERTS  # T that fits for every E
 PTR_ALIGN = 16  # data pointers the kernels read: TMA and 16-byte vector accesses (kPtrAlign)
 PLAN_ROWS = 3  # token starts, padded column starts, scale-block starts
+ROW_SCALE_ALIGN = 4  # the row scales' pitch: T rounded up to 4, 16-byte aligned K-block rows (kRowScaleAlign)
 ACT_BF16_COLS = 256  # columns per dprobs partial sum of the bf16 activation backward (kActBf16Cols)
 
 # csrc/moegemm.h: enum class Activation; GLU variants read fc1's output [T, 2F] as (gate, up)
@@ -30,10 +32,11 @@ ACTIVATION_NAMES = {i: name for name, i in ACTIVATIONS.items()}
 RECIPE_IDS = {"bf16": 0, "fp8_blockwise": 1}
 BF16, FP8_BLOCKWISE = RECIPE_IDS["bf16"], RECIPE_IDS["fp8_blockwise"]
 
-# The FP8 grouped GEMMs' kernels, the `kernel` of torch.ops.moegemm.gemm_fp8_ragged_m and gemm_fp8_ragged_k
-# (csrc/moegemm.h GemmKernel): the default choice, CUTLASS's ptr-array kernel, moegemm's own sm90 kernel; and
-# how many tilings each sm90 kernel is built with (its `tiling` indexes csrc/kernels/gemm/heuristics.h's
-# kRaggedRowsTilings / kRaggedReductionTilings; GPU tests hold the counts to those tables).
+# The FP8 grouped GEMMs' kernels: the `kernel` of torch.ops.moegemm.gemm_fp8_ragged_k (csrc/moegemm.h GemmKernel:
+# the default choice, CUTLASS's ptr-array kernel, moegemm's own sm90 kernel; the ragged-row GEMM has moegemm's
+# kernel alone); and how many tilings each sm90 kernel is built with (the `tiling` of gemm_fp8_ragged_m and
+# gemm_fp8_ragged_k indexes csrc/kernels/gemm/heuristics.h's kRaggedRowsTilings / kRaggedReductionTilings;
+# GPU tests hold the counts to those tables).
 GEMM_CUTLASS, GEMM_SM90 = 1, 2  # 0: the default choice (heuristics.h)
 SM90_RAGGED_ROWS_TILINGS = 6
 SM90_RAGGED_REDUCTION_TILINGS = 2
@@ -41,6 +44,17 @@ SM90_RAGGED_REDUCTION_TILINGS = 2
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def row_scale_pitch(T: int) -> int:
+    """Floats between two K blocks' row scales (csrc/moegemm.h: row_scale_pitch)."""
+    return ceil_div(T, ROW_SCALE_ALIGN) * ROW_SCALE_ALIGN
+
+
+def empty_row_scales(T: int, Kb: int, device=None) -> torch.Tensor:
+    """The 1×128 row scales of a ``[T, K]`` row copy, ``[T, Kb]`` fp32, in their K-major layout: strides
+    ``(1, row_scale_pitch(T))``, so that an M tile's 128 rows of one K block are 512 contiguous bytes."""
+    return torch.empty_strided((T, Kb), (1, row_scale_pitch(T)), dtype=torch.float32, device=device)
 
 
 def col_capacity(T: int, E: int) -> int:

@@ -40,7 +40,9 @@ def quantize_weight(weight: torch.Tensor):
 
 class Fp8Rows(NamedTuple):
     """An FP8 activation as an FP8 dispatcher delivers it: ``q [T, K]`` float8_e4m3fn and its 1×128 row
-    scales ``s [T, ceil(K/128)]`` fp32 (quantize_act's row copy, docs/design.md#fp8-recipe), and ``grad_target``: the
+    scales ``s [T, ceil(K/128)]`` fp32 (quantize_act's row copy, docs/design.md#fp8-recipe; any strides: moegemm's
+    layout is K-major, ``layout.empty_row_scales``, and scales in another are copied into it once per
+    call), and ``grad_target``: the
     differentiable tensor ``[T, K]`` that receives the input gradient dx (bf16, cast to its dtype) in
     backward, or None (then no dx is computed). Pass it as ``x`` to grouped_linear / grouped_mlp /
     GroupedLinear / GroupedMLP / MoegemmExperts (fp8_blockwise only)."""
@@ -65,8 +67,8 @@ def check_fp8_rows(x: Fp8Rows, K: int, device) -> None:
     if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != want:
         raise ValueError(f"Fp8Rows.s must be a float32 tensor of shape {want}, got "
                          f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
-    if s.device != q.device or not s.is_contiguous():
-        raise ValueError(f"Fp8Rows.s must be contiguous on {q.device}, got one on {s.device} with strides {s.stride()}")
+    if s.device != q.device:
+        raise ValueError(f"Fp8Rows.s must be on {q.device}, got one on {s.device}")
     if g is not None:
         if not isinstance(g, torch.Tensor) or not g.is_floating_point() or tuple(g.shape) != tuple(q.shape):
             raise ValueError(f"Fp8Rows.grad_target must be a floating-point tensor of shape {tuple(q.shape)}, got "

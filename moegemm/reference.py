@@ -6,7 +6,8 @@ with it bitwise; ``moegemm/backends/reference.py`` builds the reference backend 
 * plan ``[3, E+1]`` int32 — row 0: token starts ``start_e`` (cumulative ``m_splits``); row 1: column
   starts of each expert in the transposed activation copy (segments padded to 16 tokens, so every
   segment is 16-byte aligned for TMA); row 2: first 128-token scale block of each expert.
-* activation rows: ``q [T, K]`` e4m3, ``s [T, ceil(K/128)]`` fp32 (1×128 blocks).
+* activation rows: ``q [T, K]`` e4m3, ``s [T, ceil(K/128)]`` fp32 (1×128 blocks), stored K-major
+  (``layout.empty_row_scales``: strides ``(1, row_scale_pitch(T))``).
 * activation columns: ``qT [K, col_capacity(T, E)]`` e4m3, expert ``e`` at columns
   ``[col_start_e, col_start_e + m_e)``; ``sT [block_capacity(T, E), K]`` fp32, expert ``e``'s 128×1
   blocks at rows ``[blk_start_e, blk_start_e + ceil(m_e/128))``. Entries outside the experts' regions
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import ACTIVATIONS, BLOCK, COL_ALIGN, GLU_ACTIVATIONS, block_capacity, ceil_div, col_capacity  # noqa: F401
+from .layout import (ACTIVATIONS, BLOCK, COL_ALIGN, GLU_ACTIVATIONS, block_capacity, ceil_div, col_capacity,  # noqa: F401
+                     empty_row_scales)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -79,7 +81,7 @@ def _cast(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor):
-    """1×128 blocks along the last dim: ``[T, K] -> (q [T, K], s [T, ceil(K/128)])``."""
+    """1×128 blocks along the last dim: ``[T, K] -> (q [T, K], s [T, ceil(K/128)])`` (s K-major)."""
     T, K = x.shape
     kb = ceil_div(K, BLOCK)
     xf = x.float()
@@ -87,7 +89,7 @@ def quantize_rows(x: torch.Tensor):
     padded[:, :K] = xf
     s = block_scale(_nan_amax(padded.view(T, kb, BLOCK), -1))  # [T, kb]
     q = _cast(padded.view(T, kb, BLOCK), s[..., None]).view(T, kb * BLOCK)[:, :K]
-    return q.contiguous(), s
+    return q.contiguous(), empty_row_scales(T, kb, x.device).copy_(s)
 
 
 def quantize_cols(x: torch.Tensor, plan: torch.Tensor):

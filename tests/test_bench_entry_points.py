@@ -39,7 +39,7 @@ def _entry_points() -> dict:
 ENTRY_POINTS = _entry_points()
 # Those that need a CUDA GPU for any run, with the arguments of a plain run.
 NEED_A_GPU = {"bench.suite": ["--quick"], "bench.suite.profile_mlp": [], "bench.suite.host_breakdown": [],
-              "bench.gemm.breakdown": [], "bench.gemm.lab": [], "bench.gemm.ragged_rows": [], "bench.gemm.ragged_reduction": [], "bench.gemm.vs_deepgemm": ["peer.json"],
+              "bench.gemm.breakdown": [], "bench.gemm.ragged_rows": [], "bench.gemm.ragged_reduction": [], "bench.gemm.vs_deepgemm": ["peer.json"],
               "bench.peers.deepgemm": [], "bench.examples.megatron_ep": [], "bench.examples.megatron_ep_train": [],
               "tests/sanitize/every_kernel.py": [], "tests/sanitize/adversarial.py": []}
 
@@ -59,7 +59,7 @@ def helps():
 
 
 def test_every_entry_point_is_found():
-    assert {"bench.suite", "bench.gemm.lab", "bench.peers.deepgemm", "bench.examples.train_lm"} <= set(ENTRY_POINTS)
+    assert {"bench.suite", "bench.gemm.ragged_rows", "bench.peers.deepgemm", "bench.examples.train_lm"} <= set(ENTRY_POINTS)
     assert set(NEED_A_GPU) <= set(ENTRY_POINTS)
 
 

@@ -120,6 +120,29 @@ def test_mlp_fp8_input(device, split_backward):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_row_scales_in_any_strides(device):
+    """quantize_act's row scales are K-major (strides (1, pitch)); an FP8 input's scales in another layout
+    (row-major, as a dispatcher may send them, or a non-contiguous view) give bitwise the same layer results."""
+    E, T, K, N = 3, 301, 384, 256
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(T, K, generator=gen).bfloat16().to(device)
+    w = (torch.randn(E, N, K, generator=gen) * 0.05).to(device).requires_grad_()
+    splits = [100, 0, 201]
+    q, s, _, _ = moegemm.quantize_act(x, splits, rows=True, cols=False)
+    assert s.shape == (T, 3) and s.stride() == (1, 304)
+    wide = torch.zeros(T, 8, device=device)
+    wide[:, 2:5] = s
+    outs = []
+    for scales in (s, s.contiguous(), wide[:, 2:5]):
+        w.grad = None
+        y = moegemm.grouped_linear(moegemm.Fp8Rows(q, scales), w, splits)
+        y.float().square().sum().backward()
+        outs.append((y, w.grad.clone()))
+    for y, dw in outs[1:]:
+        assert torch.equal(y, outs[0][0]) and torch.equal(dw, outs[0][1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_input_without_grad_target_and_errors(device):
     E, T, K, N = 2, 64, 128, 128
     x = torch.randn(T, K, device=device, dtype=torch.bfloat16)

@@ -1,7 +1,6 @@
-"""The FP8 ragged-row GEMM (fprop and dgrad) on each of its kernels against the reference, on a Hopper GPU.
-
-kernel=1 is CUTLASS's ptr-array kernel, kernel=2 moegemm's own persistent sm90 kernel (csrc/kernels/gemm/sm90/)
-in each of its tilings (csrc/kernels/gemm/heuristics.h: BLOCK_N 128, 192 or 256, alone or in 2-CTA clusters).
+"""The FP8 ragged-row GEMM (fprop and dgrad) against the reference, on a Hopper GPU: moegemm's own persistent
+sm90 kernel (csrc/kernels/gemm/sm90/) with the heuristic's tiling and in each of its tilings
+(csrc/kernels/gemm/heuristics.h: BLOCK_N 128, 192 or 256, alone or in 2-CTA clusters).
 Each case draws fresh operands, poisons the output's memory first, and checks ‖out − ref‖/‖ref‖ ≤ 4e-3
 (the bf16 output's rounding alone is up to 2^-8 of each value: on one row of 128 values it passed 2e-3)
 against the float64 reference on the same quantized operands, zeros on rows no expert covers, and bitwise
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from moegemm import reference as ref
-from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_ROWS_TILINGS
+from moegemm.layout import SM90_RAGGED_ROWS_TILINGS
 
 from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, poisoned, rel, requires_cuda, zipf_splits
 
@@ -26,9 +25,8 @@ if HAS_HOPPER:
 
 DEV = "cuda"
 TOL = 4e-3  # relative to the float64 reference: the bf16 output's rounding and fp32 accumulation
-# test id -> (kernel, tiling) of torch.ops.moegemm.gemm_fp8_ragged_m
-KERNELS = {"cutlass": (GEMM_CUTLASS, -1), "sm90_default": (GEMM_SM90, -1),
-           **{f"sm90_tiling{i}": (GEMM_SM90, i) for i in range(SM90_RAGGED_ROWS_TILINGS)}}
+# test id -> the tiling of torch.ops.moegemm.gemm_fp8_ragged_m (-1: the heuristic's)
+KERNELS = {"sm90_default": -1, **{f"sm90_tiling{i}": i for i in range(SM90_RAGGED_ROWS_TILINGS)}}
 
 
 def operands(T, E, N, K, gen):
@@ -43,15 +41,14 @@ def test_tiling_table_size():
     plan = cuda_ops.make_plan(torch.tensor([30, 34], device=DEV), 64)
     qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
     qw, sw, _, _ = cuda_ops.quantize_weight(w)
-    run(qx, sx, qw, sw, plan, (GEMM_SM90, SM90_RAGGED_ROWS_TILINGS - 1))
-    with pytest.raises(RuntimeError, match="tiling must be"):
-        run(qx, sx, qw, sw, plan, (GEMM_SM90, SM90_RAGGED_ROWS_TILINGS))
-    with pytest.raises(RuntimeError, match="pass it with kernel=2"):
-        run(qx, sx, qw, sw, plan, (GEMM_CUTLASS, 0))
+    run(qx, sx, qw, sw, plan, SM90_RAGGED_ROWS_TILINGS - 1)
+    for bad in (SM90_RAGGED_ROWS_TILINGS, -2):
+        with pytest.raises(RuntimeError, match="tiling must be"):
+            run(qx, sx, qw, sw, plan, bad)
 
 
-def run(qa, sa, qb, sb, plan, kernel):
-    return torch.ops.moegemm.gemm_fp8_ragged_m(qa, sa, qb, sb, plan, *kernel)
+def run(qa, sa, qb, sb, plan, tiling):
+    return torch.ops.moegemm.gemm_fp8_ragged_m(qa, sa, qb, sb, plan, tiling)
 
 
 def check_against_reference(splits, N, K, kernel, seed):
@@ -153,6 +150,24 @@ def test_past_int32_elements(kernel):
     a = qa[rows].double() * sa[rows].double().repeat_interleave(128, dim=1)
     b = qb[2].double() * sb[2].double().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:N, :K]
     assert rel(out[rows], a @ b.T) <= TOL
+
+
+def test_row_scales_layout():
+    """quantize_act writes the row scales K-major, as the reference lays them out; the GEMM reads sa in that
+    layout and copies any other (row-major, a strided view) into it first: bitwise the same result."""
+    T, E, N, K = 333, 3, 256, 640
+    x, w = operands(T, E, N, K, torch.Generator(device=DEV).manual_seed(4))
+    m = torch.tensor([100, 33, 200], device=DEV)
+    plan = cuda_ops.make_plan(m, T)
+    qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
+    _, sx_ref, _, _ = ref.quantize_act(x, ref.make_plan(m, T), cols=False)
+    assert sx.stride() == sx_ref.stride() == (1, 336) and torch.equal(sx, sx_ref)
+    qw, sw, _, _ = cuda_ops.quantize_weight(w)
+    y = run(qx, sx, qw, sw, plan, -1)
+    wide = torch.zeros(T, 9, device=DEV)
+    wide[:, 3:8] = sx
+    for sa in (sx.contiguous(), wide[:, 3:8], sx.t().contiguous().t()[:, :]):
+        assert torch.equal(run(qx, sa, qw, sw, plan, -1), y), sa.stride()
 
 
 def test_non_contiguous_operand_error_shows_strides():

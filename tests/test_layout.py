@@ -41,6 +41,7 @@ def test_constants_agree():
     assert c["kMaxPlanValue"] == layout.MAX_PLAN_VALUE
     assert c["kPtrAlign"] == layout.PTR_ALIGN
     assert c["kActBf16Cols"] == layout.ACT_BF16_COLS
+    assert c["kRowScaleAlign"] == layout.ROW_SCALE_ALIGN
     assert layout.MAX_TOKENS == c["kMaxPlanValue"] - (c["kColAlign"] - 1) * c["kMaxExperts"]
 
 
@@ -57,6 +58,15 @@ def test_capacities_agree(name):
     for T in (0, 1, 15, 16, 127, 128, 129, 4097, 2**31 - 1 - 15 * 1024):
         for E in (1, 2, 7, 64, 1024):
             assert cpp(T, E) == py(T, E), (name, T, E)
+
+
+def test_row_scale_pitch_agrees():
+    body = re.search(r"constexpr int64_t row_scale_pitch\(int64_t T\) \{ return ([^;]+); \}", HEADER).group(1)
+    cpp = lambda T: eval(body.replace("/", "//"), {}, {**constants(HEADER), "T": T})  # noqa: E731, S307
+    for T in (0, 1, 3, 4, 5, 127, 128, 129, 2**31 - 1):
+        assert cpp(T) == layout.row_scale_pitch(T), T
+    s = layout.empty_row_scales(7, 3)
+    assert s.shape == (7, 3) and s.stride() == (1, 8)
 
 
 def test_plan_rows_agree():

@@ -1,3 +1,3 @@
-"""GEMM investigation tools: each FP8 grouped GEMM against its roofline (``breakdown``), candidate
-tilings side by side (``lab``), Nsight Compute on one GEMM (``ncu.sh``), our GEMMs on DeepGEMM's
-splits (``vs_deepgemm``)."""
+"""GEMM investigation tools: the FP8 ragged-row and ragged-reduction GEMMs' kernels and tilings next to
+DeepGEMM (``ragged_rows``, ``ragged_reduction``), each FP8 grouped GEMM against its roofline (``breakdown``),
+Nsight Compute on one GEMM (``ncu.sh``), our GEMMs on DeepGEMM's splits (``vs_deepgemm``)."""

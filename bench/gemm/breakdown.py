@@ -5,7 +5,7 @@ each GEMM is from its floor.
 
 Roofline of a GEMM = max(FLOPs at the dense FP8 ceiling, minimal bytes at copy bandwidth), both ceilings
 measured in the same run. Minimal bytes: operands read once, output written once (wgrad with fp32
-accumulation also reads main_grad). ``python -m bench.gemm.lab`` times other tilings of the same GEMMs.
+accumulation also reads main_grad).
 
     python -m bench.gemm.breakdown [--iters 30] [--shapes SUBSTR,...] [--gemms SUBSTR,...] [--json PATH] [--md PATH]
 """

@@ -103,6 +103,31 @@ Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, const Tensor& like) {
   return at::detail::empty_cuda(sizes, dtype, like.device(), std::nullopt);
 }
 
+Tensor empty_row_scales(int64_t T, int64_t Kb, const Tensor& like) {
+  return at::detail::empty_strided_cuda({T, Kb}, {1, row_scale_pitch(T)}, at::kFloat, like.device());
+}
+
+namespace {
+// The strides the kernels index by; those of a dimension of size 1 do not matter.
+bool has_row_scale_layout(const Tensor& s) {
+  const int64_t T = s.size(0), Kb = s.size(1);
+  return (T <= 1 || s.stride(0) == 1) && (Kb <= 1 || s.stride(1) == row_scale_pitch(T)) && is_aligned(s);
+}
+}  // namespace
+
+Tensor row_scales_input(const Tensor& s, const char* name, int64_t T, int64_t Kb, const Tensor& like) {
+  TORCH_CHECK(s.is_cuda(), "moegemm: ", name, " must be a CUDA tensor, got one on ", s.device().str());
+  TORCH_CHECK(s.device() == like.device(), "moegemm: ", name, " is on ", s.device().str(), ", expected ", like.device().str());
+  TORCH_CHECK(s.scalar_type() == at::kFloat, "moegemm: ", name, " must be ", c10::toString(at::kFloat), ", got ",
+              c10::toString(s.scalar_type()));
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == T && s.size(1) == Kb, "moegemm: ", name, " must have shape [", num(T), ", ", num(Kb),
+              "], got ", shape(s));
+  if (has_row_scale_layout(s)) return s;
+  Tensor out = empty_row_scales(T, Kb, like);
+  out.copy_(s);
+  return out;
+}
+
 Tensor workspace(size_t size, const Tensor& like) { return empty({int64_t(size)}, at::kByte, like); }
 Tensor none_like(const Tensor& like, at::ScalarType dtype) { return empty({0}, dtype, like); }
 

@@ -70,6 +70,12 @@ Tensor workspace(size_t size, const Tensor& like);
 // The placeholder for an output or saved slot that is not needed: shape [0], so its fake is static.
 Tensor none_like(const Tensor& like, at::ScalarType dtype);
 
+// 1x128 row scales [T, Kb] fp32 in their K-major layout (csrc/moegemm.h: row_scale_pitch): strides (1, pitch).
+Tensor empty_row_scales(int64_t T, int64_t Kb, const Tensor& like);
+// Row scales of T rows and Kb K blocks given from outside (an FP8 input's, a raw op's): checked (device, dtype,
+// shape; any strides), then s itself when it has the K-major layout and is 16-byte aligned, else a copy in it.
+Tensor row_scales_input(const Tensor& s, const char* name, int64_t T, int64_t Kb, const Tensor& like);
+
 // A wgrad target: fp32 (written or accumulated) or bf16 (written), [E, N, K] on like's device.
 void check_wgrad_out(const Tensor& out, const Tensor& like, bool accumulate);
 Tensor new_wgrad(int64_t E, int64_t N, int64_t K, at::ScalarType dtype, const Tensor& like);

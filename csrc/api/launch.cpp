@@ -16,7 +16,7 @@ Quantized multicast_outputs(const Tensor& like, int64_t T, int64_t K, int E, boo
   auto part = [&](bool wanted, int64_t d0, int64_t d1, at::ScalarType dtype) {
     return wanted ? empty({d0, d1}, dtype, like) : none_like(like, dtype);
   };
-  return {part(rows, T, K, at::kFloat8_e4m3fn), part(rows, T, ceil_div(K, kBlock), at::kFloat),
+  return {part(rows, T, K, at::kFloat8_e4m3fn), rows ? empty_row_scales(T, ceil_div(K, kBlock), like) : none_like(like, at::kFloat),
           part(cols, K, col_capacity(T, E), at::kFloat8_e4m3fn), part(cols, block_capacity(T, E), K, at::kFloat)};
 }
 
@@ -110,15 +110,14 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
 }
 
 Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
-                             GemmChoice choice) {
+                             int tiling) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m");
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
-  Tensor ws = workspace(gemm_fp8_ragged_m_workspace_size(E, choice), qa);
   gemm_fp8_ragged_m({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
-                    {cbytes(qb), sb.data_ptr<float>()}, choice, ws.data_ptr(), current_stream(qa));
+                    {cbytes(qb), sb.data_ptr<float>()}, tiling, current_stream(qa));
   return out;
 }
 

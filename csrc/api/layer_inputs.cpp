@@ -110,8 +110,7 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe) {
   const Tensor q = input(x, "x", at::kFloat8_e4m3fn, 2, x);
   const int64_t T = q.size(0), K = q.size(1);
   check_multiple_of_16(K, "x.shape[1] (K)");
-  check_tensor(x_scales, "x_scales", at::kFloat, {T, ceil_div(K, kBlock)}, q);
-  return {q, aligned(x_scales), Tensor(), Tensor()};
+  return {q, row_scales_input(x_scales, "x_scales", T, ceil_div(K, kBlock), q), Tensor(), Tensor()};
 }
 
 size_t wgrad_operand_count(Recipe recipe) { return recipe == Recipe::kFp8Blockwise ? 4 : 2; }

@@ -42,7 +42,8 @@ Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t 
 Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like);
 
 // An FP8 x (issue 16), fp8_blockwise recipe only: q [T, K] e4m3 on a CUDA device, contiguous, with its 1x128
-// row scales x_scales [T, ceil(K/128)] fp32 (quantize_act's row copy); both aligned. -> {q, s, [0], [0]}.
+// row scales x_scales [T, ceil(K/128)] fp32 in any strides (quantize_act's row copy; copied into the K-major
+// layout, csrc/moegemm.h row_scale_pitch, when not in it); both aligned. -> {q, s, [0], [0]}.
 Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe);
 
 // A deferred weight gradient (defer_wgrad backward, then linear_wgrad / mlp_wgrad): the GEMM operands of

@@ -16,7 +16,7 @@ namespace moegemm::api {
 using at::Tensor;
 
 // -> (y [T, N] bf16, plan [3, E+1] int32, saved); see grouped_linear.cpp for saved. With x_scales, x is
-// FP8: the row copy q [T, K] e4m3 with x_scales [T, ceil(K/128)] fp32 (fp8_blockwise only). fp8_weight:
+// FP8: the row copy q [T, K] e4m3 with x_scales [T, ceil(K/128)] fp32, any strides (fp8_blockwise only). fp8_weight:
 // empty, or the four tensors of quantize_weight(weight) kept by the caller (then passed to linear_bwd too).
 std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x, const Tensor& weight, const Tensor& m_splits,
                                                            const std::optional<Tensor>& bias, int64_t recipe, bool need_dx,

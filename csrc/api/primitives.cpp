@@ -181,11 +181,11 @@ Quad quantize_weight_op(const Tensor& w_in) {
 }
 
 Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
-                            const Tensor& plan, int64_t kernel, int64_t tiling) {
-  const GemmChoice choice = gemm_choice(kernel, tiling, num_ragged_rows_tilings());
+                            const Tensor& plan, int64_t tiling) {
+  TORCH_CHECK(tiling >= -1 && tiling < num_ragged_rows_tilings(), "moegemm: tiling must be -1 (the heuristic's) or an index of "
+              "the sm90 tilings [0, ", num(num_ragged_rows_tilings()), "), got ", num(tiling));
   const Tensor qa = input(qa_in, "qa", at::kFloat8_e4m3fn, 2, qa_in);
   const Tensor qb = input(qb_in, "qb", at::kFloat8_e4m3fn, 3, qa);
-  const Tensor sa = input(sa_in, "sa", at::kFloat, 2, qa);
   const Tensor sb = input(sb_in, "sb", at::kFloat, 3, qa);
   check(plan, "plan", at::kInt, 2, qa);
   const int E = num_experts(plan);
@@ -193,11 +193,11 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tens
   TORCH_CHECK(qb.size(0) == E && qb.size(2) == K, "moegemm: qb must be [", num(E), ", N, ", num(K), "], got ", shape(qb));
   check_multiple_of_16(K, "qa.shape[1] (K)");
   check_multiple_of_16(N, "qb.shape[1] (N)");
-  TORCH_CHECK(sa.size(0) == T && sa.size(1) == ceil_div(K, kBlock), "moegemm: sa has shape ", shape(sa));
+  const Tensor sa = row_scales_input(sa_in, "sa", T, ceil_div(K, kBlock), qa);
   TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ",
               shape(sb));
   c10::DeviceGuard guard(qa.device());
-  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan, choice);
+  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan, static_cast<int>(tiling));
 }
 
 Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,

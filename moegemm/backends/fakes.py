@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import ACT_BF16_COLS, BLOCK, act_width, block_capacity, ceil_div, col_capacity
+from ..layout import ACT_BF16_COLS, BLOCK, act_width, block_capacity, ceil_div, col_capacity, empty_row_scales
 from . import contract
 
 
@@ -40,7 +40,7 @@ def _multicast_like(x, K, plan, rows, cols):
     T, E = x.shape[0], plan.shape[1] - 1
     return (
         x.new_empty((T, K) if rows else (0,), dtype=_F8),
-        x.new_empty((T, ceil_div(K, BLOCK)) if rows else (0,), dtype=_F32),
+        empty_row_scales(T, ceil_div(K, BLOCK), x.device) if rows else x.new_empty((0,), dtype=_F32),
         x.new_empty((K, col_capacity(T, E)) if cols else (0,), dtype=_F8),
         x.new_empty((block_capacity(T, E), K) if cols else (0,), dtype=_F32),
     )
@@ -61,7 +61,7 @@ def _quantize_weight(w):
             w.new_empty((E, K, N), dtype=_F8), w.new_empty((E, kb, nb), dtype=_F32))
 
 
-def _gemm_fp8_ragged_m(qa, sa, qb, sb, plan, kernel=0, tiling=-1):
+def _gemm_fp8_ragged_m(qa, sa, qb, sb, plan, tiling=-1):
     return qa.new_empty((qa.shape[0], qb.shape[1]), dtype=torch.bfloat16)
 
 

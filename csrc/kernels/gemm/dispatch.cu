@@ -9,18 +9,10 @@ namespace moegemm {
 
 int num_ragged_rows_tilings() { return gemm::kNumRaggedRowsTilings; }
 
-size_t gemm_fp8_ragged_m_workspace_size(int E, GemmChoice choice) {
-  return gemm::fp8_ragged_rows_kernel(choice.kernel) == GemmKernel::kCutlass ? gemm::cutlass_fp8_ragged_m_workspace_size(E) : 0;
-}
-
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
-                       cudaStream_t stream) {
-  if (gemm::fp8_ragged_rows_kernel(choice.kernel) == GemmKernel::kCutlass)
-    return gemm::cutlass_fp8_ragged_m(p, a, b, workspace, stream);
-  if (choice.tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
-  const gemm::RaggedRowsTiling tiling = choice.tiling >= 0 ? gemm::kRaggedRowsTilings[choice.tiling]
-                                                           : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count());
-  gemm::sm90_fp8_ragged_rows(p, a, b, tiling, stream);
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, int tiling, cudaStream_t stream) {
+  if (tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
+  gemm::sm90_fp8_ragged_rows(p, a, b, tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count()),
+                             stream);
 }
 
 int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }

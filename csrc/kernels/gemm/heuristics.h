@@ -95,12 +95,4 @@ inline GemmKernel fp8_ragged_reduction_kernel(GemmKernel requested) {
   return requested != GemmKernel::kDefault ? requested : from_env;
 }
 
-// The FP8 ragged-row kernel: the caller's choice, else MOEGEMM_FP8_GEMM (read once), else moegemm's own sm90
-// kernel (faster than CUTLASS's ptr-array kernel on every shape of the GEMM table,
-// bench/results/ragged_rows_h200.md).
-inline GemmKernel fp8_ragged_rows_kernel(GemmKernel requested) {
-  static const GemmKernel from_env = kernel_from_env("MOEGEMM_FP8_GEMM");
-  return requested != GemmKernel::kDefault ? requested : from_env;
-}
-
 }  // namespace moegemm::gemm

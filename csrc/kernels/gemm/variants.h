@@ -7,8 +7,6 @@
 namespace moegemm::gemm {
 
 // CUTLASS sm90 ptr-array kernels (csrc/kernels/gemm/cutlass/): per-group arguments built on the device.
-size_t cutlass_fp8_ragged_m_workspace_size(int E);
-void cutlass_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream);
 size_t cutlass_fp8_ragged_k_f32_workspace_size(int E);
 void cutlass_fp8_ragged_k_f32(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, cudaStream_t stream);
 size_t cutlass_fp8_ragged_k_bf16_workspace_size(int E);

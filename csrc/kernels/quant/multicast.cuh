@@ -1,8 +1,9 @@
 // The multi-cast FP8 quantization kernel (docs/design.md#fp8-recipe), generic over where its values come from.
 //
 // A tile is (expert 128-token block, 128 output columns); persistent CTAs, one per SM, loop over the
-// tiles. Each value is read once and written as the 1x128 row-block copy q [T, K] + s [T, Kb] and the
-// per-expert transposed 128x1 column-block copy qT [K, col_cap] + sT [NB, K] (either pair may be skipped).
+// tiles. Each value is read once and written as the 1x128 row-block copy q [T, K] + s [T, Kb] (K-major:
+// csrc/moegemm.h, row_scale_pitch) and the per-expert transposed 128x1 column-block copy qT [K, col_cap] +
+// sT [NB, K] (either pair may be skipped).
 //
 // Pipeline: warp 0 finds each tile (no division per tile); the CTA's 16 warps copy its input rows into a
 // ring of shared-memory stages with 16-byte cp.async (only the tile's tokens; the copies complete on the
@@ -116,7 +117,8 @@ struct PlainLoader {
   }
 };
 
-// Values of an FP8 row copy q [T, K] (e4m3) with its 1x128 row scales s [T, Kb] (quantize_act's rows),
+// Values of an FP8 row copy q [T, K] (e4m3) with its 1x128 row scales s (quantize_act's rows, K-major with
+// row pitch `pitch`: csrc/moegemm.h, row_scale_pitch),
 // dequantized: q * s is exact in fp32 (4 significant bits times a power of two), so the column copy is
 // the one quantize_act would make of the fp32 tensor of dequantized values.
 struct Fp8RowsLoader {
@@ -126,7 +128,7 @@ struct Fp8RowsLoader {
   static constexpr bool kExtra = false;
   const uint8_t* q;
   const float* s;
-  int64_t K, Kb;
+  int64_t K, pitch;
   __device__ __forceinline__ int segments(int, int64_t k0, int nk, Segment (&seg)[2]) const {
     seg[0] = {k0, 0, nk};
     return 1;
@@ -135,7 +137,7 @@ struct Fp8RowsLoader {
   __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], int64_t row, int64_t k,
                                           float (&v)[kVec]) const {
     const uint2 bytes = *reinterpret_cast<const uint2*>(raw[0]);
-    const float scale = s[row * Kb + k / kBlock];
+    const float scale = s[k / kBlock * pitch + row];
     const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&bytes);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -228,13 +230,14 @@ struct Layout {
 __device__ __forceinline__ int partial_index(int w, int c) { return w * kBlock + (c + kVec * (w / 4)) % kBlock; }
 
 // Rows [covered, T) of the row copy (q, s) and of row_extra belong to no expert (device counts summing
-// below T): zeros, spread over every thread. q's rows are K bytes, K a multiple of 16.
+// below T): zeros, spread over every thread. q's rows are K bytes, K a multiple of 16; s is K-major.
 __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, int64_t K, int64_t Kb, uint8_t* q, float* s,
                                                    float* row_extra, int64_t tid, int64_t stride) {
   if (q != nullptr) {
     uint4* q16 = reinterpret_cast<uint4*>(q);
     for (int64_t i = covered * K / 16 + tid; i < T * K / 16; i += stride) q16[i] = make_uint4(0, 0, 0, 0);
-    for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) s[i] = 0.f;
+    const int64_t rows = T - covered, pitch = row_scale_pitch(T);
+    for (int64_t i = tid; i < rows * Kb; i += stride) s[i / rows * pitch + covered + i % rows] = 0.f;
   }
   if (row_extra != nullptr)
     for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) row_extra[i] = 0.f;
@@ -287,6 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   const int32_t* col = plan_s + (E + 1);
   const int32_t* blk = plan_s + 2 * (E + 1);
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // output column blocks
+  const int64_t s_pitch = row_scale_pitch(T);    // of the row scales (K-major)
   const int64_t Kt = Kb / kOut;                  // tile columns
   const bool fits = plan_fits(plan_s, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
   const int64_t covered = fits ? tok[E] : 0;
@@ -423,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
           const float amax = scatter_amax4(a, hl);
           const BlockQuant quant(amax);
           const int mine = hl / 4;  // the row this lane made the scale of
-          if (row_in(kRows * g + mine) && hl % 4 == 0) s[(tile.row0 + kRows * g + mine) * Kb + kb_out] = quant.scale;
+          if (row_in(kRows * g + mine) && hl % 4 == 0) s[kb_out * s_pitch + tile.row0 + kRows * g + mine] = quant.scale;
           const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
           uint8_t* qrow = q + (tile.row0 + kRows * g) * K + k0_out + kVec * hl;
           float hi[kRows];

@@ -172,7 +172,7 @@ void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const
 void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
                      float* sT, cudaStream_t stream) {
   if (qT == nullptr) return;
-  multicast::launch(multicast::Fp8RowsLoader{q, s, K, ceil_div(K, kBlock)}, T, K, E, plan, nullptr, nullptr, qT, sT,
+  multicast::launch(multicast::Fp8RowsLoader{q, s, K, row_scale_pitch(T)}, T, K, E, plan, nullptr, nullptr, qT, sT,
                     nullptr, stream, "requantize_cols");
 }
 

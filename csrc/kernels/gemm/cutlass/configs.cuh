@@ -34,11 +34,9 @@ struct Fp8Tiling {
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
-// The FP8 tilings, named once: production's (fp8_ragged_*.cu) and the alternatives the GEMM lab (bench/gemm/)
-// keeps timing against it (the others tried are in bench/NOTES.md, fifth session).
+// The FP8 tiling of the ragged-reduction kernels (fp8_ragged_k_*.cu), named once (the others tried are in
+// bench/NOTES.md, fifth session).
 using Tile128x128C1x2 = Fp8Tiling<128, 128, 1, 2>;
-using Tile128x128C1x1 = Fp8Tiling<128, 128, 1, 1>;
-using Tile64x128C1x2Pingpong = Fp8Tiling<64, 128, 1, 2, true>;
 
 template <class ScaleConfig, class ElementC, class ElementD, class Tiling = Tile128x128C1x2>
 struct Fp8BlockwiseGemm {

@@ -1,6 +1,7 @@
 // moegemm's own FP8 grouped GEMM with ragged rows for sm90a (fprop, and dgrad with the Wᵀ copy):
 //   out[rows of e] (bf16 [T, N]) = Σ_j sa[t, j] · sb[e, n/128, j] · Σ_{k in block j} qa[t, k] · qb[e, n, k]
-// qa [T, K] e4m3 with 1x128 scales sa [T, Kb]; qb [E, N, K] e4m3 with 128x128 scales sb [E, Nb, Kb].
+// qa [T, K] e4m3 with 1x128 scales sa [T, Kb] (K-major: csrc/moegemm.h, row_scale_pitch); qb [E, N, K] e4m3
+// with 128x128 scales sb [E, Nb, Kb].
 //
 // The design (one CTA per SM, warp-specialized):
 // - One TMA descriptor per operand over the whole tensor: A = qa [T, K], B = qb viewed as [E·N, K],
@@ -229,6 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       }
     } else if (warp == 1) {
       constexpr int kRowsPerLane = Cfg::kBlockM / 32;
+      const int64_t sa_pitch = row_scale_pitch(T);
       int stage = 0;
       uint32_t phase = 0;
       for (int g = cluster; g < num_groups; g += clusters) {
@@ -238,14 +240,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
         const bool has_b = lane < scale_blocks;
         const float* sb = p.sb + (int64_t(t.expert) * Nb + n0 / kBlock + (has_b ? lane : 0)) * Kb;
-        // this lane's rows t.row0 + lane + 32 i, those below T
+        // this lane's rows t.row0 + lane + 32 i, those below T; the scales are K-major (a K block's 128 rows
+        // contiguous), so each of the warp's loads reads 128 contiguous bytes
         const int below_t = T - t.row0 - lane;
-        const float* sa = p.sa + int64_t(t.row0 + lane) * Kb;
-        for (int kb = 0; kb < Kb; ++kb) {
+        const float* sa = p.sa + t.row0 + lane;
+        for (int kb = 0; kb < Kb; ++kb, sa += sa_pitch) {
           // loaded before the wait, so that their latency overlaps it
           float a[kRowsPerLane];
 #pragma unroll
-          for (int i = 0; i < kRowsPerLane; ++i) a[i] = 32 * i < below_t ? __ldg(sa + 32 * i * Kb + kb) : 0.f;
+          for (int i = 0; i < kRowsPerLane; ++i) a[i] = 32 * i < below_t ? __ldg(sa + 32 * i) : 0.f;
           const float b = has_b ? __ldg(sb + kb) : 0.f;
           Barrier::wait(&empty[stage], phase ^ 1);
 #pragma unroll

@@ -34,17 +34,28 @@ bool is_aligned(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr
 
 Tensor aligned(const Tensor& t) { return is_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous); }
 
-void check_placement(const Tensor& t, const char* name, int64_t dim, const Tensor& like) {
+namespace {
+// On like's (CUDA) device with `dim` dims, in any strides.
+void check_device_and_dims(const Tensor& t, const char* name, int64_t dim, const Tensor& like) {
   TORCH_CHECK(t.is_cuda(), "moegemm: ", name, " must be a CUDA tensor, got one on ", t.device().str());
   TORCH_CHECK(t.device() == like.device(), "moegemm: ", name, " is on ", t.device().str(), ", expected ", like.device().str());
   TORCH_CHECK(t.dim() == dim, "moegemm: ", name, " must have ", num(dim), " dims, got shape ", shape(t));
+}
+
+void check_dtype(const Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype, "moegemm: ", name, " must be ", c10::toString(dtype), ", got ",
+              c10::toString(t.scalar_type()));
+}
+}  // namespace
+
+void check_placement(const Tensor& t, const char* name, int64_t dim, const Tensor& like) {
+  check_device_and_dims(t, name, dim, like);
   TORCH_CHECK(t.is_contiguous(), "moegemm: ", name, " must be contiguous, got shape ", shape(t), " with strides ", strides(t));
 }
 
 void check(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const Tensor& like) {
   check_placement(t, name, dim, like);
-  TORCH_CHECK(t.scalar_type() == dtype, "moegemm: ", name, " must be ", c10::toString(dtype), ", got ",
-              c10::toString(t.scalar_type()));
+  check_dtype(t, name, dtype);
 }
 
 Tensor input(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const Tensor& like) {
@@ -116,12 +127,10 @@ bool has_row_scale_layout(const Tensor& s) {
 }  // namespace
 
 Tensor row_scales_input(const Tensor& s, const char* name, int64_t T, int64_t Kb, const Tensor& like) {
-  TORCH_CHECK(s.is_cuda(), "moegemm: ", name, " must be a CUDA tensor, got one on ", s.device().str());
-  TORCH_CHECK(s.device() == like.device(), "moegemm: ", name, " is on ", s.device().str(), ", expected ", like.device().str());
-  TORCH_CHECK(s.scalar_type() == at::kFloat, "moegemm: ", name, " must be ", c10::toString(at::kFloat), ", got ",
-              c10::toString(s.scalar_type()));
-  TORCH_CHECK(s.dim() == 2 && s.size(0) == T && s.size(1) == Kb, "moegemm: ", name, " must have shape [", num(T), ", ", num(Kb),
-              "], got ", shape(s));
+  check_device_and_dims(s, name, 2, like);
+  check_dtype(s, name, at::kFloat);
+  TORCH_CHECK(s.size(0) == T && s.size(1) == Kb, "moegemm: ", name, " must have shape [", num(T), ", ", num(Kb), "], got ",
+              shape(s));
   if (has_row_scale_layout(s)) return s;
   Tensor out = empty_row_scales(T, Kb, like);
   out.copy_(s);

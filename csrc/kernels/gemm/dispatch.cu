@@ -11,8 +11,8 @@ int num_ragged_rows_tilings() { return gemm::kNumRaggedRowsTilings; }
 
 void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, int tiling, cudaStream_t stream) {
   if (tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
-  gemm::sm90_fp8_ragged_rows(p, a, b, tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count()),
-                             stream);
+  const gemm::RaggedRowsTiling chosen = tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count());
+  gemm::sm90_fp8_ragged_rows(p, a, b, chosen, stream);
 }
 
 int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }

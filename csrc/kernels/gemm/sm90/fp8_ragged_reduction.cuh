@@ -20,7 +20,8 @@
 // - Two math warpgroups of 64 rows each: per block, a wgmma chain per 128-column part into a temporary
 //   accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary across the tile:
 //   1x128 blocks along the tokens on both operands). With one part the column scales go to registers
-//   before the wgmmas and the stage is released at their end; with two (their accumulators fill the
+//   before the wgmmas and the stage is released at their end (and the next stage's barrier tested without
+//   blocking, its latency hidden behind the promotion); with two (their accumulators fill the
 //   registers) they are read from shared memory per 8-column chunk and the stage is released after the
 //   last part's promotion.
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns)
@@ -289,11 +290,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     set_up();
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
 
-    // The warp's reads of a stage are done: release it (the warp barrier orders every lane's reads first).
+    // The warp's reads of a stage are done: release it (the warp barrier orders every lane's reads first; the
+    // arriving lane is elected rather than compared with a lane index recomputed from %tid per K block).
     auto release = [&](int s) {
       __syncwarp();
-      if (lane == 0) Barrier::arrive(&empty[s]);
+      if (cute::elect_one_sync()) Barrier::arrive(&empty[s]);
     };
+    // Whether the stage of the next K block (of this tile or the next: the stages are consumed in order) is
+    // full, tested without blocking right after a stage's early release, so that the barrier's latency hides
+    // behind the promotion.
+    bool full_next = false;
 
     float acc[Cfg::kAccum];
     float out[Cfg::kParts][Cfg::kAccum];
@@ -342,7 +348,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
 
       for (int k0 = 0; k0 < m; k0 += kBlock) {
         const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
-        Barrier::wait(&full[stage], phase);
+        if (!full_next) Barrier::wait(&full[stage], phase);
+        full_next = false;
         // The expert's last box: its 32-token wgmma steps past the expert's tokens are skipped, and the bytes
         // past them in its last step (another expert's tokens, or padding) are set to zero in both operands.
         int ksteps = kBlock / 32;
@@ -388,6 +395,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
           for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
           if constexpr (Cfg::kColsInRegisters) {
             release(stage);
+            const int next = stage + 1 == kStages ? 0 : stage + 1;
+            full_next = Barrier::test_wait(&full[next], next == 0 ? phase ^ 1 : phase, 1);
             detail::promote_rows_cols<Cfg::kAccum, 1>(out[h], acc, a0, a1, cols);
           } else {  // the column scales from shared memory, the stage released after the last part's promotion
             detail::promote_rows_cols<Cfg::kAccum, 4>(out[h], acc, a0, a1,

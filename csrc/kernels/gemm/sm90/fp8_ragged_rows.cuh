@@ -15,8 +15,8 @@
 //   when the consumers of both CTAs have released it (each math warp arrives on both CTAs' empty barrier
 //   after a warp barrier that orders its lanes' reads).
 // - Two math warpgroups of 64 rows each. Per K block: a wgmma chain per part of the tile (128 or 192
-//   columns) into a temporary accumulator, wait, release the stage at once, then promote into the output
-//   accumulator with the block's scale products (sa of the row x sb of each 8-column chunk's weight
+//   columns) into a temporary accumulator, wait, release the stage at once and test (without blocking)
+//   whether the next stage is full, then promote into the output accumulator with the block's scale products (sa of the row x sb of each 8-column chunk's weight
 //   block; a 192-wide part straddles two, at a column fixed per tile) — the promotion of one
 //   warpgroup runs while the other's wgmma occupies the tensor cores. A warpgroup whose 64 rows all lie
 //   past its expert's end (the last tile of an expert) skips its MMAs.
@@ -273,10 +273,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     // The warp's last read of a stage is done: release it in each CTA of the cluster (with multicast the
     // peer's producer writes into this CTA's stage too), lane r arriving on CTA r's barrier. The warp
     // barrier orders every lane's reads (of the scales, which the scale warp overwrites next) before it.
+    // (The arriving lane is elected, not compared with %laneid: a lane index would be recomputed from %tid
+    // at every K block, on the path to the next wgmma.)
     auto release = [&](int s) {
       __syncwarp();
       if constexpr (kCluster == 1) {
-        if (lane == 0) Barrier::arrive(&empty[s]);
+        if (cute::elect_one_sync()) Barrier::arrive(&empty[s]);
       } else {
         if (lane < kCluster) Barrier::arrive(&empty[s], lane, 1);
       }
@@ -324,9 +326,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         for (int i = 0; i < Cfg::kAccum; ++i) out[h][i] = 0.f;
 
       if (rows > 0) {
+        // Whether the stage of the next K block is full, tested (without blocking) right after this one's
+        // wgmmas and before its promotion, so that the barrier's latency hides behind the promotion and the
+        // next wgmma chain starts as soon as the promotion ends. The tile's first stage was waited for above.
+        bool full_next = true;
         for (int kb = 0; kb < Kb; ++kb) {
           const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
-          Barrier::wait(&full[stage], phase);
+          if (!full_next) Barrier::wait(&full[stage], phase);
           // the scales, read before the stage can be released (the scale warp then overwrites them)
           const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
           float b[Cfg::kScalesB];
@@ -347,7 +353,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
             cute::warpgroup_wait<0>();
 #pragma unroll
             for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
-            if (Cfg::kParts == 1 || h == parts - 1) release(stage);
+            if (Cfg::kParts == 1 || h == parts - 1) {
+              release(stage);
+              const int next = stage + 1 == kStages ? 0 : stage + 1;
+              full_next = Barrier::test_wait(&full[next], next == 0 ? phase ^ 1 : phase, 1);
+            }
             // part h's columns start in weight-scale block h; only a 192-wide part reaches into the next
             constexpr int kHi = Cfg::kPartN == 128 ? 0 : 1;
             const float lo0 = a0 * b[h], lo1 = a1 * b[h], hi0 = a0 * b[h + kHi], hi1 = a1 * b[h + kHi];

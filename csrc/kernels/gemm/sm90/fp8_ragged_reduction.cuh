@@ -47,6 +47,7 @@
 #include "moegemm.h"
 #include "kernels/plan/plan.cuh"
 #include "kernels/gemm/sm90/cta.h"
+#include "kernels/gemm/sm90/pipeline.cuh"
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
 
@@ -296,9 +297,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       __syncwarp();
       if (cute::elect_one_sync()) Barrier::arrive(&empty[s]);
     };
-    // Whether the stage of the next K block (of this tile or the next: the stages are consumed in order) is
-    // full, tested without blocking right after a stage's early release, so that the barrier's latency hides
-    // behind the promotion.
+    // Whether the next K block's stage (of this tile or the next: the stages are consumed in order) is full
+    // (next_stage_full, tested after an early release).
     bool full_next = false;
 
     float acc[Cfg::kAccum];
@@ -395,8 +395,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
           for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
           if constexpr (Cfg::kColsInRegisters) {
             release(stage);
-            const int next = stage + 1 == kStages ? 0 : stage + 1;
-            full_next = Barrier::test_wait(&full[next], next == 0 ? phase ^ 1 : phase, 1);
+            full_next = next_stage_full<kStages>(full, stage, phase);
             detail::promote_rows_cols<Cfg::kAccum, 1>(out[h], acc, a0, a1, cols);
           } else {  // the column scales from shared memory, the stage released after the last part's promotion
             detail::promote_rows_cols<Cfg::kAccum, 4>(out[h], acc, a0, a1,

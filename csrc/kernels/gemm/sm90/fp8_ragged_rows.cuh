@@ -16,8 +16,9 @@
 //   after a warp barrier that orders its lanes' reads).
 // - Two math warpgroups of 64 rows each. Per K block: a wgmma chain per part of the tile (128 or 192
 //   columns) into a temporary accumulator, wait, release the stage at once and test (without blocking)
-//   whether the next stage is full, then promote into the output accumulator with the block's scale products (sa of the row x sb of each 8-column chunk's weight
-//   block; a 192-wide part straddles two, at a column fixed per tile) — the promotion of one
+//   whether the next stage is full (pipeline.cuh), then promote into the output accumulator with the
+//   block's scale products (sa of the row x sb of each 8-column chunk's weight block; a 192-wide part
+//   straddles two, at a column fixed per tile) — the promotion of one
 //   warpgroup runs while the other's wgmma occupies the tensor cores. A warpgroup whose 64 rows all lie
 //   past its expert's end (the last tile of an expert) skips its MMAs.
 // - A scale warp of the producer warpgroup loads each stage's scales into shared memory beside the
@@ -52,6 +53,7 @@
 #include "moegemm.h"
 #include "kernels/common/device.h"
 #include "kernels/gemm/sm90/cta.h"
+#include "kernels/gemm/sm90/pipeline.cuh"
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
 
@@ -326,9 +328,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         for (int i = 0; i < Cfg::kAccum; ++i) out[h][i] = 0.f;
 
       if (rows > 0) {
-        // Whether the stage of the next K block is full, tested (without blocking) right after this one's
-        // wgmmas and before its promotion, so that the barrier's latency hides behind the promotion and the
-        // next wgmma chain starts as soon as the promotion ends. The tile's first stage was waited for above.
+        // Whether the next K block's stage is full (next_stage_full, tested after each release); the tile's
+        // first stage was waited for above.
         bool full_next = true;
         for (int kb = 0; kb < Kb; ++kb) {
           const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
@@ -355,8 +356,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
             for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
             if (Cfg::kParts == 1 || h == parts - 1) {
               release(stage);
-              const int next = stage + 1 == kStages ? 0 : stage + 1;
-              full_next = Barrier::test_wait(&full[next], next == 0 ? phase ^ 1 : phase, 1);
+              full_next = next_stage_full<kStages>(full, stage, phase);
             }
             // part h's columns start in weight-scale block h; only a 192-wide part reaches into the next
             constexpr int kHi = Cfg::kPartN == 128 ? 0 : 1;

@@ -71,6 +71,7 @@ struct ActForward {
   static constexpr int kInputs = kGlu ? 2 : 1;
   static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
+  static constexpr bool kPerTile = false;  // (several staged inputs)
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
@@ -101,6 +102,7 @@ struct ActBackward {
   static constexpr int kInputs = kGlu ? 3 : 2;  // da, gate, up
   static constexpr int kOut = 1;
   static constexpr bool kExtra = true;
+  static constexpr bool kPerTile = false;  // (several staged inputs)
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;
@@ -150,6 +152,7 @@ struct ActBackwardPaired {
   static constexpr int kInputs = 3;  // da, gate, up
   static constexpr int kOut = 2;
   static constexpr bool kExtra = true;
+  static constexpr bool kPerTile = false;  // (several staged inputs)
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;

@@ -1,16 +1,17 @@
-// The multi-cast FP8 quantization kernel (docs/design.md#fp8-recipe), generic over where its values come from.
+// The multi-cast FP8 quantization kernels (docs/design.md#fp8-recipe), generic over where their values come from.
 //
-// A tile is (expert 128-token block, 128 output columns); persistent CTAs, one per SM, loop over the
-// tiles. Each value is read once and written as the 1x128 row-block copy q [T, K] + s [T, Kb] (K-major:
-// csrc/moegemm.h, row_scale_pitch) and the per-expert transposed 128x1 column-block copy qT [K, col_cap] +
-// sT [NB, K] (either pair may be skipped).
+// A tile is (expert 128-token block, 128 output columns). Each value is read once and written as the 1x128
+// row-block copy q [T, K] + s [T, Kb] (K-major: csrc/moegemm.h, row_scale_pitch) and the per-expert
+// transposed 128x1 column-block copy qT [K, col_cap] + sT [NB, K] (either pair may be skipped). Two forms:
 //
-// Pipeline: warp 0 finds each tile (no division per tile); the CTA's 16 warps copy its input rows into a
-// ring of shared-memory stages with 16-byte cp.async (only the tile's tokens; the copies complete on the
-// stage's mbarrier), n_stages tiles ahead; then compute the tile's values from the stage into registers
-// (4 rows x 8 columns per thread), write the row copy, reduce the column maxima through shared memory
-// (every warp taking 8 columns), and write the column copy through a swizzled shared-memory tile with
-// full-line stores: three CTA barriers per tile (see kernel).
+// Persistent (kernel): one CTA of 16 warps per SM loops over the tiles. Warp 0 finds each tile (no division
+// per tile); the warps copy its input rows into a ring of shared-memory stages with 16-byte cp.async (only
+// the tile's tokens; the copies complete on the stage's mbarrier), n_stages tiles ahead; then compute the
+// tile's values from the stage into registers (4 rows x 8 columns per thread), write the row copy, reduce
+// the column maxima through shared memory (every warp taking 8 columns), and write the column copy through
+// a swizzled shared-memory tile with full-line stores: three CTA barriers per tile.
+// Per tile (tile_kernel): one CTA of 8 warps per tile, up to four per SM (see there); the loaders whose
+// kPerTile says so (16-bit x for quantize_act).
 //
 // Loaders say what is staged and how values are made of it:
 //   PlainLoader<T>        x itself (quantize_act)
@@ -104,6 +105,7 @@ struct PlainLoader {
   static constexpr int kInputs = 1;
   static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
+  static constexpr bool kPerTile = sizeof(T) == 2;  // (fp32: slower per tile on the small-experts shape)
   const T* x;
   int64_t K;
   __device__ __forceinline__ int segments(int, int64_t k0, int nk, Segment (&seg)[2]) const {
@@ -126,6 +128,7 @@ struct Fp8RowsLoader {
   static constexpr int kInputs = 1;
   static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
+  static constexpr bool kPerTile = false;  // (not measured per tile yet)
   const uint8_t* q;
   const float* s;
   int64_t K, pitch;
@@ -530,6 +533,415 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   }
 }
 
+// ---- The per-tile form: one CTA of 8 warps per tile, several CTAs per SM ----
+//
+// The persistent kernel above runs one CTA of 16 warps per SM in lock-step phases between CTA barriers: at 4
+// warps per scheduler its barriers and reductions leave the SM idle half the time (bench/NOTES.md). Here a CTA
+// takes one tile and leaves, so that several CTAs share an SM and one's barriers and loads overlap another's
+// work (the weight quantizer's form). A CTA stages its tile by 16-byte cp.async, then
+//   row pass: 4 rows x 8 columns per thread at a time, two row groups (16 rows per warp): the row copy, and
+//             the thread's column maxima over both groups -> per-warp maxima in shared memory  | barrier
+//   column scales, 2 threads per column                                                        | barrier
+//   column pass: the values read again from the stage (no registers held across the barriers),
+//             quantized into the swizzled FP8 column tile                                      | barrier
+//   the column tile out to qT.
+// bf16 staged as is (PlainLoader<bf16>) keeps its values as packed pairs until they are quantized: the row
+// and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them).
+
+// Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one staged input,
+// one output block, no per-row extra. The activation loaders stage two or three inputs (a tile's stage leaves
+// room for one or two CTAs per SM: measured slower) and keep the persistent kernel.
+template <class Loader>
+constexpr bool per_tile() {
+  return Loader::kPerTile && Loader::kInputs == 1 && Loader::kOut == 1 && !Loader::kExtra;
+}
+
+constexpr int kTileWarps = 8;
+constexpr int kTileThreads = kTileWarps * 32;                // 256
+constexpr int kTileGroups = kBlock / kRows;                  // 32 groups of 4 rows
+constexpr int kTilePasses = kTileGroups / (2 * kTileWarps);  // 2 groups per thread
+
+// max(|a|, |b|) of each bf16 half (NaN if either is; the sign bit is not the maximum's: read with |.|).
+__device__ __forceinline__ uint32_t abs_max_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// Quantizing bf16 pairs: a normal block's multiplier 2^-k is a bf16 too, and v * 2^-k is exact in bf16 wherever it
+// is exact in fp32 (the same exponent range; below 2^-126 both round to an FP8 zero of v's sign), so the pairs are
+// scaled in place (one instruction per pair) and only then widened for the FP8 conversion: pack4_by's bytes.
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {  // (powers of two: exact)
+  return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
+}
+__device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the low byte
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Eight values of a row (columns 8 hl .. 8 hl + 7) and the column maxima over a thread's rows: floats from
+// the loader, or bf16 pairs as staged.
+template <bool kPacked>
+struct Row8;
+template <>
+struct Row8<false> {
+  float v[kVec];
+  __device__ __forceinline__ float at(int i) const { return v[i]; }
+  __device__ __forceinline__ float amax() const {
+    float a = fabsf(v[0]);
+#pragma unroll
+    for (int i = 1; i < kVec; ++i) a = nan_max(a, fabsf(v[i]));
+    return a;
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = 0.f;
+  }
+};
+template <>
+struct Row8<true> {
+  uint32_t w[kVec / 2];
+  __device__ __forceinline__ float at(int i) const { return i % 2 ? bf16_hi(w[i / 2]) : bf16_lo(w[i / 2]); }
+  __device__ __forceinline__ float amax() const {
+    const uint32_t m = abs_max_bf16x2(abs_max_bf16x2(w[0], w[1]), abs_max_bf16x2(w[2], w[3]));
+    return nan_max(fabsf(bf16_lo(m)), fabsf(bf16_hi(m)));
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) w[i] = 0u;
+  }
+};
+template <bool kPacked>
+struct ColMax8;
+template <>
+struct ColMax8<false> {
+  float m[kVec];
+  __device__ __forceinline__ ColMax8() {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) m[i] = 0.f;
+  }
+  __device__ __forceinline__ void fold(const Row8<false>& r) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) m[i] = nan_max(m[i], fabsf(r.v[i]));
+  }
+  __device__ __forceinline__ float get(int i) const { return m[i]; }
+};
+template <>
+struct ColMax8<true> {
+  uint32_t m[kVec / 2];
+  __device__ __forceinline__ ColMax8() {
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) m[i] = 0u;
+  }
+  __device__ __forceinline__ void fold(const Row8<true>& r) {
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) m[i] = abs_max_bf16x2(m[i], r.w[i]);
+  }
+  __device__ __forceinline__ float get(int i) const { return fabsf(i % 2 ? bf16_hi(m[i / 2]) : bf16_lo(m[i / 2])); }
+};
+
+// The shared memory of a per-tile CTA: the per-warp column maxima, the column multipliers, the FP8 column
+// tile (when the column copy is made), then the stage.
+struct TileLayout {
+  static constexpr int kPartial = 0;                               // [8 warps][128] floats
+  static constexpr int kMul = kPartial + kTileWarps * kBlock * 4;  // [2][128] floats
+  static constexpr int kColTile = kMul + 2 * kBlock * 4;
+  int stage, total;
+  constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes) : stage(0), total(0) {
+    stage = kColTile + (cols ? kColTileBytes : 0);
+    total = stage + int(stage_bytes);
+  }
+};
+
+// CTAs of the per-tile form per SM: as many as their shared memory allows, at most 4 for bf16 kept packed (64
+// registers a thread) and 3 otherwise (80: the values as floats).
+template <class Loader>
+constexpr int tile_ctas_per_sm() {
+  constexpr int64_t per_cta = TileLayout(true, stage_bytes<Loader>()).total + 1024;  // (1 KB reserved per CTA)
+  constexpr int64_t fit = 228 * 1024 / per_cta, most = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>> ? 4 : 3;
+  return fit < 1 ? 1 : static_cast<int>(fit > most ? most : fit);
+}
+
+// Where warp w's maximum of column c sits: row w, rotated by 16 columns for warps 4..7, so that a warp reading
+// 16 columns of warps 0..3 and of warps 4..7 meets 32 different banks.
+__device__ __forceinline__ int tile_partial_index(int w, int c) { return w * kBlock + (c + 16 * (w / 4)) % kBlock; }
+
+// Owner of 128-token block b < blk[E] (find_expert's answer) by two warp votes: every 32nd... every
+// ceil(E / 32)-th expert first, then the experts after the last sample at or below b. Every lane of the
+// warp calls it with the same arguments; E <= 1024.
+__device__ __forceinline__ int owner_of(const int32_t* blk, int E, int b) {
+  const int lane = threadIdx.x % 32, stride = (E + 31) / 32;
+  const int c = lane * stride;
+  // (Clamped to [0, E): a foreign plan's answer is wrong but in bounds; make_plan's always has blk[0] = 0 <= b.)
+  int owner = max(0, __popc(__ballot_sync(0xffffffffu, c < E && blk[c] <= b)) - 1) * stride;
+  if (stride > 1) {
+    const int d = owner + lane;
+    owner += __popc(__ballot_sync(0xffffffffu, lane < stride && d < E && blk[d] <= b)) - 1;
+  }
+  return min(max(owner, 0), E - 1);
+}
+
+// Tile blockIdx.x = (128-token block b, column block kb), kb fastest; CTAs past the plan's blocks only zero
+// their share of the uncovered rows. One output block per tile (kOut = 1).
+template <class Loader>
+__global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile_kernel(Loader src, int64_t T,
+    int64_t K, int E, const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s,
+    uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap) {
+  using Raw = typename Loader::Raw;
+  static_assert(per_tile<Loader>(), "the per-tile form takes one staged input and makes one output block");
+  constexpr bool kPacked = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>;
+  constexpr int kStageElems = kBlock * kBlock;  // per input
+  constexpr int kPerCopy = 16 / sizeof(Raw);    // elements per 16-byte copy
+  constexpr int kChunksPerRow = kBlock / kPerCopy;
+  constexpr int kRowStep = kTileThreads / kChunksPerRow;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const TileLayout layout(qT != nullptr, stage_bytes<Loader>());
+  float* partial = reinterpret_cast<float*>(smem + TileLayout::kPartial);
+  float* mul_hi = reinterpret_cast<float*>(smem + TileLayout::kMul);
+  float* mul_lo = mul_hi + kBlock;
+  uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + TileLayout::kColTile);
+  Raw* staged = reinterpret_cast<Raw*>(smem + layout.stage);
+
+  const int32_t* tok = plan;
+  const int32_t* col = plan + (E + 1);
+  const int32_t* blk = plan + 2 * (E + 1);
+  const int64_t Kb = (K + kBlock - 1) / kBlock;  // column blocks = tile columns
+  const unsigned tid = threadIdx.x;
+
+  // The tile, and its loads issued before the plan is checked (their latency hides the check's): every value
+  // taken from the plan is clamped into the tensors' bounds, so a foreign plan's loads stay inside the input;
+  // such a plan is found out below and writes nothing but zeros.
+  const int b = Kb > 0 ? static_cast<int>(blockIdx.x / Kb) : 0;  // (blocks < 2^31: plan values are int32)
+  const int kb = static_cast<int>(blockIdx.x - int64_t(b) * Kb);
+  const bool has_tile = Kb > 0 && b < blk[E];
+  int64_t row0 = 0, qt_col = 0;
+  int nr = 0;
+  if (has_tile) {
+    const int e = E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);
+    const int64_t i_blk = int64_t(b) - blk[e];
+    row0 = tok[e] + i_blk * kBlock;
+    qt_col = col[e] + i_blk * kBlock;
+    nr = row0 < 0 || row0 >= T ? 0 : static_cast<int>(imin64(kBlock, imin64(tok[e + 1], T) - row0));
+  }
+  const int64_t k0 = int64_t(kb) * kBlock;
+  const int nk = static_cast<int>(imin64(kBlock, K - k0));
+  // 16-byte chunk c of rows r0, r0 + kRowStep, ... into the stage (a chunk's columns lie in at most one segment
+  // of each input).
+  if (has_tile) {
+    const int cc = kPerCopy * (tid % kChunksPerRow), r0 = tid / kChunksPerRow;
+#pragma unroll
+    for (int in = 0; in < Loader::kInputs; ++in) {
+      Segment seg[2];
+      const int nseg = src.segments(in, k0, nk, seg);
+      int64_t from = -1;
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+        if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
+      if (from < 0) continue;
+      for (int r = r0; r < nr; r += kRowStep)
+        async_copy::load16(staged + in * kStageElems + r * kBlock + cc, src.row_start(in, row0 + r) + from);
+    }
+  }
+  const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
+  const int64_t covered = fits ? tok[E] : 0;
+  if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, nullptr, int64_t(blockIdx.x) * kTileThreads + tid,
+                                       int64_t(gridDim.x) * kTileThreads);
+  async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
+  if (!fits || !has_tile) return;
+  __syncthreads();
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int half = lane / kLanesPerRow, hl = lane % kLanesPerRow;
+  auto compute = [&](auto whole) {
+    constexpr bool kWhole = decltype(whole)::value;  // 128 tokens x 128 columns: no bounds to check
+    const bool lane_active = kWhole || kVec * hl < nk;  // nk is a multiple of 16
+    auto row_in = [&](int r) { return kWhole || r < nr; };
+    // Rows 4g .. 4g + 3 (thread's columns) from the stage; zeros outside the tile.
+    auto values = [&](int g, Row8<kPacked> (&v)[kRows]) {
+#pragma unroll
+      for (int jr = 0; jr < kRows; ++jr) {
+        const int r = kRows * g + jr;
+        if (row_in(r) && lane_active) {
+          if constexpr (kPacked) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(staged + r * kBlock + kVec * hl);
+            v[jr].w[0] = raw.x; v[jr].w[1] = raw.y; v[jr].w[2] = raw.z; v[jr].w[3] = raw.w;
+          } else {
+            const Raw* raw[Loader::kInputs];
+#pragma unroll
+            for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
+            src.values(raw, row0 + r, k0 + kVec * hl, v[jr].v);
+          }
+        } else {
+          v[jr].zero();
+        }
+      }
+    };
+    auto group = [&](int p) { return (kTileGroups / kTilePasses) * p + 2 * warp + half; };
+
+    // Row pass.
+    ColMax8<kPacked> cmax;
+    float* s_block = s + kb * row_scale_pitch(T) + row0;
+#pragma unroll 1
+    for (int p = 0; p < kTilePasses; ++p) {
+      const int g = group(p);
+      Row8<kPacked> v[kRows];
+      values(g, v);
+      float a[kRows];
+#pragma unroll
+      for (int jr = 0; jr < kRows; ++jr) {
+        a[jr] = v[jr].amax();
+        if (qT != nullptr) cmax.fold(v[jr]);
+      }
+      if (q != nullptr) {  // as the persistent kernel's row copy
+        const float amax = scatter_amax4(a, hl);
+        const BlockQuant quant(amax);
+        const int mine = hl / 4;
+        if (row_in(kRows * g + mine) && hl % 4 == 0) s_block[kRows * g + mine] = quant.scale;
+        const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
+        uint8_t* qrow = q + (row0 + kRows * g) * K + k0 + kVec * hl;
+        float hi[kRows];
+#pragma unroll
+        for (int jr = 0; jr < kRows; ++jr) hi[jr] = __shfl_sync(0xffffffffu, quant.mul_hi, (lane & kLanesPerRow) + 4 * jr);
+        if (simple) {
+#pragma unroll
+          for (int jr = 0; jr < kRows; ++jr) {
+            uint2 bytes;
+            if constexpr (kPacked) {
+              const uint32_t m = bf16x2_of(hi[jr], hi[jr]);
+              uint32_t x[kVec / 2];
+#pragma unroll
+              for (int i = 0; i < kVec / 2; ++i) x[i] = mul_bf16x2(v[jr].w[i], m);
+              bytes = make_uint2(e4m3x2_of(bf16_lo(x[0]), bf16_hi(x[0])) | e4m3x2_of(bf16_lo(x[1]), bf16_hi(x[1])) << 16,
+                                 e4m3x2_of(bf16_lo(x[2]), bf16_hi(x[2])) | e4m3x2_of(bf16_lo(x[3]), bf16_hi(x[3])) << 16);
+            } else {
+              bytes = make_uint2(pack4_by(hi[jr], {v[jr].at(0), v[jr].at(1), v[jr].at(2), v[jr].at(3)}),
+                                 pack4_by(hi[jr], {v[jr].at(4), v[jr].at(5), v[jr].at(6), v[jr].at(7)}));
+            }
+            if (row_in(kRows * g + jr) && lane_active) *reinterpret_cast<uint2*>(qrow + jr * K) = bytes;
+          }
+        } else {
+#pragma unroll
+          for (int jr = 0; jr < kRows; ++jr) {
+            const BlockQuant row(hi[jr], __shfl_sync(0xffffffffu, quant.mul_lo, (lane & kLanesPerRow) + 4 * jr));
+            if (row_in(kRows * g + jr) && lane_active)
+              *reinterpret_cast<uint2*>(qrow + jr * K) =
+                  make_uint2(row.pack4({v[jr].at(0), v[jr].at(1), v[jr].at(2), v[jr].at(3)}),
+                             row.pack4({v[jr].at(4), v[jr].at(5), v[jr].at(6), v[jr].at(7)}));
+          }
+        }
+      }
+    }
+    if (qT == nullptr) return;  // uniform
+
+    // The warp's column maxima (half 0 keeps columns 0-3 of its eight, half 1 columns 4-7).
+    {
+      float kept[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float mine = half ? cmax.get(4 + c) : cmax.get(c), theirs = half ? cmax.get(c) : cmax.get(4 + c);
+        kept[c] = nan_max(mine, __shfl_xor_sync(0xffffffffu, theirs, kLanesPerRow));
+      }
+      *reinterpret_cast<float4*>(partial + tile_partial_index(warp, kVec * hl) + 4 * half) =
+          make_float4(kept[0], kept[1], kept[2], kept[3]);
+    }
+    __syncthreads();
+    // Column scales: threads 2c and 2c + 1 take warps 0-3 and 4-7 of column c.
+    {
+      const int c = tid / 2, part = tid % 2;
+      float a = partial[tile_partial_index(4 * part, c)];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) a = nan_max(a, partial[tile_partial_index(4 * part + w, c)]);
+      a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 1));
+      const BlockQuant quant(a);
+      if (part == 0) {
+        mul_hi[c] = quant.mul_hi;
+        mul_lo[c] = quant.mul_lo;
+        if (kWhole || c < nk) sT[int64_t(b) * K + k0 + c] = quant.scale;
+      }
+    }
+    __syncthreads();
+    // Column pass: the values again, one word (4 rows) per column into the swizzled column tile.
+    {
+      float hi[kVec];
+      load8(mul_hi + kVec * hl, hi);
+      bool normal = true;
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) normal = normal && mul_lo[kVec * hl + c] == 1.f;
+      const bool simple = __all_sync(0xffffffffu, normal);
+#pragma unroll 1
+      for (int p = 0; p < kTilePasses; ++p) {
+        const int g = group(p);
+        Row8<kPacked> v[kRows];
+        values(g, v);
+        uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
+        if (simple) {
+          if constexpr (kPacked) {
+#pragma unroll
+            for (int i = 0; i < kVec / 2; ++i) {  // columns 2i, 2i + 1: the halves of word i of each row
+              const uint32_t m = bf16x2_of(hi[2 * i], hi[2 * i + 1]);
+              uint32_t x[kRows];
+#pragma unroll
+              for (int jr = 0; jr < kRows; ++jr) x[jr] = mul_bf16x2(v[jr].w[i], m);
+              words[2 * i * (kBlock / 4)] =
+                  e4m3x2_of(bf16_lo(x[0]), bf16_lo(x[1])) | e4m3x2_of(bf16_lo(x[2]), bf16_lo(x[3])) << 16;
+              words[(2 * i + 1) * (kBlock / 4)] =
+                  e4m3x2_of(bf16_hi(x[0]), bf16_hi(x[1])) | e4m3x2_of(bf16_hi(x[2]), bf16_hi(x[3])) << 16;
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < kVec; ++c)
+              words[c * (kBlock / 4)] = pack4_by(hi[c], {v[0].at(c), v[1].at(c), v[2].at(c), v[3].at(c)});
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c)
+            words[c * (kBlock / 4)] =
+                BlockQuant(hi[c], mul_lo[kVec * hl + c]).pack4({v[0].at(c), v[1].at(c), v[2].at(c), v[3].at(c)});
+        }
+      }
+    }
+    __syncthreads();
+    // ... and out with 16-byte stores, 8 lanes per column line: thread t writes chunk t % 8 of columns
+    // t / 8 + 32 i (the column tile's swizzle folded: chunk ^ (cc / 16), word pairs swapped when cc / 8 is
+    // odd), the tokens rounded up to 16 (zeros past nr).
+    {
+      const int chunk = tid % 8, c0 = tid / 8;
+      const bool swap = (c0 / 8) % 2;
+      const int chunks = kWhole ? kBlock / kColAlign : (nr + kColAlign - 1) / kColAlign;
+      uint8_t* dst = qT + (k0 + c0) * col_cap + qt_col + chunk * 16;
+#pragma unroll
+      for (int it = 0; it < kBlock / 32; ++it) {
+        const int cc = c0 + 32 * it;
+        if (kWhole || (cc < nk && chunk < chunks)) {
+          uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (cc / 16)));
+          if (swap) w = make_uint4(w.z, w.w, w.x, w.y);
+          *reinterpret_cast<uint4*>(dst) = w;
+        }
+        dst += 32 * col_cap;
+      }
+    }
+  };
+  if (nr == kBlock && nk == kBlock) compute(std::true_type{});
+  else compute(std::false_type{});
+}
+
+// Launches the per-tile form over every (expert block, column block) the buffers can hold.
+template <class Loader>
+void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
+                  float* sT, cudaStream_t stream, const char* name) {
+  const int smem = TileLayout(qT != nullptr, stage_bytes<Loader>()).total;
+  allow_shared_memory<tile_kernel<Loader>>(TileLayout(true, stage_bytes<Loader>()).total, name);
+  const int64_t grid = std::max<int64_t>(1, block_capacity(T, E) * ceil_div(K, kBlock));
+  tile_kernel<Loader><<<static_cast<unsigned>(grid), kTileThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
+                                                                                   col_capacity(T, E));
+  check_launch(name);
+}
+
 // Stages of the ring for a launch: as many as fit next to the rest (at most kMaxStages).
 template <class Loader>
 int ring_stages(int E, bool cols) {
@@ -537,20 +949,25 @@ int ring_stages(int E, bool cols) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxStages, room / stage_bytes<Loader>())));
 }
 
-// Launches the multi-cast kernel over every expert block of the output [T, K] (K = output columns).
+// Launches the multi-cast kernel over every expert block of the output [T, K] (K = output columns): the
+// per-tile form for the loaders that take it, else the persistent one.
 template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
             float* sT, float* row_extra, cudaStream_t stream, const char* name) {
   if (T == 0) return;
-  const int n_stages = ring_stages<Loader>(E, qT != nullptr);
-  const int smem = Layout(E, qT != nullptr, stage_bytes<Loader>(), n_stages).total;
-  allow_shared_memory<kernel<Loader>>(kSharedBytes, name);  // once; a launch takes only what it needs
-  // Persistent: one CTA per SM, never more than the tiles there can be.
-  const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(most_tiles, sm_count()));
-  kernel<Loader><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
-                                                                         col_capacity(T, E), row_extra, n_stages);
-  check_launch(name);
+  if constexpr (per_tile<Loader>()) {
+    launch_tiles(src, T, K, E, plan, q, s, qT, sT, stream, name);
+  } else {
+    const int n_stages = ring_stages<Loader>(E, qT != nullptr);
+    const int smem = Layout(E, qT != nullptr, stage_bytes<Loader>(), n_stages).total;
+    allow_shared_memory<kernel<Loader>>(kSharedBytes, name);  // once; a launch takes only what it needs
+    // Persistent: one CTA per SM, never more than the tiles there can be.
+    const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);
+    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(most_tiles, sm_count()));
+    kernel<Loader><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
+                                                                           col_capacity(T, E), row_extra, n_stages);
+    check_launch(name);
+  }
 }
 
 }  // namespace moegemm::multicast

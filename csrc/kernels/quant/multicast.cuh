@@ -671,9 +671,9 @@ constexpr int tile_ctas_per_sm() {
 // 16 columns of warps 0..3 and of warps 4..7 meets 32 different banks.
 __device__ __forceinline__ int tile_partial_index(int w, int c) { return w * kBlock + (c + 16 * (w / 4)) % kBlock; }
 
-// Owner of 128-token block b < blk[E] (find_expert's answer) by two warp votes: every 32nd... every
-// ceil(E / 32)-th expert first, then the experts after the last sample at or below b. Every lane of the
-// warp calls it with the same arguments; E <= 1024.
+// Owner of 128-token block b < blk[E] (find_expert's answer) by two warp votes: over the experts at every
+// ceil(E / 32)-th index first, then over those after the last of them at or below b. Every lane of the warp
+// calls it with the same arguments; E <= 1024.
 __device__ __forceinline__ int owner_of(const int32_t* blk, int E, int b) {
   const int lane = threadIdx.x % 32, stride = (E + 31) / 32;
   const int c = lane * stride;

@@ -203,6 +203,29 @@ constexpr int64_t stage_bytes() {
   return int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
 }
 
+// Every thread's share of the loads of a tile's nr tokens from row0, the loader's columns [k0, k0 + nk), into
+// `stage` (kInputs inputs of 128 x 128): 16-byte chunk c of rows r0, r0 + kThreads / (chunks per row), ...
+// (a chunk's columns lie in at most one segment of each input).
+template <int kThreads, class Loader>
+__device__ __forceinline__ void load_tile_rows(const Loader& src, typename Loader::Raw* stage, int64_t row0, int nr,
+                                               int64_t k0, int nk, int tid) {
+  constexpr int kPerCopy = 16 / sizeof(typename Loader::Raw);  // elements per 16-byte copy
+  constexpr int kChunksPerRow = kBlock / kPerCopy, kRowStep = kThreads / kChunksPerRow;
+  const int cc = kPerCopy * (tid % kChunksPerRow), r0 = tid / kChunksPerRow;
+#pragma unroll
+  for (int in = 0; in < Loader::kInputs; ++in) {
+    Segment seg[2];
+    const int nseg = src.segments(in, k0, nk, seg);
+    int64_t from = -1;
+#pragma unroll
+    for (int x = 0; x < 2; ++x)  // (constant indices: the segments stay in registers)
+      if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
+    if (from < 0) continue;
+    for (int r = r0; r < nr; r += kRowStep)
+      async_copy::load16(stage + in * kBlock * kBlock + r * kBlock + cc, src.row_start(in, row0 + r) + from);
+  }
+}
+
 // A tile as warp 0 found it. Tile j of a CTA lives in slot j % (2 n_stages) of the info ring: written an
 // iteration before its loads read it, and read again when the tile is computed.
 struct TileInfo {
@@ -268,9 +291,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   constexpr int kOut = Loader::kOut;
   constexpr int kStageElems = kBlock * kBlock;  // per input
   constexpr int64_t kStageBytes = stage_bytes<Loader>();
-  constexpr int kPerCopy = 16 / sizeof(Raw);    // elements per 16-byte copy
-  constexpr int kChunksPerRow = kBlock / kPerCopy;
-  constexpr int kRowStep = kThreads / kChunksPerRow;
   extern __shared__ __align__(128) unsigned char smem[];
   const Layout layout(E, qT != nullptr, kStageBytes, n_stages);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kFull);
@@ -320,26 +340,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
     const int64_t row0 = tok[e] + i * kBlock;
     if (lane == 0) infos[slot] = TileInfo{row0, b, col[e] + i * kBlock, static_cast<int>(imin64(kBlock, tok[e + 1] - row0)), kb};
   };
-  // Every thread's share of the loads of the tile in info slot `slot` into `stage`: 16-byte chunk c of rows
-  // r0, r0 + kRowStep, ... of the tile (a chunk's columns lie in at most one segment of each input).
+  // Every thread's share of the loads of the tile in info slot `slot` into `stage`.
   auto load_tile = [&](int slot, int stage) {
     const TileInfo tile = infos[slot];
     const int64_t k0 = int64_t(tile.kb) * kBlock;
-    const int nk = static_cast<int>(imin64(kBlock, K / kOut - k0));
-    const int cc = kPerCopy * (threadIdx.x % kChunksPerRow), r0 = threadIdx.x / kChunksPerRow;
-    Raw* dst = stages + int64_t(stage) * (kStageBytes / sizeof(Raw)) + cc;
-#pragma unroll
-    for (int in = 0; in < Loader::kInputs; ++in) {
-      Segment seg[2];
-      const int nseg = src.segments(in, k0, nk, seg);
-      int64_t from = -1;
-#pragma unroll
-      for (int x = 0; x < 2; ++x)  // (constant indices: the segments stay in registers)
-        if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
-      if (from < 0) continue;
-      for (int r = r0; r < tile.nr; r += kRowStep)
-        async_copy::load16(dst + in * kStageElems + r * kBlock, src.row_start(in, tile.row0 + r) + from);
-    }
+    load_tile_rows<kThreads>(src, stages + int64_t(stage) * (kStageBytes / sizeof(Raw)), tile.row0, tile.nr, k0,
+                             static_cast<int>(imin64(kBlock, K / kOut - k0)), threadIdx.x);
     async_copy::arrive_when_loaded(&full[stage]);
   };
 
@@ -696,9 +702,6 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   static_assert(per_tile<Loader>(), "the per-tile form takes one staged input and makes one output block");
   constexpr bool kPacked = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>;
   constexpr int kStageElems = kBlock * kBlock;  // per input
-  constexpr int kPerCopy = 16 / sizeof(Raw);    // elements per 16-byte copy
-  constexpr int kChunksPerRow = kBlock / kPerCopy;
-  constexpr int kRowStep = kTileThreads / kChunksPerRow;
   extern __shared__ __align__(128) unsigned char smem[];
   const TileLayout layout(qT != nullptr, stage_bytes<Loader>());
   float* partial = reinterpret_cast<float*>(smem + TileLayout::kPartial);
@@ -730,23 +733,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   }
   const int64_t k0 = int64_t(kb) * kBlock;
   const int nk = static_cast<int>(imin64(kBlock, K - k0));
-  // 16-byte chunk c of rows r0, r0 + kRowStep, ... into the stage (a chunk's columns lie in at most one segment
-  // of each input).
-  if (has_tile) {
-    const int cc = kPerCopy * (tid % kChunksPerRow), r0 = tid / kChunksPerRow;
-#pragma unroll
-    for (int in = 0; in < Loader::kInputs; ++in) {
-      Segment seg[2];
-      const int nseg = src.segments(in, k0, nk, seg);
-      int64_t from = -1;
-#pragma unroll
-      for (int x = 0; x < 2; ++x)
-        if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
-      if (from < 0) continue;
-      for (int r = r0; r < nr; r += kRowStep)
-        async_copy::load16(staged + in * kStageElems + r * kBlock + cc, src.row_start(in, row0 + r) + from);
-    }
-  }
+  if (has_tile) load_tile_rows<kTileThreads>(src, staged, row0, nr, k0, nk, tid);
   const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
   const int64_t covered = fits ? tok[E] : 0;
   if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, nullptr, int64_t(blockIdx.x) * kTileThreads + tid,

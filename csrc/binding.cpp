@@ -1,10 +1,14 @@
-// The one registration file: moegemm's ops with the PyTorch dispatcher (TORCH_LIBRARY), so that autograd
-// Functions, torch.compile and CUDA graphs see ordinary ops. Two families:
-//   - the layer entries, one op per layer and direction (csrc/api/layers.h): the layers' path;
+// The one registration file: moegemm's ops with the PyTorch dispatcher (TORCH_LIBRARY), so that autograd,
+// torch.compile and CUDA graphs see ordinary ops. Three families:
+//   - the differentiable layer ops, one per layer with its C++ autograd node (csrc/api/autograd.h): the
+//     layers' path;
+//   - the layer entries, one op per layer and direction (csrc/api/layers.h), which those nodes run (and
+//     the split backward's Python Functions);
 //   - the primitives, one kernel each (csrc/api/primitives.h): for tests and benchmarks.
 // Their fake (meta) implementations are in moegemm/backends/fakes.py.
 #include <torch/library.h>
 
+#include "api/autograd.h"
 #include "api/layer_contract.h"
 #include "api/layers.h"
 #include "api/primitives.h"
@@ -14,6 +18,8 @@ namespace moegemm::api {
 TORCH_LIBRARY(moegemm, m) {
   // layer entries (recipe: 0 bf16, 1 fp8_blockwise; activation: csrc/moegemm.h Activation); their schemas
   // are declared once in moegemm/backends/contract.py (api/layer_contract.h is generated from it)
+  m.def(contract::linear::kAutogradSchema);
+  m.def(contract::mlp::kAutogradSchema);
   m.def(contract::linear::kFwdSchema);
   m.def(contract::linear::kBwdSchema);
   m.def(contract::linear::kWgradSchema);
@@ -39,7 +45,15 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("bias_grad(Tensor dy, Tensor plan) -> Tensor");
 }
 
+// The differentiable layer ops: their node for tensors in autograd, the forward alone for the rest.
+TORCH_LIBRARY_IMPL(moegemm, Autograd, m) {
+  m.impl("grouped_linear", &grouped_linear_autograd);
+  m.impl("grouped_mlp", &grouped_mlp_autograd);
+}
+
 TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
+  m.impl("grouped_linear", &grouped_linear);
+  m.impl("grouped_mlp", &grouped_mlp);
   m.impl("linear_fwd", &linear_fwd);
   m.impl("linear_bwd", &linear_bwd);
   m.impl("mlp_fwd", &mlp_fwd);

@@ -661,12 +661,14 @@ def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only:
     kernels (they include no torch header). Returns the number of failures."""
     import shutil
     import subprocess
+    import sysconfig
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
     if torch_include is None:
         torch_include = torch_include_dir()
     torch_includes = [f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}"]
+    python_include = sysconfig.get_paths()["include"]  # csrc/api/main_grad.cpp reads a Python attribute
     includes = [f"-I{d}" for d in include_dirs()]
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     nvcc = shutil.which("nvcc") or os.path.join(cuda_home, "bin", "nvcc")
@@ -681,7 +683,7 @@ def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only:
             if not binding_only:
                 cmds.append([nvcc, *NVCC_FLAGS, *includes, "-c", src, "-o", obj])
         else:
-            cmds.append([cxx, *host, "-fsyntax-only", *includes, *torch_includes,
+            cmds.append([cxx, *host, "-fsyntax-only", *includes, *torch_includes, f"-I{python_include}",
                          f"-I{os.path.join(cuda_home, 'include')}", src])
 
     def run(cmd):

@@ -283,6 +283,27 @@ def test_main_grad_replaced_between_forward_and_backward(device, recipe):
         cuda_alive()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_main_grad_read_when_backward_runs(device, recipe):
+    """main_grad is looked up when backward runs (as a sharded-gradient wrapper may set it only then):
+    set after forward, it receives the gradient; removed after forward, .grad does."""
+    torch.manual_seed(27)
+    x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(E, N, K, device=device) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(T, N, device=device, dtype=torch.bfloat16)
+    moegemm.grouped_linear(x, w, SPLITS, recipe=recipe).backward(dy)
+    plain, w.grad = w.grad.float(), None
+    y = moegemm.grouped_linear(x, w, SPLITS, recipe=recipe)
+    w.main_grad = torch.zeros(E, N, K, device=device)
+    y.backward(dy)
+    assert w.grad is None and torch.allclose(w.main_grad, plain, rtol=1e-2, atol=1e-2)
+    y = moegemm.grouped_linear(x, w, SPLITS, recipe=recipe)
+    del w.main_grad
+    y.backward(dy)
+    assert w.grad is not None and torch.allclose(w.grad.float(), plain, rtol=1e-2, atol=1e-2)
+
+
 # ===================================================================================== inference mode
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -1,6 +1,6 @@
 """The layer entries on the GPU (issue 13): exactly one ``torch.ops.moegemm`` op per layer and direction,
-and every entry's fake (``moegemm/backends/fakes.py``, from the contract) agrees with the real op in shape, dtype and strides. Skipped
-without a Hopper GPU."""
+run by one C++ autograd node per call (issue 26), and every entry's fake (``moegemm/backends/fakes.py``,
+from the contract) agrees with the real op in shape, dtype and strides. Skipped without a Hopper GPU."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_grouped_linear_one_op_per_direction(recipe, bias):
     assert x.grad is not None and layer.weight.grad is not None
     with torch.no_grad():
         _, inference = ops_of(lambda: layer(x, m))
-    assert inference == ["moegemm::linear_fwd"]
+    assert inference == ["moegemm::grouped_linear"]  # the differentiable op's forward alone
     if recipe == "fp8_blockwise":  # the automatic FP8 weight cache: quantize_weight once, then one op per direction
         cached = moegemm.GroupedLinear(E, K, N, bias=bias, recipe=recipe, device=DEV)
         y, fwd = ops_of(lambda: cached(x, m))
@@ -93,6 +93,24 @@ def test_grouped_mlp_one_op_per_direction(recipe, bias):
         y, fwd = ops_of(lambda: mlp(x, m, probs, is_first_microbatch=False))
         _, bwd = ops_of(lambda: y.sum().backward())
         assert fwd == ["moegemm::mlp_fwd"] and bwd == ["moegemm::mlp_bwd"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_layer_autograd_is_one_cpp_node(recipe):
+    """Each call records one C++ node whose edges go straight to the leaves (no Python Function)."""
+    E, T, H, F = 8, 1000, 256, 384
+    lin = moegemm.GroupedLinear(E, H, F, bias=True, recipe=recipe, device=DEV)
+    mlp = moegemm.GroupedMLP(E, H, F, recipe=recipe, device=DEV)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(T, device=DEV, requires_grad=True)
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    for y, node, leaves in ((lin(x, m), "LinearNode", (x, lin.weight, lin.bias)),
+                            (mlp(x, m, probs), "MlpNode", (x, mlp.fc1.weight, mlp.fc2.weight, probs))):
+        assert node in y.grad_fn.name() and "CppNode" in y.grad_fn.name(), y.grad_fn.name()
+        edges = [f.variable for f, _ in y.grad_fn.next_functions if f is not None]
+        assert all(any(e is leaf for e in edges) for leaf in leaves)
+    with torch.no_grad():
+        assert lin(x, m).grad_fn is None and mlp(x, m, probs).grad_fn is None
 
 
 # --------------------------------------------------------------------------------------- fakes vs real
@@ -195,6 +213,12 @@ def test_layer_ops_opcheck(recipe):
     args = (torch.randn_like(y), plan, saved, x, w, torch.zeros(w.shape, device=DEV), rid, True, True, True)
     utils = ("test_faketensor",) if recipe == "fp8_blockwise" else ("test_schema", "test_faketensor")
     torch.library.opcheck(ops.linear_bwd.default, args, test_utils=utils)
+    # the differentiable op: its Autograd kernel, its fake, and forward + backward traced by AOTAutograd
+    # against eager (test_schema's SchemaCheckMode cannot take the float8 tensors inside its backward)
+    xg, wg, bg = (t.detach().requires_grad_() for t in (x, w, b))
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    utils += ("test_schema",) if recipe == "bf16" else ()
+    torch.library.opcheck(ops.grouped_linear.default, (xg, wg, m, bg, rid), test_utils=utils)
 
 
 def backward_peak(mlp, x, m, probs):
@@ -212,8 +236,8 @@ def backward_peak(mlp, x, m, probs):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_mlp_backward_frees_saved_tensors_early(recipe, monkeypatch):
-    """The backward op frees each saved tensor after its last use (eager autograd hands them over): its
-    peak is lower than with the saved tensors kept to the end (as under torch.compile)."""
+    """The backward op frees each saved tensor after its last use (the C++ node hands them over): its
+    peak is lower than with the saved tensors kept to the end (the Python Function made to keep them)."""
     from moegemm.functional import mlp as mlp_module
 
     E, T, H, F = 8, 8192, 1024, 1024
@@ -225,6 +249,7 @@ def test_mlp_backward_frees_saved_tensors_early(recipe, monkeypatch):
     freed = backward_peak(mlp, x, m, probs)
     unstash = mlp_module._unstash
     monkeypatch.setattr(mlp_module, "_unstash", lambda ctx: (unstash(ctx)[0], False))
+    monkeypatch.setattr(cuda_ops, "LAYER_AUTOGRAD", False)  # the Python Function
     kept = backward_peak(mlp, x, m, probs)
     print(f"{recipe}: backward peak {freed / 2**20:.1f} MiB (saved tensors freed early), {kept / 2**20:.1f} MiB (kept)")
     assert freed < kept

@@ -98,12 +98,15 @@ def main():
             }
             res = {k: us(f) for k, f in cases.items()}
         w1g = w1.detach().requires_grad_()
-        res["grouped_linear fp8 fwd (grad)"] = us(lambda: moegemm.grouped_linear(xg, w1g, m))
-        res["GroupedMLP fp8 fwd (grad)"] = us(lambda: mlp(xg, m, p))
         # the floor of any autograd layer here: one empty Function forward + torch.autograd.grad
         res["autograd floor: empty Function fwd+bwd"] = us(lambda: torch.autograd.grad(_Empty.apply(xg), [xg], dy))
-        res["GroupedMLP fp8 fwd+bwd"] = us(step(mlp))
-        res["GroupedMLP bf16 fwd+bwd"] = us(step(mlp_bf16))
+        for shell in ("C++ node", "Python Function"):  # the layers' autograd, and the split backward's shell
+            ops.LAYER_AUTOGRAD = shell == "C++ node"
+            res[f"grouped_linear fp8 fwd (grad), {shell}"] = us(lambda: moegemm.grouped_linear(xg, w1g, m))
+            res[f"GroupedMLP fp8 fwd (grad), {shell}"] = us(lambda: mlp(xg, m, p))
+            res[f"GroupedMLP fp8 fwd+bwd, {shell}"] = us(step(mlp))
+            res[f"GroupedMLP bf16 fwd+bwd, {shell}"] = us(step(mlp_bf16))
+        ops.LAYER_AUTOGRAD = True
         if args.profile and E == 8:
             with torch.no_grad():
                 profile_cpu(lambda: moegemm.grouped_linear(x, w1, m))

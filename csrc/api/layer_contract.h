@@ -25,6 +25,9 @@ inline constexpr char kBwdSchema[] =
 inline constexpr char kWgradSchema[] =
     "linear_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, "
     "int recipe) -> Tensor dw";
+inline constexpr char kAutogradSchema[] =
+    "grouped_linear(Tensor x, Tensor weight, Tensor m_splits, Tensor? bias, int recipe, "
+    "Tensor? x_scales=None, Tensor? dx_target=None, Tensor[]? fp8_weight=None) -> Tensor y";
 
 namespace saved_bf16 { enum : size_t { kWBf16, kCount }; }
 namespace saved_fp8 { enum : size_t { kQxT, kSxT, kQwT, kSwT, kCount }; }
@@ -55,6 +58,10 @@ inline constexpr char kWgradSchema[] =
     "mlp_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor fc1_weight, Tensor fc2_weight, "
     "Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, "
     "bool need_dw2) -> (Tensor dw1, Tensor dw2)";
+inline constexpr char kAutogradSchema[] =
+    "grouped_mlp(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor m_splits, Tensor? fc1_bias, "
+    "Tensor? fc2_bias, Tensor? probs, int activation, int recipe, Tensor?[] fp8_weights, "
+    "Tensor? x_scales=None, Tensor? dx_target=None) -> Tensor y";
 
 namespace saved_bf16 { enum : size_t { kH, kA, kW1Bf16, kW2Bf16, kCount }; }
 namespace saved_fp8 { enum : size_t { kQxT, kSxT, kH, kQaT, kSaT, kQw1T, kSw1T, kQw2T, kSw2T, kCount }; }

@@ -2,8 +2,9 @@
 
 Six ops carry the layers, one per layer and direction: ``linear_fwd``, ``linear_bwd``, ``linear_wgrad``
 and ``mlp_fwd``, ``mlp_bwd``, ``mlp_wgrad`` (``torch.ops.moegemm.*`` from the C++ extension, and the same
-schemas as ``torch.ops.moegemm_reference.*`` from the reference backend). Each is declared here as a
-``LayerOp``:
+schemas as ``torch.ops.moegemm_reference.*`` from the reference backend); on the CUDA backend a
+differentiable op per layer, ``grouped_linear`` and ``grouped_mlp``, runs them as one C++ autograd node
+(``GROUPED_LINEAR``, ``GROUPED_MLP``: schemas only). Each of the six is declared here as a ``LayerOp``:
 
 * its arguments, as in the schema the dispatcher registers;
 * every tensor it returns (a ``Slot``): name, shape in named dimensions (``DIMS``), dtype, and when it is
@@ -245,14 +246,27 @@ MLP_WGRAD = LayerOp(
 )
 
 
+# The differentiable layer ops of the CUDA backend: forward and backward of one call as one C++ autograd
+# node (csrc/api/autograd.cpp) over the entries above, the layers' path without a split backward. x is the
+# bf16 input, or with x_scales the FP8 row copy, whose dx goes to dx_target (none computed without one);
+# each weight's main_grad is read from its Python attribute when backward runs.
+GROUPED_LINEAR = ("grouped_linear(Tensor x, Tensor weight, Tensor m_splits, Tensor? bias, int recipe, "
+                  "Tensor? x_scales=None, Tensor? dx_target=None, Tensor[]? fp8_weight=None) -> Tensor y")
+GROUPED_MLP = ("grouped_mlp(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor m_splits, Tensor? fc1_bias, "
+               "Tensor? fc2_bias, Tensor? probs, int activation, int recipe, Tensor?[] fp8_weights, "
+               "Tensor? x_scales=None, Tensor? dx_target=None) -> Tensor y")
+
+
 class Layer(NamedTuple):
-    """A layer's three ops. ``wgrad_gather(recipe)``: where each of the wgrad op's operands is in the pool
-    ``(*made, *saved, dy, x)`` a split backward has (made: the backward's made outputs; saved: the
-    forward's saved list; dy, x: the backward's arguments), computed once."""
+    """A layer's three ops and its differentiable op (``autograd``, a schema). ``wgrad_gather(recipe)``:
+    where each of the wgrad op's operands is in the pool ``(*made, *saved, dy, x)`` a split backward has
+    (made: the backward's made outputs; saved: the forward's saved list; dy, x: the backward's
+    arguments), computed once."""
     name: str
     fwd: LayerOp
     bwd: LayerOp
     wgrad: LayerOp
+    autograd: str
 
     def wgrad_gather(self, recipe: int) -> tuple:
         made = [s.name for s in self.bwd.made[recipe]]
@@ -261,8 +275,8 @@ class Layer(NamedTuple):
         return tuple(pool.index(n) for n in self.wgrad.wgrad_operands[recipe])
 
 
-LINEAR = Layer("linear", LINEAR_FWD, LINEAR_BWD, LINEAR_WGRAD)
-MLP = Layer("mlp", MLP_FWD, MLP_BWD, MLP_WGRAD)
+LINEAR = Layer("linear", LINEAR_FWD, LINEAR_BWD, LINEAR_WGRAD, GROUPED_LINEAR)
+MLP = Layer("mlp", MLP_FWD, MLP_BWD, MLP_WGRAD, GROUPED_MLP)
 LAYERS = (LINEAR, MLP)
 OPS = tuple(op for layer in LAYERS for op in (layer.fwd, layer.bwd, layer.wgrad))
 
@@ -382,6 +396,7 @@ def header() -> str:
         out += ["", f"// {'-' * 86} {layer.name}", f"namespace {layer.name} {{", ""]
         for op, const in ((layer.fwd, "kFwdSchema"), (layer.bwd, "kBwdSchema"), (layer.wgrad, "kWgradSchema")):
             out.append(_schema_literal(const, op.schema))
+        out.append(_schema_literal("kAutogradSchema", layer.autograd))
         out.append("")
         for recipe, what in sorted(RECIPE_NAMES.items()):
             out.append(_enum(f"saved_{what}", [s.name for s in layer.fwd.saved[recipe]]))

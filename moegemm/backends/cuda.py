@@ -1,5 +1,7 @@
 """The CUDA backend: the extension's ``torch.ops.moegemm`` ops with the backend interface (``protocol.py``).
 
+* The differentiable layer ops ``grouped_linear, grouped_mlp`` (``LAYER_AUTOGRAD``): one C++ autograd node
+  per call (``csrc/api/autograd.h``), the layers' path without a split backward.
 * The layer entries ``linear_fwd, linear_bwd, linear_wgrad, mlp_fwd, mlp_bwd, mlp_wgrad`` are the C++ ops
   themselves (one op per layer and direction, ``csrc/api/layers.h``; their contract: ``contract.py``).
 * The primitives (one kernel each, for tests and benchmarks) are thin wrappers with the signatures of
@@ -19,6 +21,11 @@ from . import fakes
 load_extension()
 fakes.register_cuda()
 _ops = torch.ops.moegemm
+
+# ------------------------------------------------------------------------- differentiable layer ops
+LAYER_AUTOGRAD = True
+grouped_linear = _ops.grouped_linear.default
+grouped_mlp = _ops.grouped_mlp.default
 
 # ------------------------------------------------------------------------------------- layer entries
 linear_fwd = _ops.linear_fwd.default

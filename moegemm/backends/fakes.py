@@ -24,8 +24,20 @@ def register_layer_ops(namespace: str) -> None:
         torch.library.register_fake(f"{namespace}::{op.name}")(_layer_fake(op))
 
 
+def _grouped_linear(x, weight, m_splits, bias, recipe, x_scales=None, dx_target=None, fp8_weight=None):
+    return x.new_empty((x.shape[0], weight.shape[1]), dtype=torch.bfloat16 if x_scales is not None else x.dtype)
+
+
+def _grouped_mlp(x, fc1_weight, fc2_weight, m_splits, fc1_bias, fc2_bias, probs, activation, recipe, fp8_weights,
+                 x_scales=None, dx_target=None):
+    return x.new_empty((x.shape[0], fc2_weight.shape[1]), dtype=torch.bfloat16 if x_scales is not None else x.dtype)
+
+
 def register_cuda() -> None:
-    """Every fake of the extension's ops: the layer ops and the primitives."""
+    """Every fake of the extension's ops: the differentiable layer ops (for their forward alone, below
+    autograd; above it their C++ node runs and calls the layer ops), the layer ops and the primitives."""
+    torch.library.register_fake("moegemm::grouped_linear")(_grouped_linear)
+    torch.library.register_fake("moegemm::grouped_mlp")(_grouped_mlp)
     register_layer_ops("moegemm")
     for name, fake in _PRIMITIVES.items():
         torch.library.register_fake(f"moegemm::{name}")(fake)

@@ -15,6 +15,11 @@ from torch import Tensor
 
 
 class Backend(Protocol):
+    # True: the backend also offers the differentiable layer ops ``grouped_linear`` and ``grouped_mlp``
+    # (contract.GROUPED_LINEAR, GROUPED_MLP: forward and backward as one C++ autograd node), which the
+    # layers call unless a split backward needs the Python Functions; False: the Python Functions always.
+    LAYER_AUTOGRAD: bool
+
     # ---------------------------------------------------------------------------- layer entries (ops)
     def linear_fwd(self, x, weight, m_splits, bias, recipe, need_dx, need_dw, x_scales=None, fp8_weight=None): ...
     def linear_bwd(self, dy, plan, saved, x, weight, main_grad, recipe, need_dx, need_dw, need_db, defer_wgrad=False,

@@ -23,6 +23,7 @@ from . import contract as C
 from . import fakes
 
 NAMESPACE = "moegemm_reference"
+LAYER_AUTOGRAD = False  # the layers' autograd is moegemm/functional's Python Functions
 
 
 def _add_bias(y, bias, plan):

@@ -1,11 +1,13 @@
 """``grouped_linear``: the differentiable grouped GEMM of docs/design.md#operations.
 
-The public function checks its arguments once on the host (``_validate.py``); the autograd Function is
-a thin shell that calls one op per direction, ``linear_fwd`` and ``linear_bwd``, of the backend chosen by
-``moegemm.backends.select`` (the C++ entries of ``csrc/api/grouped_linear.cpp`` or the reference ones,
-which share one contract: ``backends/contract.py``). For ``fp8_blockwise`` the forward quantizes ``x`` once
-into its row copy (fprop) and its per-expert transposed copy (saved for wgrad), so backward never re-reads
-``x`` in bf16.
+The public function checks its arguments once on the host (``_validate.py``) and chooses the op. On the
+CUDA backend that is one differentiable op, ``grouped_linear`` (forward and backward as one C++ autograd
+node, ``csrc/api/autograd.h``); on the reference backend, and for a split backward, the autograd Function
+below, a thin shell that calls one op per direction, ``linear_fwd`` and ``linear_bwd``, of the backend
+chosen by ``moegemm.backends.select``. Both run the same entries (``csrc/api/grouped_linear.cpp`` or the
+reference ones, which share one contract: ``backends/contract.py``). For ``fp8_blockwise`` the forward
+quantizes ``x`` once into its row copy (fprop) and its per-expert transposed copy (saved for wgrad), so
+backward never re-reads ``x`` in bf16.
 
 Two options (issue 16):
 * an FP8 ``x`` (``Fp8Rows``: quantize_act's row copy and scales, as an FP8 dispatcher delivers it): fprop
@@ -106,9 +108,13 @@ def grouped_linear(
     check_main_grad(weight)
     m = splits_to_device(m_splits, E, x_dev.shape[0], x_dev.device, check_splits)  # the first device work
     fp8 = list(fp8_weight) if fp8_weight is not None and recipe == "fp8_blockwise" else []
+    ops = backends.select(x_dev.device)
+    if ops.LAYER_AUTOGRAD and wgrad_store is None:  # one C++ node, with grad or without
+        return ops.grouped_linear(x_dev, weight, m, bias, RECIPE_IDS[recipe], x_scales,
+                                  x if x_scales is not None else None, fp8 or None)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return backends.select(x_dev.device).linear_fwd(x_dev, weight, m, bias, RECIPE_IDS[recipe], False, False,
-                                                       x_scales, fp8 or None)[0]  # inference
+        return ops.linear_fwd(x_dev, weight, m, bias, RECIPE_IDS[recipe], False, False, x_scales,
+                              fp8 or None)[0]  # inference
     if wgrad_store is not None:
         check_deferrable(("weight", weight))
     apply = _GroupedLinear.apply if wgrad_store is None else _apply_deferred

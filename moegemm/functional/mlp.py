@@ -1,8 +1,10 @@
 """The expert MLP for training: fc1 -> activation x router probs -> fc2, forward and backward.
 
-The public function checks its arguments once on the host; the autograd Function is a thin shell that
-calls one op per direction, ``mlp_fwd`` and ``mlp_bwd``, of the backend chosen by ``moegemm.backends.select``
-(the C++ entries of ``csrc/api/grouped_mlp.cpp`` or the reference ones: ``backends/contract.py``). For
+The public function checks its arguments once on the host and chooses the op: on the CUDA backend one
+differentiable op, ``grouped_mlp`` (forward and backward as one C++ autograd node, ``csrc/api/autograd.h``);
+on the reference backend, and for a split backward, the autograd Function below, a thin shell that calls one
+op per direction, ``mlp_fwd`` and ``mlp_bwd``, of the backend chosen by ``moegemm.backends.select``. Both run
+the same entries (``csrc/api/grouped_mlp.cpp`` or the reference ones: ``backends/contract.py``). For
 ``fp8_blockwise`` the activation is fused with the FP8 quantization of its result, and its backward with
 quantizing the gradient, so no bf16 copy of the activation is written or saved. Saved for backward: the FP8 copies (x's and the
 activation's column copies, the weights' transposed copies) and fc1's bf16 output h; the backward op
@@ -132,10 +134,14 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     m = splits_to_device(m_splits, E, T, x_dev.device, check_splits)  # the first device work
     fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe == "fp8_blockwise" else []
     act_id, recipe_id = ACTIVATIONS[activation], RECIPE_IDS[recipe]
+    ops = backends.select(x_dev.device)
+    if ops.LAYER_AUTOGRAD and wgrad_store is None:  # one C++ node, with grad or without
+        return ops.grouped_mlp(x_dev, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id, recipe_id, fp8,
+                               x_scales, x if x_scales is not None else None)
     inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):  # inference
-        return backends.select(x_dev.device).mlp_fwd(x_dev, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id,
-                                                    recipe_id, fp8, False, False, False, x_scales)[0]
+        return ops.mlp_fwd(x_dev, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id, recipe_id, fp8, False,
+                           False, False, x_scales)[0]
     if wgrad_store is not None:
         check_deferrable(("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight))
     apply = _GroupedMLP.apply if wgrad_store is None else _apply_deferred

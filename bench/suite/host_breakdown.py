@@ -100,13 +100,16 @@ def main():
         w1g = w1.detach().requires_grad_()
         # the floor of any autograd layer here: one empty Function forward + torch.autograd.grad
         res["autograd floor: empty Function fwd+bwd"] = us(lambda: torch.autograd.grad(_Empty.apply(xg), [xg], dy))
-        for shell in ("C++ node", "Python Function"):  # the layers' autograd, and the split backward's shell
-            ops.LAYER_AUTOGRAD = shell == "C++ node"
-            res[f"grouped_linear fp8 fwd (grad), {shell}"] = us(lambda: moegemm.grouped_linear(xg, w1g, m))
-            res[f"GroupedMLP fp8 fwd (grad), {shell}"] = us(lambda: mlp(xg, m, p))
-            res[f"GroupedMLP fp8 fwd+bwd, {shell}"] = us(step(mlp))
-            res[f"GroupedMLP bf16 fwd+bwd, {shell}"] = us(step(mlp_bf16))
-        ops.LAYER_AUTOGRAD = True
+        native = ops.LAYER_AUTOGRAD
+        try:
+            for shell in ("C++ node", "Python Function"):  # the layers' autograd, and the split backward's shell
+                ops.LAYER_AUTOGRAD = shell == "C++ node"
+                res[f"grouped_linear fp8 fwd (grad), {shell}"] = us(lambda: moegemm.grouped_linear(xg, w1g, m))
+                res[f"GroupedMLP fp8 fwd (grad), {shell}"] = us(lambda: mlp(xg, m, p))
+                res[f"GroupedMLP fp8 fwd+bwd, {shell}"] = us(step(mlp))
+                res[f"GroupedMLP bf16 fwd+bwd, {shell}"] = us(step(mlp_bf16))
+        finally:
+            ops.LAYER_AUTOGRAD = native
         if args.profile and E == 8:
             with torch.no_grad():
                 profile_cpu(lambda: moegemm.grouped_linear(x, w1, m))

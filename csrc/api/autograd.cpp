@@ -90,7 +90,7 @@ struct LinearNode : torch::autograd::Function<LinearNode> {
     auto [y, plan, saved] = dispatched<linear_fwd>("moegemm::linear_fwd")
                                 .call(a.x, weight, a.m_splits, bias, a.recipe, needs(a.needs, kLinearDx), need_dw,
                                       a.x_scales, list_or_none(a.fp8_weight));
-    const bool keep_x = a.recipe == static_cast<int64_t>(Recipe::kBf16) && need_dw;
+    const bool keep_x = to_recipe(a.recipe) == Recipe::kBf16 && need_dw;
     variable_list kept{plan, keep_x ? a.x : Tensor(), weight};
     kept.insert(kept.end(), a.fp8_weight.begin(), a.fp8_weight.end());
     kept.insert(kept.end(), saved.begin(), saved.end());
@@ -149,7 +149,7 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
     kept.insert(kept.end(), saved.begin(), saved.end());
     auto& d = ctx->saved_data;
     d["kept"] = std::move(kept);
-    d["x"] = a.recipe == static_cast<int64_t>(Recipe::kBf16) ? std::optional<Tensor>(a.x) : std::nullopt;
+    d["x"] = to_recipe(a.recipe) == Recipe::kBf16 ? std::optional<Tensor>(a.x) : std::nullopt;
     d["probs"] = probs;
     d["fp8_weights"] = a.fp8_weights;
     d["activation"] = a.activation;

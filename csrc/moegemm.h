@@ -42,6 +42,15 @@ struct PlanLimits {
 // device values). Tokens past the covered ones (plan[0][E] <= T) belong to no expert: the ragged-row
 // GEMMs write zeros there. Needs 1 <= E <= kMaxExperts and col_capacity(T, E) <= kMaxPlanValue.
 void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t* plan, cudaStream_t stream);
+// The same plan built on the side of another launch (one more CTA of it: quantize_weights), with the same
+// requirements; plan == nullptr: none.
+struct PlanBuild {
+  const void* m_splits = nullptr;
+  bool m_is_int64 = false;
+  int E = 0;
+  int64_t T = 0;
+  int32_t* plan = nullptr;
+};
 
 // Multi-cast activation quantization of x [T, K] in one launch. Either output pair may be null.
 //   rows: q [T, K] e4m3, s [T, ceil(K/128)] (K-major, row_scale_pitch)
@@ -85,8 +94,18 @@ constexpr int kActBf16Cols = 256;  // columns per dprobs partial sum (one warp, 
 
 // 128x128-block weight quantization of w [E, N, K]: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb]
 // (qT and sT both null: no transposed copy, for a forward without dgrad).
-void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K,
-                     uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream);
+struct WeightQuant {
+  const void* w;
+  int64_t E, N, K;
+  uint8_t* q;
+  float* s;
+  uint8_t* qT;
+  float* sT;
+};
+// Up to kMaxWeightsPerLaunch weights of one dtype quantized in one launch (a layer's weights), and the plan
+// built by one more CTA when plan.plan is set (a forward's first launch then needs no make_plan).
+constexpr int kMaxWeightsPerLaunch = 2;
+void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream);
 
 // Per-expert bias over the plan's covered tokens (rows past them are left alone), by 128-token blocks:
 //   add_bias: y[t, n] += bias[e(t), n], y bf16 [T, N], bias bf16 or fp32 [E, N] (bias_is_f32);

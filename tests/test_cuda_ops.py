@@ -47,6 +47,56 @@ def test_plan_clamps_bad_counts():
     assert plan[0, -1] == 50 and (plan[0, 1:] >= plan[0, :-1]).all()
 
 
+def plan_cases(dtype):
+    yield 1, 77, [77]
+    yield 4, 50, [5, -3, 100, 7]  # a negative count, one past T, the total past T
+    yield 3, 40, [2 ** 31 - 1, 5, 5] if dtype == torch.int32 else [2 ** 40, -2 ** 40, 5]
+    for E, T in [(8, 1000), (256, 5000), (1024, 3000)]:
+        yield E, T, zipf_splits(E, T)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_plan_built_with_the_weights_matches_make_plan(dtype):
+    """A forward that quantizes its weights builds the plan in that launch (one more CTA): make_plan's plan."""
+    from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
+    K, N = 128, 256
+    for E, T, counts in plan_cases(dtype):
+        m = torch.tensor(counts, dtype=dtype, device=DEV)
+        want = ref.make_plan(m.cpu(), T)
+        x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+        w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
+        _, plan, _ = cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, True, True)
+        assert torch.equal(plan.cpu(), want), (E, T)
+        w2 = (torch.randn(E, K, N // 2, device=DEV) * 0.05).to(torch.bfloat16)
+        _, plan, _ = cuda_ops.mlp_fwd(x, w, w2, m, None, None, None, ACTIVATIONS["swiglu"], FP8_BLOCKWISE, [], True,
+                                      True, True)
+        assert torch.equal(plan.cpu(), want), (E, T)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.float32)])
+def test_mlp_weights_quantized_in_the_call_as_quantize_weight(dtypes):
+    """Both weights quantized in the forward's first launch (two when their dtypes differ): bitwise what
+    quantize_weight makes of each, so the output equals the one from pre-quantized weights."""
+    from moegemm.backends import contract
+    from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
+    E, T, H, F = 8, 1000, 256, 384
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    w1 = (torch.randn(E, 2 * F, H, device=DEV) * 0.05).to(dtypes[0])
+    w2 = (torch.randn(E, H, F, device=DEV) * 0.05).to(dtypes[1])
+    act = ACTIVATIONS["swiglu"]
+    y, _, saved = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, None, act, FP8_BLOCKWISE, [], True, True, True)
+    given = [*cuda_ops.quantize_weight(w1), *cuda_ops.quantize_weight(w2)]
+    y_given, _, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, None, act, FP8_BLOCKWISE, given, True, True, True)
+    assert torch.equal(y, y_given)
+    names = [sl.name for sl in contract.MLP_FWD.saved[FP8_BLOCKWISE]]
+    for name, want in [("qw1T", given[2]), ("sw1T", given[3]), ("qw2T", given[6]), ("sw2T", given[7])]:
+        got = saved[names.index(name)]
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), name
+
+
 # ------------------------------------------------------------------------------------------ quantizers
 def assert_cols_equal(a, b, plan, T):
     """Compare transposed copies on the experts' padded columns and their scale-block rows."""
@@ -311,6 +361,47 @@ def test_launch_count_independent_of_E(recipe):
     n8, n256 = count_kernels(8, recipe), count_kernels(256, recipe)
     print(f"kernel launches per forward+backward ({recipe}): E=8 -> {n8}, E=256 -> {n256}")
     assert n8 == n256 and n8 > 0
+
+
+def mlp_kernels(fp8_weights=None):
+    """The kernels of one expert MLP forward + backward (fp8_blockwise, SwiGLU x probs, no bias)."""
+    from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
+    E, T, H, F = 8, 4096, 256, 256
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(E, 2 * F, H, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(E, H, F, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    probs = torch.rand(T, device=DEV, requires_grad=True)
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    args = (x, w1, w2, m, None, None, probs, ACTIVATIONS["swiglu"], FP8_BLOCKWISE, fp8_weights or [])
+
+    def step():
+        for t in (x, w1, w2, probs):
+            t.grad = None  # (no accumulation kernels)
+        y = cuda_ops.grouped_mlp(*args)
+        y.backward(dy)
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_mlp_step_launches(cached):
+    """Issue 26's bound: at most 12 kernels per expert MLP forward + backward, weights quantized in the call
+    (the plan built in the weights' launch) or given (the plan by its own launch)."""
+    given = None
+    if cached:
+        w1 = torch.randn(8, 512, 256, device=DEV, dtype=torch.bfloat16)
+        w2 = torch.randn(8, 256, 256, device=DEV, dtype=torch.bfloat16)
+        given = [*cuda_ops.quantize_weight(w1), *cuda_ops.quantize_weight(w2)]
+    names = mlp_kernels(given)
+    print(f"kernels per MLP forward + backward (weights {'given' if cached else 'quantized in the call'}): "
+          f"{len(names)}: {names}")
+    assert 0 < len(names) <= 12
 
 
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "bf16"])

@@ -58,21 +58,16 @@ bool pre_quantized(const c10::List<std::optional<Tensor>>& fp8_weights) {
   return fp8_weights.size() == kFp8Weights;
 }
 
-Quantized fc1_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
-                  const Tensor& like) {
-  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc1_weight"), transposed);
+// Pre-quantized weights given by the caller (fp8_weights), checked; `transposed`: with the Wᵀ copies.
+Quantized fc1_given(const c10::List<std::optional<Tensor>>& fp8_weights, const MlpShape& s, bool transposed, const Tensor& like) {
   return fp8_weight_input(fp8_weights, fp8_weights_of::kFc1Weight, kFc1Fp8Names, s.E, s.F1, s.H, transposed, like);
 }
 
-Quantized fc2_fp8(const c10::List<std::optional<Tensor>>& fp8_weights, const Tensor& w, const MlpShape& s, bool transposed,
-                  const Tensor& like) {
-  if (fp8_weights.size() == 0) return run_quantize_weight(weight_input(w), to_dtype(w, "fc2_weight"), transposed);
+Quantized fc2_given(const c10::List<std::optional<Tensor>>& fp8_weights, const MlpShape& s, bool transposed, const Tensor& like) {
   return fp8_weight_input(fp8_weights, fp8_weights_of::kFc2Weight, kFc2Fp8Names, s.E, s.H, s.F, transposed, like);
 }
 
-Tensor dprobs_of(const Tensor& partial, bool wanted, const Tensor& like) {
-  return wanted ? run_sum_rows(partial) : none_like(like, at::kFloat);
-}
+Tensor dprobs_of(const Tensor& partial, bool wanted) { return wanted ? run_sum_rows(partial) : Tensor(); }
 
 }  // namespace
 
@@ -93,19 +88,29 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   TORCH_CHECK(!given || recipe == Recipe::kFp8Blockwise, "moegemm: fp8_weights need the fp8_blockwise recipe");
   c10::DeviceGuard guard(x.device());
   const Tensor probs = probs_fp32(probs_in, s.T, x);
-  const Tensor plan = new_plan(m_splits, s.E, s.T, x);
+  const Tensor splits = splits_input(m_splits, s.E, s.T, x);
+  // Weights quantized here: both in the forward's first launch, which also builds the plan (each row copy
+  // is dropped after its GEMM); else the plan by its own launch.
+  Quantized qw1, qw2;
+  Tensor plan;
+  if (recipe == Recipe::kFp8Blockwise && !given) {
+    plan = empty_plan(s.E, x);
+    std::vector<Quantized> qw = run_quantize_weights(
+        {{weight_input(fc1_weight), to_dtype(fc1_weight, "fc1_weight")}, {weight_input(fc2_weight), to_dtype(fc2_weight, "fc2_weight")}},
+        save, {splits, s.T, plan});
+    qw1 = std::move(qw[0]), qw2 = std::move(qw[1]);
+  } else {
+    plan = run_make_plan(splits, s.T);
+  }
   std::vector<Tensor> saved;
   Tensor y;
   if (recipe == Recipe::kFp8Blockwise) {
-    // Each weight is quantized just before its GEMM and its row copy dropped right after, so the four
-    // FP8 weight copies never coexist.
-    Quantized qw1 = fc1_fp8(fp8_weights, fc1_weight, s, save, x);
+    if (given) qw1 = fc1_given(fp8_weights, s, save, x), qw2 = fc2_given(fp8_weights, s, save, x);
     Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1)
                          : run_quantize_act(x, DType::kBF16, plan, true, need_dw1);
     Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan);
     if (b1.defined()) run_add_bias(h, b1, plan);
     qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();
-    Quantized qw2 = fc2_fp8(fp8_weights, fc2_weight, s, save, x);
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
     y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan);
     if (save) {
@@ -161,19 +166,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   std::vector<Tensor> saved(saved_in.begin(), saved_in.end());
   // Drops a tensor after its last use; frees its memory now if it is one of the saved tensors handed over.
   auto drop_saved = [&](size_t slot) { release(saved[slot], release_saved); };
-  // defer: the wgrad operands made here (the made slots: fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh), each a [0]
-  // placeholder until it is known; kMadeCount slots whatever the mode (bf16 placeholders past bf16's one).
+  // defer: the wgrad operands made here (the made slots: fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh); kMadeCount
+  // slots whatever the mode. Every output not made below becomes a [0] placeholder at the end.
   std::array<Tensor, contract::mlp::kMadeCount> made;
-  if (recipe == Recipe::kBf16) {
-    for (Tensor& t : made) t = none_like(dy, at::kBFloat16);
-  } else {
-    made[made_fp8::kQdyT] = none_like(dy, at::kFloat8_e4m3fn), made[made_fp8::kSdyT] = none_like(dy, at::kFloat);
-    made[made_fp8::kQdhT] = none_like(dy, at::kFloat8_e4m3fn), made[made_fp8::kSdhT] = none_like(dy, at::kFloat);
-  }
   // A saved tensor that the deferred wgrad needs (the caller keeps it): dropped here, never freed.
   auto keep = [&](size_t slot) { saved[slot].reset(); };
-  Tensor dx = none_like(dy, at::kBFloat16), dw1 = none_like(dy, wgrad_dtype(fc1_weight));
-  Tensor dw2 = none_like(dy, wgrad_dtype(fc2_weight)), db1 = none_like(dy, at::kFloat), dprobs = none_like(dy, at::kFloat);
+  Tensor dx, dw1, dw2, db1, dprobs;
   if (recipe == Recipe::kFp8Blockwise) {
     TORCH_CHECK(saved.size() == fp8::kCount, "moegemm: saved must hold ", num(fp8::kCount), " tensors, got ", num(saved.size()));
     if (need_dw1) {
@@ -188,8 +186,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     // Wᵀ copies: saved when quantized in forward, else the pre-quantized ones (never freed here).
     Quantized w1T, w2T;
     if (given) {
-      if (need_dx) w1T = fp8_weight_input(fp8_weights, fp8_weights_of::kFc1Weight, kFc1Fp8Names, s.E, s.F1, s.H, true, dy);
-      if (need_da) w2T = fp8_weight_input(fp8_weights, fp8_weights_of::kFc2Weight, kFc2Fp8Names, s.E, s.H, s.F, true, dy);
+      if (need_dx) w1T = fc1_given(fp8_weights, s, true, dy);
+      if (need_da) w2T = fc2_given(fp8_weights, s, true, dy);
     } else {
       const int64_t Hb = ceil_div(s.H, kBlock), Fb = ceil_div(s.F, kBlock), F1b = ceil_div(s.F1, kBlock);
       if (need_dx) check_tensor(saved[fp8::kQw1T], "saved qw1T", at::kFloat8_e4m3fn, {s.E, s.H, s.F1}, dy);
@@ -237,7 +235,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
           run_gemm_fp8_ragged_k(qdh.qT, qdh.sT, qxT, sxT, plan, out, accumulate);
         });
       }
-      dprobs = dprobs_of(partial, need_dprobs, dy);
+      dprobs = dprobs_of(partial, need_dprobs);
     }
   } else {
     TORCH_CHECK(saved.size() == bf16::kCount, "moegemm: saved must hold ", num(bf16::kCount), " tensors, got ", num(saved.size()));
@@ -276,11 +274,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
         });
       }
       if (need_db1) db1 = run_bias_grad(dh, plan);
-      dprobs = dprobs_of(partial, need_dprobs, dy);
+      dprobs = dprobs_of(partial, need_dprobs);
     }
   }
-  Tensor db2 = need_db2 ? run_bias_grad(dy, plan) : none_like(dy, at::kFloat);
-  return {dx, dw1, dw2, db1, db2, dprobs, made[0], made[1], made[2], made[3]};
+  Tensor db2 = need_db2 ? run_bias_grad(dy, plan) : Tensor();
+  auto or_placeholder = [&](Tensor& t, at::ScalarType dtype) -> Tensor& {
+    if (!t.defined()) t = none_like(dy, dtype);
+    return t;
+  };
+  // the made slots' placeholders: fp8 e4m3, fp32, e4m3, fp32; bf16 (and past bf16's one slot) bf16
+  const bool fp8_made = recipe == Recipe::kFp8Blockwise;
+  auto made_dtype = [&](size_t slot) {
+    if (!fp8_made) return at::kBFloat16;
+    return slot == made_fp8::kQdyT || slot == made_fp8::kQdhT ? at::kFloat8_e4m3fn : at::kFloat;
+  };
+  for (size_t slot = 0; slot < made.size(); ++slot) or_placeholder(made[slot], made_dtype(slot));
+  return {or_placeholder(dx, at::kBFloat16), or_placeholder(dw1, wgrad_dtype(fc1_weight)),
+          or_placeholder(dw2, wgrad_dtype(fc2_weight)), or_placeholder(db1, at::kFloat), or_placeholder(db2, at::kFloat),
+          or_placeholder(dprobs, at::kFloat), made[0], made[1], made[2], made[3]};
 }
 
 std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& fc1_weight,

@@ -2,6 +2,8 @@
 
 #include <ATen/record_function.h>
 
+#include <array>
+
 // Each launch shows in torch.profiler traces as a named range inside its op (no cost when not profiling).
 #define MOEGEMM_RANGE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
 
@@ -28,10 +30,12 @@ float* s_ptr(const Tensor& s, bool wanted) { return wanted ? s.data_ptr<float>()
 Tensor run_make_plan(const Tensor& m_splits, int64_t T) {
   MOEGEMM_RANGE("moegemm::run_make_plan");
   const int E = static_cast<int>(m_splits.numel());
-  Tensor plan = empty({3, E + 1}, at::kInt, m_splits);
+  Tensor plan = empty_plan(E, m_splits);
   make_plan(m_splits.data_ptr(), m_splits.scalar_type() == at::kLong, E, T, plan.data_ptr<int32_t>(), current_stream(m_splits));
   return plan;
 }
+
+Tensor empty_plan(int64_t E, const Tensor& like) { return empty({3, E + 1}, at::kInt, like); }
 
 Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols) {
   MOEGEMM_RANGE("moegemm::run_quantize_act");
@@ -43,15 +47,47 @@ Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, boo
   return out;
 }
 
-Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed) {
-  MOEGEMM_RANGE("moegemm::run_quantize_weight");
+namespace {
+Quantized weight_outputs(const Tensor& w, bool transposed) {
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   const int64_t Nb = ceil_div(N, kBlock), Kb = ceil_div(K, kBlock);
-  Quantized out{empty({E, N, K}, at::kFloat8_e4m3fn, w), empty({E, Nb, Kb}, at::kFloat, w),
-                transposed ? empty({E, K, N}, at::kFloat8_e4m3fn, w) : none_like(w, at::kFloat8_e4m3fn),
-                transposed ? empty({E, Kb, Nb}, at::kFloat, w) : none_like(w, at::kFloat)};
-  quantize_weight(w.data_ptr(), dtype, E, N, K, bytes(out.q), out.s.data_ptr<float>(), transposed ? bytes(out.qT) : nullptr,
-                  transposed ? out.sT.data_ptr<float>() : nullptr, current_stream(w));
+  return {empty({E, N, K}, at::kFloat8_e4m3fn, w), empty({E, Nb, Kb}, at::kFloat, w),
+          transposed ? empty({E, K, N}, at::kFloat8_e4m3fn, w) : none_like(w, at::kFloat8_e4m3fn),
+          transposed ? empty({E, Kb, Nb}, at::kFloat, w) : none_like(w, at::kFloat)};
+}
+
+WeightQuant weight_job(const Tensor& w, const Quantized& out, bool transposed) {
+  return {w.data_ptr(), w.size(0), w.size(1), w.size(2), bytes(out.q), out.s.data_ptr<float>(),
+          transposed ? bytes(out.qT) : nullptr, transposed ? out.sT.data_ptr<float>() : nullptr};
+}
+}  // namespace
+
+Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed) {
+  return run_quantize_weights({{w, dtype}}, transposed, {}).front();
+}
+
+std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weights, bool transposed, const PlanOut& plan) {
+  MOEGEMM_RANGE("moegemm::run_quantize_weights");
+  TORCH_CHECK(weights.size() >= 1 && weights.size() <= kMaxWeightsPerLaunch, "moegemm: run_quantize_weights: 1 or 2 weights");
+  std::vector<Quantized> out;
+  std::array<WeightQuant, kMaxWeightsPerLaunch> jobs;
+  for (const WeightIn& in : weights) {
+    out.push_back(weight_outputs(in.w, transposed));
+    jobs[out.size() - 1] = weight_job(in.w, out.back(), transposed);
+  }
+  PlanBuild build;
+  if (plan.m_splits.defined())
+    build = {plan.m_splits.data_ptr(), plan.m_splits.scalar_type() == at::kLong, num_experts(plan.plan), plan.T,
+             plan.plan.data_ptr<int32_t>()};
+  const WeightIn* in = weights.begin();
+  const cudaStream_t stream = current_stream(in->w);
+  const int count = static_cast<int>(weights.size());
+  if (count == 1 || in[1].dtype == in[0].dtype) {
+    quantize_weights(jobs.data(), count, in->dtype, build, stream);
+  } else {
+    quantize_weights(&jobs[0], 1, in[0].dtype, build, stream);
+    quantize_weights(&jobs[1], 1, in[1].dtype, PlanBuild{}, stream);
+  }
   return out;
 }
 

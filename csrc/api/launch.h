@@ -4,6 +4,9 @@
 // grouped_mlp.cpp) check first, then call these.
 #pragma once
 
+#include <initializer_list>
+#include <vector>
+
 #include "api/common.h"
 
 namespace moegemm::api {
@@ -15,10 +18,25 @@ struct Quantized {
   Tensor q, s, qT, sT;
 };
 
+// The plan [3, E+1] int32 of m_splits [E] (int32 or int64) for T tokens: made by its own launch (run_make_plan),
+// or allocated by empty_plan and built by another launch on the side (run_quantize_weights' PlanOut).
 Tensor run_make_plan(const Tensor& m_splits, int64_t T);
+Tensor empty_plan(int64_t E, const Tensor& like);
+struct PlanOut {
+  Tensor m_splits;  // undefined: no plan to build
+  int64_t T = 0;
+  Tensor plan;
+};
 Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols);
 // {q, s, qT, sT} of w [E, N, K]; without `transposed`, qT and sT are [0] placeholders (not written).
 Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed);
+// The same for a layer's weights (one or two), quantized in one launch when their dtypes agree, which also
+// builds `plan` when it names one (one launch fewer in a forward that quantizes its weights).
+struct WeightIn {
+  Tensor w;
+  DType dtype;
+};
+std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weights, bool transposed, const PlanOut& plan);
 // An FP8 x given as its row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout, as an
 // FP8 dispatcher delivers it): {q, s, qT, sT} with, if `cols`, the per-expert column copy made from the
 // rows (dequantize, re-quantize in 128x1 blocks; else [0] placeholders).

@@ -43,7 +43,7 @@ Tensor probs_fp32(const std::optional<Tensor>& probs, int64_t T, const Tensor& l
   return probs_input(probs->to(at::kFloat).contiguous(), T, like);
 }
 
-Tensor new_plan(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like) {
+Tensor splits_input(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like) {
   check_placement(m_splits, "m_splits", 1, like);
   TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
               "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
@@ -51,7 +51,7 @@ Tensor new_plan(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like
               num(m_splits.numel()));
   TORCH_CHECK(col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - 15 * E), "] for ", num(E),
               " experts (int32 plan), got ", num(T));
-  return run_make_plan(aligned(m_splits), T);
+  return aligned(m_splits);
 }
 
 void check_plan(const Tensor& plan, int64_t E, const Tensor& like) {

@@ -24,8 +24,9 @@ Tensor weight_bf16(const Tensor& weight);
 Tensor bias_input(const std::optional<Tensor>& bias, const char* name, int64_t E, int64_t N, const Tensor& like);
 // probs [T] floating point on like's device, as fp32, contiguous, aligned; undefined if absent.
 Tensor probs_fp32(const std::optional<Tensor>& probs, int64_t T, const Tensor& like);
-// The plan [3, E+1] of m_splits (E int32/int64 counts on like's device) for T tokens.
-Tensor new_plan(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like);
+// m_splits (E int32/int64 counts on like's device, for T tokens) checked; aligned. The plan is made from it by
+// its own launch (run_make_plan) or on the side of the weights' (run_quantize_weights).
+Tensor splits_input(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like);
 // A plan passed back to a backward entry: [3, E+1] int32 on like's device.
 void check_plan(const Tensor& plan, int64_t E, const Tensor& like);
 // t is dtype with exactly these sizes on like's device, contiguous (saved tensors, FP8 weight copies).

@@ -50,6 +50,15 @@ for activation, recipe, F in [(a, r, 144) for a in moegemm.reference.ACTIVATIONS
     ym = mlp(xm, m, probs)
     ym.backward(torch.randn_like(ym))
     assert torch.isfinite(xm.grad).all() and torch.isfinite(probs.grad).all()
+# Both weights quantized in the forward's first launch with the plan (one more CTA), or in two launches when
+# their dtypes differ
+for w1_dtype, w2_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]:
+    xm = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(E, 2 * 144, K, device="cuda") * 0.05).to(w1_dtype).requires_grad_()
+    w2 = (torch.randn(E, K, 144, device="cuda") * 0.05).to(w2_dtype).requires_grad_()
+    ym = moegemm.grouped_mlp(xm, w1, w2, m, torch.rand(T, device="cuda"))
+    ym.backward(torch.randn_like(ym))
+    assert torch.isfinite(xm.grad).all() and torch.isfinite(w1.grad).all()
 # FP8 input (the column copy re-quantized from the rows) and the split backward (wgrad later)
 xs = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 lin = moegemm.GroupedLinear(E, K, N, bias=True, device="cuda", delay_wgrad_compute=True)

@@ -3,13 +3,14 @@
 //   requantize_cols: the same kernel reading an FP8 row copy (dequantized), writing only the column copy.
 //   quantize_weight_kernel: one CTA per 128x128 block of one expert, staged in shared memory by cp.async;
 //   writes W and Wᵀ copies, both as contiguous 128-byte row segments (Wᵀ through a swizzled FP8 tile in shared memory
-//   and 4x4 byte transposes in registers).
+//   and 4x4 byte transposes in registers). A layer's weights in one launch, and the plan by one more CTA.
 #include <algorithm>
 
 #include "moegemm.h"
 #include "kernels/common/async_copy.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
+#include "kernels/plan/build.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/multicast.cuh"
 
@@ -57,20 +58,51 @@ constexpr int kWeightCtasPerSm = sizeof(T) == 2 ? 4 : 2;
 template <typename T>
 constexpr int kWeightSmemBytes = kBlock * kBlock * int(sizeof(T)) + kBlock * kBlock + kWarps * 4;
 
+// One launch's weights (csrc/moegemm.h quantize_weights) and the plan built on the side: CTA 0 builds the plan
+// when there is one; every other CTA quantizes one 128x128 block, the first weight's blocks (column block
+// fastest, then row block, then expert) before the second's.
+struct WeightLaunch {
+  WeightQuant weight[kMaxWeightsPerLaunch];
+  int64_t blocks[kMaxWeightsPerLaunch];  // E * Nb * Kb of each weight
+  int count;
+  PlanBuild plan;
+};
+
+// The launch's weight `second ? 1 : 0`, field by field (no dynamic index into the parameter space).
+__device__ __forceinline__ WeightQuant weight_of(const WeightLaunch& launch, bool second) {
+  WeightQuant w = launch.weight[0];
+  if (second) w = launch.weight[1];
+  return w;
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight_kernel(const T* __restrict__ w, int64_t N, int64_t K,
-    uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT) {
+__global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight_kernel(const WeightLaunch launch) {
+  int64_t block = blockIdx.x;
+  if (launch.plan.plan != nullptr) {
+    if (block == 0) return build_plan<kThreads>(launch.plan);
+    --block;
+  }
+  const bool second = launch.count > 1 && block >= launch.blocks[0];
+  if (second) block -= launch.blocks[0];
+  const WeightQuant job = weight_of(launch, second);
+  const int64_t N = job.N, K = job.K;
+  uint8_t* __restrict__ q = job.q;
+  float* __restrict__ s = job.s;
+  uint8_t* __restrict__ qT = job.qT;
+  float* __restrict__ sT = job.sT;
+  const int64_t Nb = (N + kBlock - 1) / kBlock, Kb = (K + kBlock - 1) / kBlock;
+  const int64_t kb = block % Kb, nb = block / Kb % Nb, e = block / (Kb * Nb);
+
   extern __shared__ __align__(16) uint8_t smem_raw[];
   T* tile = reinterpret_cast<T*>(smem_raw);                                             // [128][128] T
   uint32_t* tileq = reinterpret_cast<uint32_t*>(smem_raw + kBlock * kBlock * sizeof(T));  // FP8, tile_word layout
   float* warp_max = reinterpret_cast<float*>(smem_raw + kBlock * kBlock * sizeof(T) + kBlock * kBlock);
-  const int64_t e = blockIdx.z;
-  const int64_t n0 = int64_t(blockIdx.y) * kBlock, k0 = int64_t(blockIdx.x) * kBlock;
+  const int64_t n0 = nb * kBlock, k0 = kb * kBlock;
   const int nn = static_cast<int>(imin64(kBlock, N - n0));
   const int nk = static_cast<int>(imin64(kBlock, K - k0));
+  const T* src = static_cast<const T*>(job.w) + e * N * K + n0 * K + k0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool lane_active = 4 * lane < nk;
-  const T* src = w + e * N * K + n0 * K + k0;
 
   // The tile's rows inside the weight into shared memory, 16-byte chunks in row order (nk a multiple of 16:
   // a chunk lies wholly inside or outside); the rest of the tile is never read.
@@ -102,10 +134,9 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
   for (int i = 1; i < kWarps; ++i) a = nan_max(a, warp_max[i]);
   const BlockQuant quant(a);
   const float scale = quant.scale;
-  const int64_t Nb = (N + kBlock - 1) / kBlock, Kb = (K + kBlock - 1) / kBlock;
   if (threadIdx.x == 0) {
-    s[(e * Nb + blockIdx.y) * Kb + blockIdx.x] = scale;
-    if (qT != nullptr) sT[(e * Kb + blockIdx.x) * Nb + blockIdx.y] = scale;
+    s[(e * Nb + nb) * Kb + kb] = scale;
+    if (qT != nullptr) sT[(e * Kb + kb) * Nb + nb] = scale;
   }
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
@@ -148,12 +179,9 @@ void launch_act(const void* x, int64_t T_, int64_t K, int E, const int32_t* plan
 }
 
 template <typename T>
-void launch_weight(const void* w, int64_t E, int64_t N, int64_t K, uint8_t* q, float* s, uint8_t* qT, float* sT,
-                   cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(K, kBlock)), static_cast<unsigned>(ceil_div(N, kBlock)),
-                  static_cast<unsigned>(E));
+void launch_weights(const WeightLaunch& launch, int64_t grid, cudaStream_t stream) {
   allow_shared_memory<quantize_weight_kernel<T>>(kWeightSmemBytes<T>, "quantize_weight");
-  quantize_weight_kernel<T><<<grid, kThreads, kWeightSmemBytes<T>, stream>>>(static_cast<const T*>(w), N, K, q, s, qT, sT);
+  quantize_weight_kernel<T><<<static_cast<unsigned>(grid), kThreads, kWeightSmemBytes<T>, stream>>>(launch);
   check_launch("quantize_weight");
 }
 
@@ -176,13 +204,26 @@ void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int
                     nullptr, stream, "requantize_cols");
 }
 
-void quantize_weight(const void* w, DType dtype, int64_t E, int64_t N, int64_t K, uint8_t* q, float* s, uint8_t* qT,
-                     float* sT, cudaStream_t stream) {
-  if (E == 0 || N == 0 || K == 0) return;
+void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream) {
+  if (count < 1 || count > kMaxWeightsPerLaunch) throw std::runtime_error("moegemm: quantize_weights: 1 or 2 weights per launch");
+  WeightLaunch launch{};
+  launch.plan = plan;
+  int64_t grid = plan.plan != nullptr ? 1 : 0;
+  if (plan.plan != nullptr) check_plan_size(plan.E, plan.T, "quantize_weights (plan)");
+  for (int i = 0; i < count; ++i) {
+    const WeightQuant& w = weights[i];
+    const int64_t blocks = w.E * ceil_div(w.N, kBlock) * ceil_div(w.K, kBlock);
+    if (blocks == 0) continue;  // an empty weight: nothing to write
+    launch.weight[launch.count] = w;
+    launch.blocks[launch.count++] = blocks;
+    grid += blocks;
+  }
+  if (grid == 0) return;
+  if (grid > 0x7fffffff) throw std::runtime_error("moegemm: quantize_weights: too many 128x128 blocks for one launch");
   switch (dtype) {
-    case DType::kBF16: return launch_weight<__nv_bfloat16>(w, E, N, K, q, s, qT, sT, stream);
-    case DType::kF16: return launch_weight<__half>(w, E, N, K, q, s, qT, sT, stream);
-    case DType::kF32: return launch_weight<float>(w, E, N, K, q, s, qT, sT, stream);
+    case DType::kBF16: return launch_weights<__nv_bfloat16>(launch, grid, stream);
+    case DType::kF16: return launch_weights<__half>(launch, grid, stream);
+    case DType::kF32: return launch_weights<float>(launch, grid, stream);
   }
 }
 

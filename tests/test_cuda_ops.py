@@ -56,21 +56,33 @@ def plan_cases(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_plan_built_with_the_weights_matches_make_plan(dtype):
-    """A forward that quantizes its weights builds the plan in that launch (one more CTA): make_plan's plan."""
+@pytest.mark.parametrize("first", ["weights", "x", "fp8_x"])
+def test_plan_built_inside_the_first_quantizer_matches_make_plan(dtype, first):
+    """A forward builds the plan inside its first quantizer's launch: the weights' (one more CTA) when it
+    quantizes them, else x's (each CTA deriving it, CTA 0 writing it; an FP8 x's column copy: make_plan's
+    kernel before it). Always make_plan's plan, bad counts and T = 0 included, and y as from that plan."""
     from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
     K, N = 128, 256
-    for E, T, counts in plan_cases(dtype):
+    for E, T, counts in [*plan_cases(dtype), (5, 0, [0, 3, -1, 0, 2])]:
         m = torch.tensor(counts, dtype=dtype, device=DEV)
         want = ref.make_plan(m.cpu(), T)
         x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
         w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
-        _, plan, _ = cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, True, True)
-        assert torch.equal(plan.cpu(), want), (E, T)
         w2 = (torch.randn(E, K, N // 2, device=DEV) * 0.05).to(torch.bfloat16)
-        _, plan, _ = cuda_ops.mlp_fwd(x, w, w2, m, None, None, None, ACTIVATIONS["swiglu"], FP8_BLOCKWISE, [], True,
-                                      True, True)
+        fp8_w, fp8_w2 = cuda_ops.quantize_weight(w), cuda_ops.quantize_weight(w2)
+        given = [] if first == "weights" else [*fp8_w]
+        plan_ref = cuda_ops.make_plan(m, T)
+        q, s, _, _ = cuda_ops.quantize_act(x, plan_ref, True, False)
+        if first == "fp8_x":
+            y, plan, _ = cuda_ops.linear_fwd(q, w, m, None, FP8_BLOCKWISE, True, True, s, given)
+        else:
+            y, plan, _ = cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, True, True, None, given)
         assert torch.equal(plan.cpu(), want), (E, T)
+        assert torch.equal(y, cuda_ops.gemm_fp8_ragged_m(q, s, fp8_w[0], fp8_w[1], plan_ref)), (E, T)
+        if first != "fp8_x":
+            _, plan, _ = cuda_ops.mlp_fwd(x, w, w2, m, None, None, None, ACTIVATIONS["swiglu"], FP8_BLOCKWISE,
+                                          given and [*fp8_w, *fp8_w2], True, True, True)
+            assert torch.equal(plan.cpu(), want), (E, T)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
@@ -389,10 +401,27 @@ def mlp_kernels(fp8_weights=None):
     return [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def test_fc1_forward_launches():
+    """The fc1 forward with given FP8 weights: x's quantizer (building the plan) and the GEMM, two kernels."""
+    from moegemm.layout import FP8_BLOCKWISE
+    E, T, K, N = 8, 4096, 256, 512
+    x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    given = [*cuda_ops.quantize_weight(w)]
+    cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, False, False, None, given)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, False, False, None, given)
+        torch.cuda.synchronize()
+    names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(names) == 2, names
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_mlp_step_launches(cached):
     """Issue 26's bound: at most 12 kernels per expert MLP forward + backward, weights quantized in the call
-    (the plan built in the weights' launch) or given (the plan by its own launch)."""
+    (the plan built in the weights' launch) or given (the plan built by x's quantizer)."""
     given = None
     if cached:
         w1 = torch.randn(8, 512, 256, device=DEV, dtype=torch.bfloat16)

@@ -57,23 +57,23 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   const Tensor bias = bias_input(bias_in, "bias", E, N, x);
   c10::DeviceGuard guard(x.device());
   const Tensor splits = splits_input(m_splits, E, T, x);
-  // A weight quantized here: in the forward's first launch, which also builds the plan; else the plan by its
-  // own launch.
-  Quantized qw;
-  Tensor plan;
-  if (recipe == Recipe::kFp8Blockwise && !weight_given) {
-    plan = empty_plan(E, x);
-    qw = std::move(run_quantize_weights({{weight_input(weight), to_dtype(weight, "weight")}}, need_dx, {splits, T, plan})[0]);
-  } else {
-    plan = run_make_plan(splits, T);
-  }
+  // fp8: the plan is built inside the first quantizer's launch (the weight's when quantized here, else x's);
+  // bf16: by its own.
+  const bool fp8 = recipe == Recipe::kFp8Blockwise;
+  const Tensor plan = fp8 ? empty_plan(E, x) : run_make_plan(splits, T);
+  PlanOut build{splits, T, plan};
   Tensor y;
   std::vector<Tensor> saved;
-  if (recipe == Recipe::kFp8Blockwise) {
-    if (weight_given)
+  if (fp8) {
+    Quantized qw;
+    if (weight_given) {
       qw = fp8_weight_input(fp8_weight, contract::linear::fp8_weights::kWeight, kLinearFp8Names, E, N, K, need_dx, x);
-    Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw)
-                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw);
+    } else {
+      qw = std::move(run_quantize_weights({{weight_input(weight), to_dtype(weight, "weight")}}, need_dx, build)[0]);
+      build = {};
+    }
+    Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw, build)
+                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw, build);
     y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)

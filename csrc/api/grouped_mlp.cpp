@@ -89,25 +89,26 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   c10::DeviceGuard guard(x.device());
   const Tensor probs = probs_fp32(probs_in, s.T, x);
   const Tensor splits = splits_input(m_splits, s.E, s.T, x);
-  // Weights quantized here: both in the forward's first launch, which also builds the plan (each row copy
-  // is dropped after its GEMM); else the plan by its own launch.
-  Quantized qw1, qw2;
-  Tensor plan;
-  if (recipe == Recipe::kFp8Blockwise && !given) {
-    plan = empty_plan(s.E, x);
-    std::vector<Quantized> qw = run_quantize_weights(
-        {{weight_input(fc1_weight), to_dtype(fc1_weight, "fc1_weight")}, {weight_input(fc2_weight), to_dtype(fc2_weight, "fc2_weight")}},
-        save, {splits, s.T, plan});
-    qw1 = std::move(qw[0]), qw2 = std::move(qw[1]);
-  } else {
-    plan = run_make_plan(splits, s.T);
-  }
+  // fp8: the plan is built inside the first quantizer's launch (the weights' when quantized here, both in
+  // one launch, each row copy dropped after its GEMM; else x's); bf16: by its own.
+  const bool fp8 = recipe == Recipe::kFp8Blockwise;
+  const Tensor plan = fp8 ? empty_plan(s.E, x) : run_make_plan(splits, s.T);
+  PlanOut build{splits, s.T, plan};
   std::vector<Tensor> saved;
   Tensor y;
-  if (recipe == Recipe::kFp8Blockwise) {
-    if (given) qw1 = fc1_given(fp8_weights, s, save, x), qw2 = fc2_given(fp8_weights, s, save, x);
-    Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1)
-                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw1);
+  if (fp8) {
+    Quantized qw1, qw2;
+    if (given) {
+      qw1 = fc1_given(fp8_weights, s, save, x), qw2 = fc2_given(fp8_weights, s, save, x);
+    } else {
+      std::vector<Quantized> qw = run_quantize_weights({{weight_input(fc1_weight), to_dtype(fc1_weight, "fc1_weight")},
+                                                        {weight_input(fc2_weight), to_dtype(fc2_weight, "fc2_weight")}},
+                                                       save, build);
+      qw1 = std::move(qw[0]), qw2 = std::move(qw[1]);
+      build = {};
+    }
+    Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1, build)
+                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw1, build);
     Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan);
     if (b1.defined()) run_add_bias(h, b1, plan);
     qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();

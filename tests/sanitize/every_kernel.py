@@ -59,6 +59,11 @@ for w1_dtype, w2_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, tor
     ym = moegemm.grouped_mlp(xm, w1, w2, m, torch.rand(T, device="cuda"))
     ym.backward(torch.randn_like(ym))
     assert torch.isfinite(xm.grad).all() and torch.isfinite(w1.grad).all()
+# Given FP8 weights: x's quantizer derives the plan in each CTA (CTA 0 writing it)
+wq = (torch.randn(E, N, K, device="cuda") * 0.05).to(torch.bfloat16)
+yq, plan_q, _ = cuda_ops.linear_fwd(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), wq, m, None, 1, True, True,
+                                    None, list(cuda_ops.quantize_weight(wq)))
+assert torch.equal(plan_q, plan) and torch.isfinite(yq).all()
 # FP8 input (the column copy re-quantized from the rows) and the split backward (wgrad later)
 xs = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 lin = moegemm.GroupedLinear(E, K, N, bias=True, device="cuda", delay_wgrad_compute=True)

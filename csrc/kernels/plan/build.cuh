@@ -18,13 +18,26 @@ inline void check_plan_size(int E, int64_t T, const char* what) {
   if (T < 0 || col_capacity(T, E) > kMaxPlanValue) throw std::runtime_error(std::string("moegemm: ") + what + ": T out of range");
 }
 
-// The plan from the counts each thread holds (thread t: experts t * kItems .. t * kItems + kItems - 1, zero
-// past E), each already clamped to [0, T]: E <= 1024 counts of at most T < 2^31 cannot overflow the 64-bit
-// token sum, whatever the device values. The token ends are clamped to T; columns and blocks come from the
-// clamped counts (their sums stay within col_capacity(T, E), checked on the host to fit int32). Every thread
-// of the block calls it.
-template <int kThreads, int kItems>
-__device__ __forceinline__ void plan_from_counts(long long (&m)[kItems], int E, int64_t T, int32_t* plan) {
+// One expert's entries of the plan: tokens [tok0, tok1), padded columns from col0 to col1, 128-token blocks
+// [blk0, blk1).
+struct PlanEntry {
+  int e, tok0, tok1, col0, col1, blk0, blk1;
+};
+// The plan's last column: covered tokens, columns and blocks of all experts.
+struct PlanTotals {
+  int tok, col, blk;
+};
+
+// The plan of m_splits (int32 or int64 counts) scanned by a block of kThreads threads, thread t holding
+// experts t * kItems .. t * kItems + kItems - 1: visit(entry) for each of its experts < E, and the totals to
+// every thread. Each count is clamped to [0, T] before any sum (E <= 1024 counts of at most T < 2^31 cannot
+// overflow the 64-bit token sum, whatever the device values) and the token ends to T; columns and blocks
+// come from the clamped counts (their sums stay within col_capacity(T, E), checked on the host to fit
+// int32). Every thread of the block calls it.
+template <int kThreads, class Visit>
+__device__ __forceinline__ PlanTotals scan_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, Visit&& visit) {
+  constexpr int kItems = kMaxExperts / kThreads;
+  static_assert(kItems * kThreads == kMaxExperts, "the block's threads hold kMaxExperts counts");
   // warp scans: a few hundred bytes of shared memory, for the kernels that build the plan on the side
   using TokenScan = cub::BlockScan<long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   using CountScan = cub::BlockScan<int, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -32,52 +45,45 @@ __device__ __forceinline__ void plan_from_counts(long long (&m)[kItems], int E, 
     typename TokenScan::TempStorage tokens;
     typename CountScan::TempStorage counts;
   } storage;
-  long long end[kItems];
-  TokenScan(storage.tokens).InclusiveSum(m, end);
+  const int first = threadIdx.x * kItems;
+  long long m[kItems], end[kItems], tokens;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    long long v = 0;
+    if (first + i < E) v = m_is_int64 ? static_cast<const int64_t*>(m_splits)[first + i] : static_cast<const int32_t*>(m_splits)[first + i];
+    m[i] = v < 0 ? 0 : (v > T ? T : v);
+  }
+  TokenScan(storage.tokens).InclusiveSum(m, end, tokens);
   __syncthreads();
-  int tok1[kItems], cols[kItems], blks[kItems], col_end[kItems], blk_end[kItems];
+  int tok0[kItems], tok1[kItems], cols[kItems], blks[kItems], col_end[kItems], blk_end[kItems], col_total, blk_total;
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const long long start = end[i] - m[i];
-    const long long tok0 = start < T ? start : T;
+    tok0[i] = static_cast<int>(start < T ? start : T);
     tok1[i] = static_cast<int>(end[i] < T ? end[i] : T);
-    const int count = static_cast<int>(tok1[i] - tok0);
+    const int count = tok1[i] - tok0[i];
     cols[i] = (count + kColAlign - 1) / kColAlign * kColAlign;
     blks[i] = (count + kBlock - 1) / kBlock;
   }
-  CountScan(storage.counts).InclusiveSum(cols, col_end);
+  CountScan(storage.counts).InclusiveSum(cols, col_end, col_total);
   __syncthreads();
-  CountScan(storage.counts).InclusiveSum(blks, blk_end);
-  int32_t* tok = plan;
-  int32_t* col = plan + (E + 1);
-  int32_t* blk = plan + 2 * (E + 1);
+  CountScan(storage.counts).InclusiveSum(blks, blk_end, blk_total);
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int e = threadIdx.x * kItems + i;
-    if (e < E) tok[e + 1] = tok1[i], col[e + 1] = col_end[i], blk[e + 1] = blk_end[i];
-  }
-  if (threadIdx.x == 0) tok[0] = col[0] = blk[0] = 0;
+  for (int i = 0; i < kItems; ++i)
+    if (first + i < E) visit(PlanEntry{first + i, tok0[i], tok1[i], col_end[i] - cols[i], col_end[i], blk_end[i] - blks[i], blk_end[i]});
+  return {static_cast<int>(tokens < T ? tokens : T), col_total, blk_total};
 }
 
-// The plan of m_splits (int32 or int64 counts) built by a block of kThreads threads.
-template <int kThreads>
-__device__ __forceinline__ void build_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t* plan) {
-  constexpr int kItems = kMaxExperts / kThreads;
-  static_assert(kItems * kThreads == kMaxExperts, "the block's threads hold kMaxExperts counts");
-  long long m[kItems];
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int e = threadIdx.x * kItems + i;
-    long long v = 0;
-    if (e < E) v = m_is_int64 ? static_cast<const int64_t*>(m_splits)[e] : static_cast<const int32_t*>(m_splits)[e];
-    m[i] = v < 0 ? 0 : (v > T ? T : v);
-  }
-  plan_from_counts<kThreads>(m, E, T, plan);
+// Writes one expert's entries into plan [3, E+1] (its end column; the plan's first column is zeros).
+__device__ __forceinline__ void write_plan_entry(const PlanEntry& x, int E, int32_t* plan) {
+  plan[x.e + 1] = x.tok1, plan[(E + 1) + x.e + 1] = x.col1, plan[2 * (E + 1) + x.e + 1] = x.blk1;
+  if (x.e == 0) plan[0] = plan[E + 1] = plan[2 * (E + 1)] = 0;
 }
 
+// The plan of m_splits built by a block of kThreads threads (make_plan's kernel, or one CTA of another).
 template <int kThreads>
 __device__ __forceinline__ void build_plan(const PlanBuild& p) {
-  build_plan<kThreads>(p.m_splits, p.m_is_int64, p.E, p.T, p.plan);
+  scan_plan<kThreads>(p.m_splits, p.m_is_int64, p.E, p.T, [&](const PlanEntry& x) { write_plan_entry(x, p.E, p.plan); });
 }
 
 }  // namespace moegemm

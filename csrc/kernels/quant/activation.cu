@@ -273,7 +273,7 @@ void act_quantize(const void* h_bf16, const float* probs, Activation act, int64_
     loader.h = static_cast<const __nv_bfloat16*>(h_bf16);
     loader.probs = probs;
     loader.F = F;
-    multicast::launch(loader, T, F, E, plan, q, s, qT, sT, nullptr, stream, "act_quantize");
+    multicast::launch(loader, T, F, E, plan, q, s, qT, sT, nullptr, PlanBuild{}, stream, "act_quantize");
   });
 }
 
@@ -286,7 +286,7 @@ void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float*
     loader.probs = probs;
     loader.F = F;
     const int64_t F1 = is_glu(act) ? 2 * F : F;
-    multicast::launch(loader, T, F1, E, plan, q, s, qT, sT, dprobs_partial, stream, "act_backward_quantize");
+    multicast::launch(loader, T, F1, E, plan, q, s, qT, sT, dprobs_partial, PlanBuild{}, stream, "act_backward_quantize");
   };
   if (F % kBlock == 0 && act == Activation::kSwiglu) return run(ActBackwardPaired<Silu>{});
   if (F % kBlock == 0 && act == Activation::kGeglu) return run(ActBackwardPaired<Gelu>{});

@@ -36,6 +36,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
 #include "kernels/quant/fp8_block.cuh"
+#include "kernels/plan/build.cuh"
 #include "kernels/plan/plan.cuh"
 
 namespace moegemm::multicast {
@@ -692,12 +693,32 @@ __device__ __forceinline__ int owner_of(const int32_t* blk, int E, int b) {
   return min(max(owner, 0), E - 1);
 }
 
+// Where a CTA's tile lies: its expert's rows [row0, row0 + nr) from 128-token block b, at column qt_col of the
+// column copy (has_tile false past the plan's blocks).
+struct TileSpot {
+  bool has_tile = false;
+  int64_t row0 = 0, qt_col = 0;
+  int nr = 0;
+};
+
+__device__ __forceinline__ TileSpot tile_spot(int b, int tok0, int tok1, int col0, int blk0, int64_t T) {
+  TileSpot spot;
+  const int64_t i_blk = int64_t(b) - blk0;
+  spot.has_tile = true;
+  spot.row0 = tok0 + i_blk * kBlock;
+  spot.qt_col = col0 + i_blk * kBlock;
+  spot.nr = spot.row0 < 0 || spot.row0 >= T ? 0 : static_cast<int>(imin64(kBlock, imin64(tok1, T) - spot.row0));
+  return spot;
+}
+
 // Tile blockIdx.x = (128-token block b, column block kb), kb fastest; CTAs past the plan's blocks only zero
-// their share of the uncovered rows. One output block per tile (kOut = 1).
+// their share of the uncovered rows. One output block per tile (kOut = 1). With build.plan set, each CTA
+// derives the plan from m_splits itself (a scan of the counts instead of the given plan's check) and CTA 0
+// writes it to build.plan for the kernels after this one: the plan needs no launch of its own.
 template <class Loader>
 __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile_kernel(Loader src, int64_t T,
     int64_t K, int E, const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s,
-    uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap) {
+    uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap, const PlanBuild build) {
   using Raw = typename Loader::Raw;
   static_assert(per_tile<Loader>(), "the per-tile form takes one staged input and makes one output block");
   constexpr bool kPacked = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>;
@@ -710,32 +731,44 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + TileLayout::kColTile);
   Raw* staged = reinterpret_cast<Raw*>(smem + layout.stage);
 
-  const int32_t* tok = plan;
-  const int32_t* col = plan + (E + 1);
-  const int32_t* blk = plan + 2 * (E + 1);
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // column blocks = tile columns
   const unsigned tid = threadIdx.x;
-
-  // The tile, and its loads issued before the plan is checked (their latency hides the check's): every value
-  // taken from the plan is clamped into the tensors' bounds, so a foreign plan's loads stay inside the input;
-  // such a plan is found out below and writes nothing but zeros.
   const int b = Kb > 0 ? static_cast<int>(blockIdx.x / Kb) : 0;  // (blocks < 2^31: plan values are int32)
   const int kb = static_cast<int>(blockIdx.x - int64_t(b) * Kb);
-  const bool has_tile = Kb > 0 && b < blk[E];
-  int64_t row0 = 0, qt_col = 0;
-  int nr = 0;
-  if (has_tile) {
-    const int e = E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);
-    const int64_t i_blk = int64_t(b) - blk[e];
-    row0 = tok[e] + i_blk * kBlock;
-    qt_col = col[e] + i_blk * kBlock;
-    nr = row0 < 0 || row0 >= T ? 0 : static_cast<int>(imin64(kBlock, imin64(tok[e + 1], T) - row0));
-  }
   const int64_t k0 = int64_t(kb) * kBlock;
   const int nk = static_cast<int>(imin64(kBlock, K - k0));
-  if (has_tile) load_tile_rows<kTileThreads>(src, staged, row0, nr, k0, nk, tid);
-  const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
-  const int64_t covered = fits ? tok[E] : 0;
+  TileSpot spot;
+  bool fits = true;
+  int64_t covered = 0;
+  if (build.plan != nullptr) {
+    // The plan derived here: made by the scan, it fits by construction.
+    __shared__ PlanEntry owner;
+    const PlanTotals totals = scan_plan<kTileThreads>(build.m_splits, build.m_is_int64, E, T, [&](const PlanEntry& x) {
+      if (blockIdx.x == 0) write_plan_entry(x, E, build.plan);
+      if (x.blk0 <= b && b < x.blk1) owner = x;  // one expert owns block b < blk[E]
+    });
+    __syncthreads();
+    if (Kb > 0 && b < totals.blk) spot = tile_spot(b, owner.tok0, owner.tok1, owner.col0, owner.blk0, T);
+    covered = totals.tok;
+    if (spot.has_tile) load_tile_rows<kTileThreads>(src, staged, spot.row0, spot.nr, k0, nk, tid);
+  } else {
+    // The tile, and its loads issued before the given plan is checked (their latency hides the check's): every
+    // value taken from the plan is clamped into the tensors' bounds, so a foreign plan's loads stay inside the
+    // input; such a plan is found out below and writes nothing but zeros.
+    const int32_t* tok = plan;
+    const int32_t* col = plan + (E + 1);
+    const int32_t* blk = plan + 2 * (E + 1);
+    if (Kb > 0 && b < blk[E]) {
+      const int e = E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);
+      spot = tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
+    }
+    if (spot.has_tile) load_tile_rows<kTileThreads>(src, staged, spot.row0, spot.nr, k0, nk, tid);
+    fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
+    covered = fits ? tok[E] : 0;
+  }
+  const bool has_tile = spot.has_tile;
+  const int64_t row0 = spot.row0, qt_col = spot.qt_col;
+  const int nr = spot.nr;
   if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, nullptr, int64_t(blockIdx.x) * kTileThreads + tid,
                                        int64_t(gridDim.x) * kTileThreads);
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
@@ -920,12 +953,12 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 // Launches the per-tile form over every (expert block, column block) the buffers can hold.
 template <class Loader>
 void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
-                  float* sT, cudaStream_t stream, const char* name) {
+                  float* sT, const PlanBuild& build, cudaStream_t stream, const char* name) {
   const int smem = TileLayout(qT != nullptr, stage_bytes<Loader>()).total;
   allow_shared_memory<tile_kernel<Loader>>(TileLayout(true, stage_bytes<Loader>()).total, name);
   const int64_t grid = std::max<int64_t>(1, block_capacity(T, E) * ceil_div(K, kBlock));
   tile_kernel<Loader><<<static_cast<unsigned>(grid), kTileThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
-                                                                                   col_capacity(T, E));
+                                                                                   col_capacity(T, E), build);
   check_launch(name);
 }
 
@@ -938,12 +971,19 @@ int ring_stages(int E, bool cols) {
 
 // Launches the multi-cast kernel over every expert block of the output [T, K] (K = output columns): the
 // per-tile form for the loaders that take it, else the persistent one.
+// With build.plan set (== plan), the plan is built first: by the per-tile form's CTAs themselves (see
+// tile_kernel), else by make_plan's kernel before the launch.
 template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
-            float* sT, float* row_extra, cudaStream_t stream, const char* name) {
+            float* sT, float* row_extra, const PlanBuild& build, cudaStream_t stream, const char* name) {
+  const bool builds = build.plan != nullptr;
+  if (builds && build.plan != plan) throw std::runtime_error(std::string("moegemm: ") + name + ": the plan built is the one read");
+  if (builds && (build.E != E || build.T != T)) throw std::runtime_error(std::string("moegemm: ") + name + ": the plan built is for other sizes");
+  if (builds) check_plan_size(build.E, build.T, name);
+  if (builds && (T == 0 || !per_tile<Loader>())) make_plan(build.m_splits, build.m_is_int64, build.E, build.T, build.plan, stream);
   if (T == 0) return;
   if constexpr (per_tile<Loader>()) {
-    launch_tiles(src, T, K, E, plan, q, s, qT, sT, stream, name);
+    launch_tiles(src, T, K, E, plan, q, s, qT, sT, build, stream, name);
   } else {
     const int n_stages = ring_stages<Loader>(E, qT != nullptr);
     const int smem = Layout(E, qT != nullptr, stage_bytes<Loader>(), n_stages).total;

@@ -173,9 +173,15 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
 
 template <typename T>
 void launch_act(const void* x, int64_t T_, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
-                float* sT, cudaStream_t stream) {
+                float* sT, const PlanBuild& build, cudaStream_t stream) {
   multicast::launch(multicast::PlainLoader<T>{static_cast<const T*>(x), K}, T_, K, E, plan, q, s, qT, sT, nullptr,
-                    stream, "quantize_act");
+                    build, stream, "quantize_act");
+}
+
+// A quantizer asked for no output: only the plan, when it is to be built.
+bool plan_only(const PlanBuild& build, cudaStream_t stream) {
+  if (build.plan != nullptr) make_plan(build.m_splits, build.m_is_int64, build.E, build.T, build.plan, stream);
+  return true;
 }
 
 template <typename T>
@@ -188,20 +194,20 @@ void launch_weights(const WeightLaunch& launch, int64_t grid, cudaStream_t strea
 }  // namespace
 
 void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s,
-                  uint8_t* qT, float* sT, cudaStream_t stream) {
-  if (q == nullptr && qT == nullptr) return;
+                  uint8_t* qT, float* sT, const PlanBuild& build, cudaStream_t stream) {
+  if (q == nullptr && qT == nullptr && plan_only(build, stream)) return;
   switch (dtype) {
-    case DType::kBF16: return launch_act<__nv_bfloat16>(x, T, K, E, plan, q, s, qT, sT, stream);
-    case DType::kF16: return launch_act<__half>(x, T, K, E, plan, q, s, qT, sT, stream);
-    case DType::kF32: return launch_act<float>(x, T, K, E, plan, q, s, qT, sT, stream);
+    case DType::kBF16: return launch_act<__nv_bfloat16>(x, T, K, E, plan, q, s, qT, sT, build, stream);
+    case DType::kF16: return launch_act<__half>(x, T, K, E, plan, q, s, qT, sT, build, stream);
+    case DType::kF32: return launch_act<float>(x, T, K, E, plan, q, s, qT, sT, build, stream);
   }
 }
 
 void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
-                     float* sT, cudaStream_t stream) {
-  if (qT == nullptr) return;
+                     float* sT, const PlanBuild& build, cudaStream_t stream) {
+  if (qT == nullptr && plan_only(build, stream)) return;
   multicast::launch(multicast::Fp8RowsLoader{q, s, K, row_scale_pitch(T)}, T, K, E, plan, nullptr, nullptr, qT, sT,
-                    nullptr, stream, "requantize_cols");
+                    nullptr, build, stream, "requantize_cols");
 }
 
 void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream) {

@@ -28,50 +28,57 @@ struct PlanTotals {
   int tok, col, blk;
 };
 
+// a + b clamped to T: for counts in [0, T] an associative operation whose prefix sums are the running totals
+// clamped to T (a + b <= 2T < 2^32 cannot wrap).
+struct AddClamped {
+  uint32_t T;
+  __device__ __forceinline__ uint32_t operator()(uint32_t a, uint32_t b) const { return min(a + b, T); }
+};
+
 // The plan of m_splits (int32 or int64 counts) scanned by a block of kThreads threads, thread t holding
 // experts t * kItems .. t * kItems + kItems - 1: visit(entry) for each of its experts < E, and the totals to
-// every thread. Each count is clamped to [0, T] before any sum (E <= 1024 counts of at most T < 2^31 cannot
-// overflow the 64-bit token sum, whatever the device values) and the token ends to T; columns and blocks
-// come from the clamped counts (their sums stay within col_capacity(T, E), checked on the host to fit
-// int32). Every thread of the block calls it.
+// every thread. Each count is clamped to [0, T] before any sum (whatever the device values) and the running
+// token total to T; columns and blocks come from the clamped counts (their sums stay within
+// col_capacity(T, E), checked on the host to fit int32). Two block scans: the tokens, then the columns and
+// blocks together (packed in 64 bits). Every thread of the block calls it.
 template <int kThreads, class Visit>
 __device__ __forceinline__ PlanTotals scan_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, Visit&& visit) {
   constexpr int kItems = kMaxExperts / kThreads;
   static_assert(kItems * kThreads == kMaxExperts, "the block's threads hold kMaxExperts counts");
   // warp scans: a few hundred bytes of shared memory, for the kernels that build the plan on the side
-  using TokenScan = cub::BlockScan<long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  using CountScan = cub::BlockScan<int, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using TokenScan = cub::BlockScan<uint32_t, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using PackedScan = cub::BlockScan<unsigned long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ union {
     typename TokenScan::TempStorage tokens;
-    typename CountScan::TempStorage counts;
+    typename PackedScan::TempStorage packed;
   } storage;
   const int first = threadIdx.x * kItems;
-  long long m[kItems], end[kItems], tokens;
+  const AddClamped add{static_cast<uint32_t>(T)};
+  uint32_t m[kItems], tok0[kItems], tokens;
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     long long v = 0;
     if (first + i < E) v = m_is_int64 ? static_cast<const int64_t*>(m_splits)[first + i] : static_cast<const int32_t*>(m_splits)[first + i];
-    m[i] = v < 0 ? 0 : (v > T ? T : v);
+    m[i] = static_cast<uint32_t>(v < 0 ? 0 : (v > T ? T : v));
   }
-  TokenScan(storage.tokens).InclusiveSum(m, end, tokens);
+  TokenScan(storage.tokens).ExclusiveScan(m, tok0, 0u, add, tokens);
   __syncthreads();
-  int tok0[kItems], tok1[kItems], cols[kItems], blks[kItems], col_end[kItems], blk_end[kItems], col_total, blk_total;
+  // per expert: its padded columns (low 32 bits) and 128-token blocks (high 32 bits) of its clamped count
+  unsigned long long packed[kItems], packed_end[kItems], packed_total;
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
-    const long long start = end[i] - m[i];
-    tok0[i] = static_cast<int>(start < T ? start : T);
-    tok1[i] = static_cast<int>(end[i] < T ? end[i] : T);
-    const int count = tok1[i] - tok0[i];
-    cols[i] = (count + kColAlign - 1) / kColAlign * kColAlign;
-    blks[i] = (count + kBlock - 1) / kBlock;
+    const uint32_t count = add(tok0[i], m[i]) - tok0[i];
+    packed[i] = (static_cast<unsigned long long>((count + kBlock - 1) / kBlock) << 32) | ((count + kColAlign - 1) / kColAlign * kColAlign);
   }
-  CountScan(storage.counts).InclusiveSum(cols, col_end, col_total);
-  __syncthreads();
-  CountScan(storage.counts).InclusiveSum(blks, blk_end, blk_total);
+  PackedScan(storage.packed).InclusiveSum(packed, packed_end, packed_total);
+  auto low = [](unsigned long long v) { return static_cast<int>(v & 0xffffffffu); };
+  auto high = [](unsigned long long v) { return static_cast<int>(v >> 32); };
 #pragma unroll
   for (int i = 0; i < kItems; ++i)
-    if (first + i < E) visit(PlanEntry{first + i, tok0[i], tok1[i], col_end[i] - cols[i], col_end[i], blk_end[i] - blks[i], blk_end[i]});
-  return {static_cast<int>(tokens < T ? tokens : T), col_total, blk_total};
+    if (first + i < E)
+      visit(PlanEntry{first + i, static_cast<int>(tok0[i]), static_cast<int>(add(tok0[i], m[i])), low(packed_end[i] - packed[i]),
+                      low(packed_end[i]), high(packed_end[i] - packed[i]), high(packed_end[i])});
+  return {static_cast<int>(tokens), low(packed_total), high(packed_total)};
 }
 
 // Writes one expert's entries into plan [3, E+1] (its end column; the plan's first column is zeros).

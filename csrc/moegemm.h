@@ -42,6 +42,11 @@ struct PlanLimits {
 // device values). Tokens past the covered ones (plan[0][E] <= T) belong to no expert: the ragged-row
 // GEMMs write zeros there. Needs 1 <= E <= kMaxExperts and col_capacity(T, E) <= kMaxPlanValue.
 void make_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, int32_t* plan, cudaStream_t stream);
+// Device counts of E experts (int32 or int64) that a quantizer builds its plan from (m_splits == nullptr: none).
+struct DeviceSplits {
+  const void* m_splits = nullptr;
+  bool m_is_int64 = false;
+};
 // The same plan built inside another launch (quantize_weights: one more CTA; quantize_act: by its CTAs), with
 // the same requirements; plan == nullptr: none.
 struct PlanBuild {
@@ -55,17 +60,17 @@ struct PlanBuild {
 // Multi-cast activation quantization of x [T, K] in one launch. Either output pair may be null.
 //   rows: q [T, K] e4m3, s [T, ceil(K/128)] (K-major, row_scale_pitch)
 //   cols: qT [K, col_capacity] e4m3, sT [block_capacity, K]
-// With build.plan set (to `plan`, for these E and T), the plan is built from m_splits first: by the
-// quantizer's own CTAs where its form allows (16-bit x), else by make_plan's kernel before it.
-void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const int32_t* plan,
-                  uint8_t* q, float* s, uint8_t* qT, float* sT, const PlanBuild& build, cudaStream_t stream);
+// With plan_from.m_splits set, `plan` is built from those counts first (else only read): by the quantizer's
+// own CTAs where its form allows (16-bit x), else by make_plan's kernel before it.
+void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, int32_t* plan,
+                  uint8_t* q, float* s, uint8_t* qT, float* sT, DeviceSplits plan_from, cudaStream_t stream);
 
 // The column copy of an FP8 input given as its row copy (q [T, K] e4m3 with 1x128 scales s [T, ceil(K/128)],
 // quantize_act's row layout (K-major scales), e.g. from an FP8 dispatcher): each value is dequantized (q * s, exact in fp32)
 // and quantized again in per-expert 128x1 blocks, written as quantize_act's cols (qT [K, col_capacity],
 // sT [block_capacity, K]).
-void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
-                     float* sT, const PlanBuild& build, cudaStream_t stream);
+void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, int32_t* plan, uint8_t* qT,
+                     float* sT, DeviceSplits plan_from, cudaStream_t stream);
 
 // Activations of the expert MLP. GLU variants read fc1's output h [T, 2F] as Megatron lays it out:
 // gate = h[:, :F], up = h[:, F:]; the others read h [T, F].

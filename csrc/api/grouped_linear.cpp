@@ -61,7 +61,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   // bf16: by its own.
   const bool fp8 = recipe == Recipe::kFp8Blockwise;
   const Tensor plan = fp8 ? empty_plan(E, x) : run_make_plan(splits, T);
-  PlanOut build{splits, T, plan};
+  Tensor plan_from = splits;  // the counts x's quantizer builds the plan from, unless the weight's launch does
   Tensor y;
   std::vector<Tensor> saved;
   if (fp8) {
@@ -69,11 +69,11 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
     if (weight_given) {
       qw = fp8_weight_input(fp8_weight, contract::linear::fp8_weights::kWeight, kLinearFp8Names, E, N, K, need_dx, x);
     } else {
-      qw = std::move(run_quantize_weights({{weight_input(weight), to_dtype(weight, "weight")}}, need_dx, build)[0]);
-      build = {};
+      qw = std::move(run_quantize_weights({{weight_input(weight), to_dtype(weight, "weight")}}, need_dx, {splits, T, plan})[0]);
+      plan_from = Tensor();
     }
-    Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw, build)
-                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw, build);
+    Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw, plan_from)
+                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw, plan_from);
     y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)

@@ -93,7 +93,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   // one launch, each row copy dropped after its GEMM; else x's); bf16: by its own.
   const bool fp8 = recipe == Recipe::kFp8Blockwise;
   const Tensor plan = fp8 ? empty_plan(s.E, x) : run_make_plan(splits, s.T);
-  PlanOut build{splits, s.T, plan};
+  Tensor plan_from = splits;  // the counts x's quantizer builds the plan from, unless the weights' launch does
   std::vector<Tensor> saved;
   Tensor y;
   if (fp8) {
@@ -103,12 +103,12 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     } else {
       std::vector<Quantized> qw = run_quantize_weights({{weight_input(fc1_weight), to_dtype(fc1_weight, "fc1_weight")},
                                                         {weight_input(fc2_weight), to_dtype(fc2_weight, "fc2_weight")}},
-                                                       save, build);
+                                                       save, {splits, s.T, plan});
       qw1 = std::move(qw[0]), qw2 = std::move(qw[1]);
-      build = {};
+      plan_from = Tensor();
     }
-    Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1, build)
-                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw1, build);
+    Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1, plan_from)
+                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw1, plan_from);
     Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan);
     if (b1.defined()) run_add_bias(h, b1, plan);
     qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();

@@ -11,7 +11,7 @@ namespace moegemm::api {
 
 namespace {
 
-const int32_t* plan_ptr(const Tensor& plan) { return plan.data_ptr<int32_t>(); }
+int32_t* plan_ptr(const Tensor& plan) { return plan.data_ptr<int32_t>(); }
 
 Quantized multicast_outputs(const Tensor& like, int64_t T, int64_t K, int E, bool rows, bool cols) {
   // the parts not asked for: [0] placeholders
@@ -38,19 +38,19 @@ Tensor run_make_plan(const Tensor& m_splits, int64_t T) {
 Tensor empty_plan(int64_t E, const Tensor& like) { return empty({3, E + 1}, at::kInt, like); }
 
 namespace {
-PlanBuild plan_build(const PlanOut& out) {
-  if (!out.m_splits.defined()) return {};
-  return {out.m_splits.data_ptr(), out.m_splits.scalar_type() == at::kLong, num_experts(out.plan), out.T, out.plan.data_ptr<int32_t>()};
+DeviceSplits device_splits(const Tensor& m_splits) {
+  if (!m_splits.defined()) return {};
+  return {m_splits.data_ptr(), m_splits.scalar_type() == at::kLong};
 }
 }  // namespace
 
-Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols, const PlanOut& build) {
+Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols, const Tensor& plan_from) {
   MOEGEMM_RANGE("moegemm::run_quantize_act");
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1);
   Quantized out = multicast_outputs(x, T, K, E, rows, cols);
   quantize_act(x.data_ptr(), dtype, T, K, E, plan_ptr(plan), q_ptr(out.q, rows), s_ptr(out.s, rows), q_ptr(out.qT, cols),
-               s_ptr(out.sT, cols), plan_build(build), current_stream(x));
+               s_ptr(out.sT, cols), device_splits(plan_from), current_stream(x));
   return out;
 }
 
@@ -82,7 +82,11 @@ std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weig
     out.push_back(weight_outputs(in.w, transposed));
     jobs[out.size() - 1] = weight_job(in.w, out.back(), transposed);
   }
-  const PlanBuild build = plan_build(plan);
+  PlanBuild build;
+  if (plan.m_splits.defined()) {
+    const DeviceSplits from = device_splits(plan.m_splits);
+    build = {from.m_splits, from.m_is_int64, num_experts(plan.plan), plan.T, plan_ptr(plan.plan)};
+  }
   const WeightIn* in = weights.begin();
   const cudaStream_t stream = current_stream(in->w);
   const int count = static_cast<int>(weights.size());
@@ -95,14 +99,14 @@ std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weig
   return out;
 }
 
-Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols, const PlanOut& build) {
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols, const Tensor& plan_from) {
   MOEGEMM_RANGE("moegemm::run_requantize_cols");
   const int E = num_experts(plan);
   const int64_t T = q.size(0), K = q.size(1);
   Tensor qT = cols ? empty({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, q) : none_like(q, at::kFloat8_e4m3fn);
   Tensor sT = cols ? empty({block_capacity(T, E), K}, at::kFloat, q) : none_like(q, at::kFloat);
   requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), cols ? bytes(qT) : nullptr,
-                  cols ? sT.data_ptr<float>() : nullptr, plan_build(build), current_stream(q));
+                  cols ? sT.data_ptr<float>() : nullptr, device_splits(plan_from), current_stream(q));
   return {q, s, qT, sT};
 }
 

@@ -19,8 +19,8 @@ struct Quantized {
 };
 
 // The plan [3, E+1] int32 of m_splits [E] (int32 or int64) for T tokens: made by its own launch (run_make_plan),
-// or allocated by empty_plan and built inside the launch of the forward's first quantizer (a PlanOut naming it:
-// run_quantize_weights, run_quantize_act, run_requantize_cols).
+// or allocated by empty_plan and built inside the launch of the forward's first quantizer: the weights' (a
+// PlanOut) or x's (plan_from: the checked m_splits; undefined: the plan is only read).
 Tensor run_make_plan(const Tensor& m_splits, int64_t T);
 Tensor empty_plan(int64_t E, const Tensor& like);
 struct PlanOut {
@@ -28,7 +28,8 @@ struct PlanOut {
   int64_t T = 0;
   Tensor plan;
 };
-Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols, const PlanOut& build = {});
+Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols,
+                           const Tensor& plan_from = {});
 // {q, s, qT, sT} of w [E, N, K]; without `transposed`, qT and sT are [0] placeholders (not written).
 Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed);
 // The same for a layer's weights (one or two), quantized in one launch when their dtypes agree, which also
@@ -41,7 +42,7 @@ std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weig
 // An FP8 x given as its row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout, as an
 // FP8 dispatcher delivers it): {q, s, qT, sT} with, if `cols`, the per-expert column copy made from the
 // rows (dequantize, re-quantize in 128x1 blocks; else [0] placeholders).
-Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols, const PlanOut& build = {});
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols, const Tensor& plan_from = {});
 
 // a = act(h) * probs, quantized like quantize_act (probs may be undefined).
 Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols);

@@ -971,17 +971,16 @@ int ring_stages(int E, bool cols) {
 
 // Launches the multi-cast kernel over every expert block of the output [T, K] (K = output columns): the
 // per-tile form for the loaders that take it, else the persistent one.
-// With build.plan set (== plan), the plan is built first: by the per-tile form's CTAs themselves (see
-// tile_kernel), else by make_plan's kernel before the launch.
+// With build.plan set (to `plan`, for these E and T), the plan is built first: by the per-tile form's CTAs
+// themselves (see tile_kernel), else (or when there is nothing to quantize) by make_plan's kernel.
 template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
             float* sT, float* row_extra, const PlanBuild& build, cudaStream_t stream, const char* name) {
   const bool builds = build.plan != nullptr;
-  if (builds && build.plan != plan) throw std::runtime_error(std::string("moegemm: ") + name + ": the plan built is the one read");
-  if (builds && (build.E != E || build.T != T)) throw std::runtime_error(std::string("moegemm: ") + name + ": the plan built is for other sizes");
+  const bool nothing = T == 0 || (q == nullptr && qT == nullptr && row_extra == nullptr);
   if (builds) check_plan_size(build.E, build.T, name);
-  if (builds && (T == 0 || !per_tile<Loader>())) make_plan(build.m_splits, build.m_is_int64, build.E, build.T, build.plan, stream);
-  if (T == 0) return;
+  if (builds && (nothing || !per_tile<Loader>())) make_plan(build.m_splits, build.m_is_int64, build.E, build.T, build.plan, stream);
+  if (nothing) return;
   if constexpr (per_tile<Loader>()) {
     launch_tiles(src, T, K, E, plan, q, s, qT, sT, build, stream, name);
   } else {

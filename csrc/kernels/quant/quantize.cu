@@ -178,10 +178,10 @@ void launch_act(const void* x, int64_t T_, int64_t K, int E, const int32_t* plan
                     build, stream, "quantize_act");
 }
 
-// A quantizer asked for no output: only the plan, when it is to be built.
-bool plan_only(const PlanBuild& build, cudaStream_t stream) {
-  if (build.plan != nullptr) make_plan(build.m_splits, build.m_is_int64, build.E, build.T, build.plan, stream);
-  return true;
+// The plan a quantizer builds from plan_from (none when it names no counts).
+PlanBuild plan_build(DeviceSplits plan_from, int E, int64_t T, int32_t* plan) {
+  if (plan_from.m_splits == nullptr) return {};
+  return {plan_from.m_splits, plan_from.m_is_int64, E, T, plan};
 }
 
 template <typename T>
@@ -193,9 +193,9 @@ void launch_weights(const WeightLaunch& launch, int64_t grid, cudaStream_t strea
 
 }  // namespace
 
-void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s,
-                  uint8_t* qT, float* sT, const PlanBuild& build, cudaStream_t stream) {
-  if (q == nullptr && qT == nullptr && plan_only(build, stream)) return;
+void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, int32_t* plan, uint8_t* q, float* s,
+                  uint8_t* qT, float* sT, DeviceSplits plan_from, cudaStream_t stream) {
+  const PlanBuild build = plan_build(plan_from, E, T, plan);
   switch (dtype) {
     case DType::kBF16: return launch_act<__nv_bfloat16>(x, T, K, E, plan, q, s, qT, sT, build, stream);
     case DType::kF16: return launch_act<__half>(x, T, K, E, plan, q, s, qT, sT, build, stream);
@@ -203,11 +203,10 @@ void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, const
   }
 }
 
-void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
-                     float* sT, const PlanBuild& build, cudaStream_t stream) {
-  if (qT == nullptr && plan_only(build, stream)) return;
+void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, int32_t* plan, uint8_t* qT,
+                     float* sT, DeviceSplits plan_from, cudaStream_t stream) {
   multicast::launch(multicast::Fp8RowsLoader{q, s, K, row_scale_pitch(T)}, T, K, E, plan, nullptr, nullptr, qT, sT,
-                    nullptr, build, stream, "requantize_cols");
+                    nullptr, plan_build(plan_from, E, T, plan), stream, "requantize_cols");
 }
 
 void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream) {

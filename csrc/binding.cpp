@@ -30,6 +30,7 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("make_plan(Tensor m_splits, int T) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("quantize_weights(Tensor[] weights) -> Tensor[]");
   m.def("act_quantize(Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("act_bf16(Tensor h, Tensor? probs, int activation) -> Tensor");
@@ -63,6 +64,7 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("make_plan", &make_plan_op);
   m.impl("quantize_act", &quantize_act_op);
   m.impl("quantize_weight", &quantize_weight_op);
+  m.impl("quantize_weights", &quantize_weights_op);
   m.impl("act_quantize", &act_quantize_op);
   m.impl("act_backward_quantize", &act_backward_quantize_op);
   m.impl("act_bf16", &act_bf16_op);

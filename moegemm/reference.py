@@ -146,6 +146,11 @@ def quantize_weight(w: torch.Tensor):
     return q, s, q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
 
 
+def quantize_weights(weights):
+    """``quantize_weight`` of each weight: a list of its 4-tuples."""
+    return [quantize_weight(w) for w in weights]
+
+
 # --------------------------------------------------------------------------------------- dequantizers
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     K = q.shape[-1]

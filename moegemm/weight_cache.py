@@ -1,5 +1,5 @@
 """The FP8 weight cache: the FP8 copies of expert weights (``quantize_weight``: ``W`` and ``Wᵀ`` with their
-scales), made once per change of the weights and reused by every call in between (the micro-batches of a
+scales), made once per change of the weights (a layer's weights together: one launch on the GPU) and reused by every call in between (the micro-batches of a
 gradient-accumulation step, evaluation, activation recomputation). Used by ``GroupedLinear``,
 ``GroupedMLP`` and ``moegemm.megatron.MoegemmExperts``.
 
@@ -118,11 +118,12 @@ def _version(w: torch.Tensor) -> Optional[int]:
         return None
 
 
-def quantize(w: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """``quantize_weight(w)`` of the backend of w's device, as ordinary (non-inference) tensors."""
-    ops = backends.select(w.device)
+def quantize(weights: Sequence[torch.Tensor]) -> list:
+    """``quantize_weight`` of each weight (one device), as ordinary (non-inference) tensors: one 4-tuple per
+    weight, from the backend's ``quantize_weights`` (on the GPU a layer's two weights in one launch)."""
+    ops = backends.select(weights[0].device)
     with torch.no_grad(), torch.inference_mode(False):
-        return tuple(ops.quantize_weight(w.detach().contiguous()))
+        return [tuple(q) for q in ops.quantize_weights([w.detach().contiguous() for w in weights])]
 
 
 _TOKEN = "_moegemm_fp8_token"
@@ -206,7 +207,7 @@ class FP8WeightCache:
         stamp = (_generation, self._epoch)
         if len(self._entries) != len(weights):
             self._entries = [None] * len(weights)
-        out = []
+        out, stale = [None] * len(weights), []
         for i, w in enumerate(weights):
             e = self._entries[i]
             if e is not None and not e.holds(w):
@@ -215,42 +216,49 @@ class FP8WeightCache:
                                   or (is_first_microbatch is None and e.fresh(w, stamp))):
                 if capture and not e.captured:
                     e.pinned = True
+                out[i] = e.fp8
             else:
-                e = None  # (the old copies must be freeable while quantizing)
-                e = self._quantize(i, w, stamp, capture)
-            out.append(e.fp8)
+                stale.append(i)
+            e = None  # (the old copies must be freeable while quantizing)
+        if stale:
+            for i, fp8 in zip(stale, self._quantize(stale, weights, stamp, capture)):
+                out[i] = fp8
         return tuple(out)
 
     def refresh(self, weights: Sequence[torch.Tensor]) -> tuple:
-        """Quantize every weight now (in place for copies a captured graph reads); the copies."""
+        """Quantize every weight now, all in one call (in place for copies a captured graph reads); the copies."""
         stamp = (_generation, self._epoch)
         capture = capturing(weights[0].device)
         if len(self._entries) != len(weights):
             self._entries = [None] * len(weights)
-        out = []
-        for i, w in enumerate(weights):
-            out.append(self._quantize(i, w, stamp, capture).fp8)
-        return tuple(out)
+        return tuple(self._quantize(range(len(weights)), weights, stamp, capture))
 
-    def _quantize(self, i: int, w: torch.Tensor, stamp, capture: bool) -> _Entry:
-        """Quantize ``w`` into entry ``i``: in place when the entry holds ``w`` and is pinned (a captured
-        graph reads its addresses), else into a new entry, the old copies being dropped first. If quantizing
-        fails (out of memory), no stale copy is left behind: entry ``i`` is either None or the untouched
-        pinned one, whose version and stamp still name the weights it holds."""
-        version = _version(w)  # before quantizing: a write racing with it must not be taken as seen
-        pinned = self._entries[i]
-        if pinned is None or not (pinned.pinned and pinned.holds(w)):
-            pinned = self._entries[i] = None  # frees the old copies now (unless a pending backward holds them)
-        fp8 = quantize(w)
-        if pinned is not None:
-            with torch.no_grad():
-                for dst, src in zip(pinned.fp8, fp8):
-                    dst.copy_(src)
-            pinned.version, pinned.stamp = version, stamp
-            return pinned
-        e = _Entry(w, version, stamp, fp8, captured=capture)
-        self._entries[i] = e
-        return e
+    def _quantize(self, indices, weights: Sequence[torch.Tensor], stamp, capture: bool) -> list:
+        """Quantize ``weights[i]`` into entry ``i`` for each of ``indices``, in one call of the backend (a layer's
+        weights in one launch); their copies. An entry that holds its weight and is pinned (a captured graph reads
+        its addresses) is re-quantized in place, the others into new entries, their old copies dropped first. If
+        quantizing fails (out of memory), no stale copy is left behind: each of these entries is either None or the
+        untouched pinned one, whose version and stamp still name the weights it holds."""
+        indices = list(indices)
+        todo = [weights[i] for i in indices]
+        versions = [_version(w) for w in todo]  # before quantizing: a write racing with it must not be taken as seen
+        pinned = []
+        for i, w in zip(indices, todo):
+            e = self._entries[i]
+            if e is None or not (e.pinned and e.holds(w)):
+                e = self._entries[i] = None  # frees the old copies now (unless a pending backward holds them)
+            pinned.append(e)
+        e = None
+        copies = quantize(todo)
+        for i, w, version, old, fp8 in zip(indices, todo, versions, pinned, copies):
+            if old is not None:
+                with torch.no_grad():
+                    for dst, src in zip(old.fp8, fp8):
+                        dst.copy_(src)
+                old.version, old.stamp = version, stamp
+            else:
+                self._entries[i] = _Entry(w, version, stamp, fp8, captured=capture)
+        return [self._entries[i].fp8 for i in indices]
 
 
 # ----------------------------------------------------------------------------- the layers' side

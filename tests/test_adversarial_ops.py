@@ -139,6 +139,12 @@ BAD = {
     "quantize_weight/N24": lambda a: ("quantize_weight", (_zeros(E, 24, K, dtype=torch.bfloat16),)),
     "quantize_weight/noncontig": lambda a: ("quantize_weight", (a.w.transpose(1, 2),)),
     "quantize_weight/cpu": lambda a: ("quantize_weight", (a.w.cpu(),)),
+    # quantize_weights (the weight cache's: one launch per layer)
+    "quantize_weights/empty": lambda a: ("quantize_weights", ([],)),
+    "quantize_weights/2d": lambda a: ("quantize_weights", ([a.w, a.w[0]],)),
+    "quantize_weights/int": lambda a: ("quantize_weights", ([a.w.int(), a.w],)),
+    "quantize_weights/N24": lambda a: ("quantize_weights", ([a.w, _zeros(E, 24, K, dtype=torch.bfloat16)],)),
+    "quantize_weights/cpu": lambda a: ("quantize_weights", ([a.w, a.w.cpu()],)),
     # act_quantize
     "act_quantize/act_5": lambda a: ("act_quantize", (a.h, a.p, 5, a.plan, True, True)),
     "act_quantize/act_-1": lambda a: ("act_quantize", (a.h, a.p, -1, a.plan, True, True)),
@@ -317,6 +323,7 @@ def opcheck_cases():
     yield "quantize_act_cols_fp32", "quantize_act", lambda a: (a.x.float(), a.plan, False, True)
     yield "quantize_weight", "quantize_weight", lambda a: (a.w,)
     yield "quantize_weight_fp32", "quantize_weight", lambda a: (a.w.float(),)
+    yield "quantize_weights", "quantize_weights", lambda a: ([a.w, a.w.float(), a.w],)
     for act in range(5):
         glu = act in (0, 1)
         yield f"act_quantize_{act}", "act_quantize", lambda a, act=act, glu=glu: (a.h if glu else a.h1, a.p, act, a.plan, True, True)

@@ -57,10 +57,10 @@ def test_grouped_linear_one_op_per_direction(recipe, bias):
     with torch.no_grad():
         _, inference = ops_of(lambda: layer(x, m))
     assert inference == ["moegemm::grouped_linear"]  # the differentiable op's forward alone
-    if recipe == "fp8_blockwise":  # the automatic FP8 weight cache: quantize_weight once, then one op per direction
+    if recipe == "fp8_blockwise":  # the automatic FP8 weight cache: quantize_weights once, then one op per direction
         cached = moegemm.GroupedLinear(E, K, N, bias=bias, recipe=recipe, device=DEV)
         y, fwd = ops_of(lambda: cached(x, m))
-        assert fwd == ["moegemm::quantize_weight", "moegemm::linear_fwd"]
+        assert fwd == ["moegemm::quantize_weights", "moegemm::linear_fwd"]
         y.sum().backward()
         y, fwd = ops_of(lambda: cached(x, m))
         _, bwd = ops_of(lambda: y.sum().backward())
@@ -80,10 +80,10 @@ def test_grouped_mlp_one_op_per_direction(recipe, bias):
     _, bwd = ops_of(lambda: y.sum().backward())
     assert fwd == ["moegemm::mlp_fwd"] and bwd == ["moegemm::mlp_bwd"]
     assert x.grad is not None and probs.grad is not None and mlp.fc1.weight.grad is not None
-    if recipe == "fp8_blockwise":  # the automatic FP8 weight cache: quantize_weight twice, then one op per direction
+    if recipe == "fp8_blockwise":  # the automatic FP8 weight cache: both weights by one quantize_weights, then one op per direction
         cached = moegemm.GroupedMLP(E, H, F, bias=bias, recipe=recipe, device=DEV)
         y, fwd = ops_of(lambda: cached(x, m, probs))
-        assert fwd == ["moegemm::quantize_weight", "moegemm::quantize_weight", "moegemm::mlp_fwd"]
+        assert fwd == ["moegemm::quantize_weights", "moegemm::mlp_fwd"]
         _, bwd = ops_of(lambda: y.sum().backward())
         y, fwd = ops_of(lambda: cached(x, m, probs))
         _, bwd = ops_of(lambda: y.sum().backward())

@@ -109,6 +109,36 @@ def test_mlp_weights_quantized_in_the_call_as_quantize_weight(dtypes):
                            want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), name
 
 
+def test_quantize_weights_one_launch_per_layer():
+    """quantize_weights (the FP8 weight cache's refresh): bitwise quantize_weight of each weight, two weights per
+    launch when their dtypes agree (three weights: two launches), and a bad weight named by its index."""
+    def as_bytes(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    ws = [(torch.randn(8, 384, 256, device=DEV) * 0.05).to(torch.bfloat16),
+          (torch.randn(8, 256, 192, device=DEV) * 0.05).to(torch.bfloat16),
+          (torch.randn(3, 144, 1040, device=DEV) * 0.05).to(torch.float16)]
+    for n, want_launches in [(1, 1), (2, 1), (3, 2)]:
+        cuda_ops.quantize_weights(ws[:n])
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = cuda_ops.quantize_weights(ws[:n])
+            torch.cuda.synchronize()
+        names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(names) == want_launches, names
+        assert len(got) == n
+        for w, copies in zip(ws, got):
+            for a, b in zip(copies, cuda_ops.quantize_weight(w)):
+                assert torch.equal(as_bytes(a), as_bytes(b))
+    mixed = cuda_ops.quantize_weights([ws[0], ws[2]])  # dtypes differ: one launch each, same values
+    for w, copies in zip([ws[0], ws[2]], mixed):
+        assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(copies, cuda_ops.quantize_weight(w)))
+    with pytest.raises(RuntimeError, match=r"weights\[1\]"):
+        cuda_ops.quantize_weights([ws[0], ws[1][:, :, :100]])
+    with pytest.raises(RuntimeError, match="weights"):
+        cuda_ops.quantize_weights([])
+
+
 # ------------------------------------------------------------------------------------------ quantizers
 def assert_cols_equal(a, b, plan, T):
     """Compare transposed copies on the experts' padded columns and their scale-block rows."""

@@ -55,33 +55,34 @@ def _fp8_mlp(cache: bool = True):
 
 
 def test_failed_requantization_leaves_no_stale_copy(monkeypatch):
-    """fc1 re-quantized, fc2's quantization fails: fc1's new copies are kept (exact and fresh), fc2's old
-    ones are gone, so even ``is_first_microbatch=False`` quantizes fc2 anew instead of reusing stale copies."""
+    """Both weights stale, their re-quantization (one call for the layer) fails: neither old copy survives, so
+    even ``is_first_microbatch=False`` quantizes anew instead of reusing stale copies; the next call refreshes
+    both."""
     mlp, plain = _fp8_mlp(), _fp8_mlp(cache=False)
     x, m, probs = torch.randn(200, 128, dtype=torch.bfloat16), zipf_splits(4, 200), torch.rand(200)
     with torch.no_grad():
         mlp(x, m, probs)  # both weights cached
         for module in (mlp, plain):
             module.fc1.weight.mul_(0.5), module.fc2.weight.mul_(0.5)  # in place: both copies stale
-    calls = []
     real = weight_cache.quantize
+    calls = []
 
-    def failing_second(w):
-        calls.append(w)
-        if len(calls) == 2:
-            raise oom()
-        return real(w)
+    def failing(weights):
+        calls.append(len(weights))
+        raise oom()
 
-    monkeypatch.setattr(weight_cache, "quantize", failing_second)
+    monkeypatch.setattr(weight_cache, "quantize", failing)
     with pytest.raises(torch.OutOfMemoryError), torch.no_grad():
         mlp(x, m, probs)
     monkeypatch.setattr(weight_cache, "quantize", real)
-    first, second = mlp._fp8_cache._entries
-    assert second is None, "the stale copies of fc2 survived the failed re-quantization"
-    assert first.fresh(mlp.fc1.weight, (weight_cache.generation(), mlp._fp8_cache._epoch))
-    assert _same_bytes(first.fp8, real(mlp.fc1.weight))
+    assert calls == [2], "the layer's two weights are quantized in one call"
+    assert mlp._fp8_cache._entries == [None, None], "stale copies survived the failed re-quantization"
     with torch.no_grad():
         assert torch.equal(mlp(x, m, probs, is_first_microbatch=False), plain(x, m, probs))
+    first, second = mlp._fp8_cache._entries
+    stamp = (weight_cache.generation(), mlp._fp8_cache._epoch)
+    assert first.fresh(mlp.fc1.weight, stamp) and second.fresh(mlp.fc2.weight, stamp)
+    assert all(_same_bytes(e.fp8, q) for e, q in zip((first, second), real([mlp.fc1.weight, mlp.fc2.weight])))
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -190,7 +191,7 @@ def _check_cache(rig: Rig) -> None:
         if entry is None:
             continue
         assert entry.holds(w) and entry.fresh(w, stamp)
-        assert _same_bytes(entry.fp8, weight_cache.quantize(w))
+        assert _same_bytes(entry.fp8, weight_cache.quantize([w])[0])
 
 
 # Each case walks a cap through every phase's allocations (~10-20 s on an H200): the FP8 recipe with

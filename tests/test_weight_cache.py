@@ -50,20 +50,29 @@ if HAS_HOPPER:
 
 @pytest.fixture
 def quant(monkeypatch):
-    """Counts weight quantizations: ``cache`` (the cache's, through the backend's quantize_weight) and
-    ``op`` (inside the reference op; the CUDA op quantizes in C++, not counted)."""
-    calls = {"cache": 0, "op": 0}
+    """Counts weight quantizations: ``cache`` (the weights the cache quantized, through the backend's
+    quantize_weights), ``cache_calls`` (its calls of it: one per layer refresh) and ``op`` (inside the reference
+    op; the CUDA op quantizes in C++, not counted)."""
+    calls = {"cache": 0, "cache_calls": 0, "op": 0}
 
-    def counting(fn, key):
+    def counting_many(fn):
+        def wrapped(weights):
+            calls["cache"] += len(weights)
+            calls["cache_calls"] += 1
+            return fn(weights)
+        return wrapped
+
+    def counting(fn):
         def wrapped(w):
-            calls[key] += 1
+            calls["op"] += 1
             return fn(w)
         return wrapped
 
-    monkeypatch.setattr(reference_backend, "quantize_weight", counting(reference_backend.quantize_weight, "cache"))
-    monkeypatch.setattr(reference, "quantize_weight", counting(reference.quantize_weight, "op"))
+    plain = reference.quantize_weight  # (reference.quantize_weights calls the module's, counted as the op's below)
+    monkeypatch.setattr(reference_backend, "quantize_weights", counting_many(lambda weights: [plain(w) for w in weights]))
+    monkeypatch.setattr(reference, "quantize_weight", counting(reference.quantize_weight))
     if HAS_HOPPER:
-        monkeypatch.setattr(cuda_ops, "quantize_weight", counting(cuda_ops.quantize_weight, "cache"))
+        monkeypatch.setattr(cuda_ops, "quantize_weights", counting_many(cuda_ops.quantize_weights))
     return calls
 
 
@@ -166,6 +175,7 @@ def test_never_stale_after_optimizer_steps_and_once_per_step(device, opt, quant)
             assert torch.equal(fwd(cached, x, s, p), fwd(fresh, x, s, p))
             assert cached_equals_current(cached)
         assert quant["cache"] - before["cache"] == 2, "fc1 and fc2 quantized once per step"
+        assert quant["cache_calls"] - before["cache_calls"] == 1, "both weights of the layer in one call"
         if device == "cpu":  # the op quantizes only for the module without a cache: 2 per forward
             assert quant["op"] - before["op"] == 2 * 3 * 2
         for a, b in zip(cached.parameters(), fresh.parameters()):

@@ -18,6 +18,17 @@ Quad as_tuple(Quantized&& q) {
   return {std::move(q.q), std::move(q.s), std::move(q.qT), std::move(q.sT)};
 }
 
+// A weight [E, N, K] checked for quantize_weight (named `name` in errors, on like's device), 16-byte aligned.
+WeightIn weight_input(const Tensor& w_in, const char* name, const Tensor& like) {
+  check_placement(w_in, name, 3, like);
+  const DType dtype = to_dtype(w_in, name);
+  const Tensor w = aligned(w_in);
+  check_num_experts(w.size(0), (std::string(name) + ".shape[0] (experts)").c_str());
+  check_multiple_of_16(w.size(1), (std::string(name) + ".shape[1] (N)").c_str());
+  check_multiple_of_16(w.size(2), (std::string(name) + ".shape[2] (K)").c_str());
+  return {w, dtype};
+}
+
 // da [T, F] and h [T, F1] of one activation; returns F.
 int64_t check_act_grad_shapes(const Tensor& da, const Tensor& h, Activation act) {
   const int64_t F = act_width(h, act);
@@ -170,14 +181,25 @@ std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da_in, const Tenso
 }
 
 Quad quantize_weight_op(const Tensor& w_in) {
-  check_placement(w_in, "weight", 3, w_in);
-  const DType dtype = to_dtype(w_in, "weight");
-  const Tensor w = aligned(w_in);
-  check_num_experts(w.size(0), "weight.shape[0] (experts)");
-  check_multiple_of_16(w.size(1), "weight.shape[1] (N)");
-  check_multiple_of_16(w.size(2), "weight.shape[2] (K)");
-  c10::DeviceGuard guard(w.device());
-  return as_tuple(run_quantize_weight(w, dtype, true));
+  const WeightIn w = weight_input(w_in, "weight", w_in);
+  c10::DeviceGuard guard(w.w.device());
+  return as_tuple(run_quantize_weight(w.w, w.dtype, true));
+}
+
+std::vector<Tensor> quantize_weights_op(at::TensorList ws) {
+  TORCH_CHECK(!ws.empty(), "moegemm: quantize_weights: weights is empty");
+  std::vector<WeightIn> in;
+  for (size_t i = 0; i < ws.size(); ++i)
+    in.push_back(weight_input(ws[i], ("weights[" + std::to_string(i) + "]").c_str(), ws[0]));
+  c10::DeviceGuard guard(ws[0].device());
+  std::vector<Tensor> out;
+  static_assert(kMaxWeightsPerLaunch == 2, "a layer's weights (one or two) per launch");
+  for (size_t i = 0; i < in.size(); i += kMaxWeightsPerLaunch) {
+    const std::vector<Quantized> q = i + 1 < in.size() ? run_quantize_weights({in[i], in[i + 1]}, true, {})
+                                                       : run_quantize_weights({in[i]}, true, {});
+    for (const Quantized& w : q) out.insert(out.end(), {w.q, w.s, w.qT, w.sT});
+  }
+  return out;
 }
 
 Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,

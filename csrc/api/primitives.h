@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace moegemm::api {
 
@@ -15,6 +16,9 @@ using Quad = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 Tensor make_plan_op(const Tensor& m_splits, int64_t T);
 Quad quantize_act_op(const Tensor& x, const Tensor& plan, bool rows, bool cols);
 Quad quantize_weight_op(const Tensor& w);
+// quantize_weight of each weight (on one device), flattened: four tensors per weight; a layer's two weights in
+// one launch (the FP8 weight cache's refresh).
+std::vector<Tensor> quantize_weights_op(at::TensorList ws);
 Quad act_quantize_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t activation, const Tensor& plan, bool rows,
                      bool cols);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(const Tensor& da, const Tensor& h,

@@ -50,6 +50,11 @@ def quantize_weight(w):
     return _ops.quantize_weight(w)
 
 
+def quantize_weights(weights):
+    flat = _ops.quantize_weights(list(weights))
+    return [tuple(flat[i: i + 4]) for i in range(0, len(flat), 4)]
+
+
 def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     if out_dtype != torch.bfloat16:
         raise ValueError(f"the CUDA FP8 GEMM writes bfloat16 output, got out_dtype={out_dtype}")

@@ -73,6 +73,10 @@ def _quantize_weight(w):
             w.new_empty((E, K, N), dtype=_F8), w.new_empty((E, kb, nb), dtype=_F32))
 
 
+def _quantize_weights(weights):
+    return [t for w in weights for t in _quantize_weight(w)]
+
+
 def _gemm_fp8_ragged_m(qa, sa, qb, sb, plan, tiling=-1):
     return qa.new_empty((qa.shape[0], qb.shape[1]), dtype=torch.bfloat16)
 
@@ -132,6 +136,7 @@ _PRIMITIVES = {
     "make_plan": _make_plan,
     "quantize_act": _quantize_act,
     "quantize_weight": _quantize_weight,
+    "quantize_weights": _quantize_weights,
     "gemm_fp8_ragged_m": _gemm_fp8_ragged_m,
     "gemm_fp8_ragged_k": _gemm_fp8_ragged_k,
     "gemm_fp8_ragged_k_accumulate": _gemm_fp8_ragged_k_accumulate,

@@ -12,11 +12,27 @@ namespace {
 
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+constexpr float kLog2e = 1.44269504088896341f;
 
-// Fast intrinsics (exp2-based __expf, approximate reciprocal): the result is within a few fp32 ulps of
+// e^x and 1 / y on the special-function unit as __expf and __fdividef(1, y) compute them, but with results below
+// 2^-126 flushed to zero: one instruction each instead of their range handling. The activations' values are the
+// same but for magnitudes below 2^-126 (sigmoid(x) for x < -87 is 2^-126 .. 0 where __fdividef gave 0; GELU's
+// derivative for x < -13 is 0 where it was a denormal).
+__device__ __forceinline__ float exp_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * kLog2e));
+  return r;
+}
+__device__ __forceinline__ float rcp_approx(float y) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
+}
+
+// Fast intrinsics (exp2-based exponential, approximate reciprocal): the result is within a few fp32 ulps of
 // torch's, far below FP8's resolution. fdf gives the value and the derivative from one evaluation.
 struct Silu {
-  __device__ static float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+  __device__ static float sigmoid(float x) { return rcp_approx(1.f + exp_approx(-x)); }
   __device__ static float f(float x) { return x * sigmoid(x); }
   __device__ static void fdf(float x, float& f, float& df) {
     const float sig = sigmoid(x);
@@ -29,7 +45,7 @@ struct Gelu {  // exact (erf) GELU, as torch.nn.functional.gelu
   __device__ static void fdf(float x, float& f, float& df) {  // f rounded as f(x) is (a paired backward uses it)
     const float e = erff(x * kInvSqrt2);
     f = 0.5f * x * (1.f + e);
-    df = 0.5f * (1.f + e) + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
+    df = 0.5f * (1.f + e) + x * kInvSqrt2Pi * exp_approx(-0.5f * x * x);
   }
 };
 // The ReLUs keep NaN (relu(NaN) = NaN, as torch's; a comparison alone would map it to 0), in the value
@@ -71,7 +87,8 @@ struct ActForward {
   static constexpr int kInputs = kGlu ? 2 : 1;
   static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
-  static constexpr bool kPerTile = false;  // (several staged inputs)
+  static constexpr bool kPerTile = kGlu;  // (the GLU's values in place of gate and up: multicast.cuh, per_tile)
+  static constexpr bool kInPlace = kGlu;
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
@@ -103,6 +120,7 @@ struct ActBackward {
   static constexpr int kOut = 1;
   static constexpr bool kExtra = true;
   static constexpr bool kPerTile = false;  // (several staged inputs)
+  static constexpr bool kInPlace = false;
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;
@@ -153,6 +171,7 @@ struct ActBackwardPaired {
   static constexpr int kOut = 2;
   static constexpr bool kExtra = true;
   static constexpr bool kPerTile = false;  // (several staged inputs)
+  static constexpr bool kInPlace = false;
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;

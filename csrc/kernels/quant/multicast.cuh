@@ -11,7 +11,7 @@
 // the column maxima through shared memory (every warp taking 8 columns), and write the column copy through
 // a swizzled shared-memory tile with full-line stores: three CTA barriers per tile.
 // Per tile (tile_kernel): one CTA of 8 warps per tile, up to four per SM (see there); the loaders whose
-// kPerTile says so (16-bit x for quantize_act).
+// kPerTile says so (16-bit x for quantize_act, the GLU forward's activation with its values in place).
 //
 // Loaders say what is staged and how values are made of it:
 //   PlainLoader<T>        x itself (quantize_act)
@@ -107,6 +107,7 @@ struct PlainLoader {
   static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = sizeof(T) == 2;  // (fp32: slower per tile on the small-experts shape)
+  static constexpr bool kInPlace = false;
   const T* x;
   int64_t K;
   __device__ __forceinline__ int segments(int, int64_t k0, int nk, Segment (&seg)[2]) const {
@@ -130,6 +131,7 @@ struct Fp8RowsLoader {
   static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = false;  // (not measured per tile yet)
+  static constexpr bool kInPlace = false;
   const uint8_t* q;
   const float* s;
   int64_t K, pitch;
@@ -555,12 +557,18 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 // bf16 staged as is (PlainLoader<bf16>) keeps its values as packed pairs until they are quantized: the row
 // and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them).
 
-// Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one staged input,
-// one output block, no per-row extra. The activation loaders stage two or three inputs (a tile's stage leaves
-// room for one or two CTAs per SM: measured slower) and keep the persistent kernel.
+// Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one output block, no
+// per-row extra, one staged input or two in place (below). The activation backward stages three inputs (a
+// tile's stage leaves room for two CTAs per SM) and keeps the persistent kernel.
+// A loader with kInPlace (two 16-bit inputs, e.g. a GLU's gate and up halves) has its row pass write each value
+// as fp32 over the 4 bytes of inputs it was made of (every (row, 8 columns) of the stage is one thread's), and
+// its column pass read them back instead of computing them again; the FP8 column tile then lives in the stage
+// (an extra barrier), so that three CTAs fit on an SM.
 template <class Loader>
 constexpr bool per_tile() {
-  return Loader::kPerTile && Loader::kInputs == 1 && Loader::kOut == 1 && !Loader::kExtra;
+  constexpr bool in_place_ok = !Loader::kInPlace || (Loader::kInputs == 2 && sizeof(typename Loader::Raw) == 2);
+  return Loader::kPerTile && Loader::kOut == 1 && !Loader::kExtra && in_place_ok &&
+         (Loader::kInputs == 1 || Loader::kInPlace);
 }
 
 constexpr int kTileWarps = 8;
@@ -658,18 +666,25 @@ struct TileLayout {
   static constexpr int kPartial = 0;                               // [8 warps][128] floats
   static constexpr int kMul = kPartial + kTileWarps * kBlock * 4;  // [2][128] floats
   static constexpr int kColTile = kMul + 2 * kBlock * 4;
-  int stage, total;
-  constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes) : stage(0), total(0) {
-    stage = kColTile + (cols ? kColTileBytes : 0);
+  int col_tile, stage, total;
+  // col_in_stage: the column tile at the stage's start (written once the column pass has read the stage).
+  constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes, bool col_in_stage = false)
+      : col_tile(kColTile), stage(0), total(0) {
+    stage = kColTile + (cols && !col_in_stage ? kColTileBytes : 0);
+    if (col_in_stage) col_tile = stage;
     total = stage + int(stage_bytes);
   }
 };
+template <class Loader>
+constexpr __host__ __device__ TileLayout tile_layout(bool cols) {
+  return TileLayout(cols, stage_bytes<Loader>(), Loader::kInPlace);
+}
 
 // CTAs of the per-tile form per SM: as many as their shared memory allows, at most 4 for bf16 kept packed (64
 // registers a thread) and 3 otherwise (80: the values as floats).
 template <class Loader>
 constexpr int tile_ctas_per_sm() {
-  constexpr int64_t per_cta = TileLayout(true, stage_bytes<Loader>()).total + 1024;  // (1 KB reserved per CTA)
+  constexpr int64_t per_cta = tile_layout<Loader>(true).total + 1024;  // (1 KB reserved per CTA)
   constexpr int64_t fit = 228 * 1024 / per_cta, most = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>> ? 4 : 3;
   return fit < 1 ? 1 : static_cast<int>(fit > most ? most : fit);
 }
@@ -724,11 +739,12 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   constexpr bool kPacked = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>;
   constexpr int kStageElems = kBlock * kBlock;  // per input
   extern __shared__ __align__(128) unsigned char smem[];
-  const TileLayout layout(qT != nullptr, stage_bytes<Loader>());
+  constexpr bool kInPlace = Loader::kInPlace;
+  const TileLayout layout = tile_layout<Loader>(qT != nullptr);
   float* partial = reinterpret_cast<float*>(smem + TileLayout::kPartial);
   float* mul_hi = reinterpret_cast<float*>(smem + TileLayout::kMul);
   float* mul_lo = mul_hi + kBlock;
-  uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + TileLayout::kColTile);
+  uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + layout.col_tile);
   Raw* staged = reinterpret_cast<Raw*>(smem + layout.stage);
 
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // column blocks = tile columns
@@ -781,20 +797,32 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     constexpr bool kWhole = decltype(whole)::value;  // 128 tokens x 128 columns: no bounds to check
     const bool lane_active = kWhole || kVec * hl < nk;  // nk is a multiple of 16
     auto row_in = [&](int r) { return kWhole || r < nr; };
-    // Rows 4g .. 4g + 3 (thread's columns) from the stage; zeros outside the tile.
-    auto values = [&](int g, Row8<kPacked> (&v)[kRows]) {
+    // Rows 4g .. 4g + 3 (thread's columns) from the stage; zeros outside the tile. In place (kInPlace), the row
+    // pass (`again` false) writes the values it made over their inputs and the column pass reads them there.
+    auto values = [&](int g, Row8<kPacked> (&v)[kRows], bool again) {
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
         if (row_in(r) && lane_active) {
-          if constexpr (kPacked) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(staged + r * kBlock + kVec * hl);
-            v[jr].w[0] = raw.x; v[jr].w[1] = raw.y; v[jr].w[2] = raw.z; v[jr].w[3] = raw.w;
-          } else {
-            const Raw* raw[Loader::kInputs];
+          Raw* raw[Loader::kInputs];
+          const Raw* in_raw[Loader::kInputs];
 #pragma unroll
-            for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
-            src.values(raw, row0 + r, k0 + kVec * hl, v[jr].v);
+          for (int in = 0; in < Loader::kInputs; ++in) in_raw[in] = raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
+          if constexpr (kPacked) {
+            const uint4 w = *reinterpret_cast<const uint4*>(raw[0]);
+            v[jr].w[0] = w.x; v[jr].w[1] = w.y; v[jr].w[2] = w.z; v[jr].w[3] = w.w;
+          } else if (kInPlace && again) {
+            const float4 a = *reinterpret_cast<const float4*>(raw[0]), b = *reinterpret_cast<const float4*>(raw[1]);
+            v[jr].v[0] = a.x; v[jr].v[1] = a.y; v[jr].v[2] = a.z; v[jr].v[3] = a.w;
+            v[jr].v[4] = b.x; v[jr].v[5] = b.y; v[jr].v[6] = b.z; v[jr].v[7] = b.w;
+          } else {
+            src.values(in_raw, row0 + r, k0 + kVec * hl, v[jr].v);
+            if constexpr (kInPlace) {
+              if (qT != nullptr) {  // (the column pass's values)
+                *reinterpret_cast<float4*>(raw[0]) = make_float4(v[jr].v[0], v[jr].v[1], v[jr].v[2], v[jr].v[3]);
+                *reinterpret_cast<float4*>(raw[1]) = make_float4(v[jr].v[4], v[jr].v[5], v[jr].v[6], v[jr].v[7]);
+              }
+            }
           }
         } else {
           v[jr].zero();
@@ -810,7 +838,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     for (int p = 0; p < kTilePasses; ++p) {
       const int g = group(p);
       Row8<kPacked> v[kRows];
-      values(g, v);
+      values(g, v, false);
       float a[kRows];
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
@@ -885,7 +913,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
       }
     }
     __syncthreads();
-    // Column pass: the values again, one word (4 rows) per column into the swizzled column tile.
+    // Column pass: the values again, one word (4 rows) per column into the swizzled column tile (when that lies in
+    // the stage, the words wait in registers until every thread has read its values).
     {
       float hi[kVec];
       load8(mul_hi + kVec * hl, hi);
@@ -893,12 +922,14 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 #pragma unroll
       for (int c = 0; c < kVec; ++c) normal = normal && mul_lo[kVec * hl + c] == 1.f;
       const bool simple = __all_sync(0xffffffffu, normal);
-#pragma unroll 1
+      [[maybe_unused]] uint32_t held[kInPlace ? kTilePasses : 1][kVec];
+      constexpr int kUnroll = kInPlace ? kTilePasses : 1;  // (held in registers: constant indices)
+#pragma unroll kUnroll
       for (int p = 0; p < kTilePasses; ++p) {
         const int g = group(p);
         Row8<kPacked> v[kRows];
-        values(g, v);
-        uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
+        values(g, v, true);
+        uint32_t word[kVec];
         if (simple) {
           if constexpr (kPacked) {
 #pragma unroll
@@ -907,21 +938,32 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
               uint32_t x[kRows];
 #pragma unroll
               for (int jr = 0; jr < kRows; ++jr) x[jr] = mul_bf16x2(v[jr].w[i], m);
-              words[2 * i * (kBlock / 4)] =
-                  e4m3x2_of(bf16_lo(x[0]), bf16_lo(x[1])) | e4m3x2_of(bf16_lo(x[2]), bf16_lo(x[3])) << 16;
-              words[(2 * i + 1) * (kBlock / 4)] =
-                  e4m3x2_of(bf16_hi(x[0]), bf16_hi(x[1])) | e4m3x2_of(bf16_hi(x[2]), bf16_hi(x[3])) << 16;
+              word[2 * i] = e4m3x2_of(bf16_lo(x[0]), bf16_lo(x[1])) | e4m3x2_of(bf16_lo(x[2]), bf16_lo(x[3])) << 16;
+              word[2 * i + 1] = e4m3x2_of(bf16_hi(x[0]), bf16_hi(x[1])) | e4m3x2_of(bf16_hi(x[2]), bf16_hi(x[3])) << 16;
             }
           } else {
 #pragma unroll
-            for (int c = 0; c < kVec; ++c)
-              words[c * (kBlock / 4)] = pack4_by(hi[c], {v[0].at(c), v[1].at(c), v[2].at(c), v[3].at(c)});
+            for (int c = 0; c < kVec; ++c) word[c] = pack4_by(hi[c], {v[0].at(c), v[1].at(c), v[2].at(c), v[3].at(c)});
           }
         } else {
 #pragma unroll
           for (int c = 0; c < kVec; ++c)
-            words[c * (kBlock / 4)] =
-                BlockQuant(hi[c], mul_lo[kVec * hl + c]).pack4({v[0].at(c), v[1].at(c), v[2].at(c), v[3].at(c)});
+            word[c] = BlockQuant(hi[c], mul_lo[kVec * hl + c]).pack4({v[0].at(c), v[1].at(c), v[2].at(c), v[3].at(c)});
+        }
+        uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) {
+          if constexpr (kInPlace) held[p][c] = word[c];
+          else words[c * (kBlock / 4)] = word[c];
+        }
+      }
+      if constexpr (kInPlace) {
+        __syncthreads();  // every value read: the stage takes the column tile
+#pragma unroll
+        for (int p = 0; p < kTilePasses; ++p) {
+          uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (group(p) ^ col_swizzle(kVec * hl));
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = held[p][c];
         }
       }
     }
@@ -954,8 +996,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 template <class Loader>
 void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
                   float* sT, const PlanBuild& build, cudaStream_t stream, const char* name) {
-  const int smem = TileLayout(qT != nullptr, stage_bytes<Loader>()).total;
-  allow_shared_memory<tile_kernel<Loader>>(TileLayout(true, stage_bytes<Loader>()).total, name);
+  const int smem = tile_layout<Loader>(qT != nullptr).total;
+  allow_shared_memory<tile_kernel<Loader>>(tile_layout<Loader>(true).total, name);
   const int64_t grid = std::max<int64_t>(1, block_capacity(T, E) * ceil_div(K, kBlock));
   tile_kernel<Loader><<<static_cast<unsigned>(grid), kTileThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
                                                                                    col_capacity(T, E), build);

@@ -68,7 +68,7 @@ the weights its version and stamp name.
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 

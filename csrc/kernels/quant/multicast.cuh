@@ -566,9 +566,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 // (an extra barrier), so that three CTAs fit on an SM.
 template <class Loader>
 constexpr bool per_tile() {
-  constexpr bool in_place_ok = !Loader::kInPlace || (Loader::kInputs == 2 && sizeof(typename Loader::Raw) == 2);
-  return Loader::kPerTile && Loader::kOut == 1 && !Loader::kExtra && in_place_ok &&
-         (Loader::kInputs == 1 || Loader::kInPlace);
+  constexpr bool staged_fits = Loader::kInPlace ? Loader::kInputs == 2 && sizeof(typename Loader::Raw) == 2 : Loader::kInputs == 1;
+  return Loader::kPerTile && Loader::kOut == 1 && !Loader::kExtra && staged_fits;
 }
 
 constexpr int kTileWarps = 8;
@@ -735,7 +734,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     int64_t K, int E, const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s,
     uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap, const PlanBuild build) {
   using Raw = typename Loader::Raw;
-  static_assert(per_tile<Loader>(), "the per-tile form takes one staged input and makes one output block");
+  static_assert(per_tile<Loader>(), "the per-tile form takes one staged input (or two in place) and makes one output block");
   constexpr bool kPacked = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>;
   constexpr int kStageElems = kBlock * kBlock;  // per input
   extern __shared__ __align__(128) unsigned char smem[];
@@ -804,24 +803,22 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
         if (row_in(r) && lane_active) {
-          Raw* raw[Loader::kInputs];
-          const Raw* in_raw[Loader::kInputs];
-#pragma unroll
-          for (int in = 0; in < Loader::kInputs; ++in) in_raw[in] = raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
+          Raw* at = staged + r * kBlock + kVec * hl;  // input `in` at at + in * kStageElems
           if constexpr (kPacked) {
-            const uint4 w = *reinterpret_cast<const uint4*>(raw[0]);
+            const uint4 w = *reinterpret_cast<const uint4*>(at);
             v[jr].w[0] = w.x; v[jr].w[1] = w.y; v[jr].w[2] = w.z; v[jr].w[3] = w.w;
           } else if (kInPlace && again) {
-            const float4 a = *reinterpret_cast<const float4*>(raw[0]), b = *reinterpret_cast<const float4*>(raw[1]);
+            const float4 a = *reinterpret_cast<const float4*>(at), b = *reinterpret_cast<const float4*>(at + kStageElems);
             v[jr].v[0] = a.x; v[jr].v[1] = a.y; v[jr].v[2] = a.z; v[jr].v[3] = a.w;
             v[jr].v[4] = b.x; v[jr].v[5] = b.y; v[jr].v[6] = b.z; v[jr].v[7] = b.w;
           } else {
-            src.values(in_raw, row0 + r, k0 + kVec * hl, v[jr].v);
-            if constexpr (kInPlace) {
-              if (qT != nullptr) {  // (the column pass's values)
-                *reinterpret_cast<float4*>(raw[0]) = make_float4(v[jr].v[0], v[jr].v[1], v[jr].v[2], v[jr].v[3]);
-                *reinterpret_cast<float4*>(raw[1]) = make_float4(v[jr].v[4], v[jr].v[5], v[jr].v[6], v[jr].v[7]);
-              }
+            const Raw* raw[Loader::kInputs];
+#pragma unroll
+            for (int in = 0; in < Loader::kInputs; ++in) raw[in] = at + in * kStageElems;
+            src.values(raw, row0 + r, k0 + kVec * hl, v[jr].v);
+            if (kInPlace && qT != nullptr) {  // (the column pass's values)
+              *reinterpret_cast<float4*>(at) = make_float4(v[jr].v[0], v[jr].v[1], v[jr].v[2], v[jr].v[3]);
+              *reinterpret_cast<float4*>(at + kStageElems) = make_float4(v[jr].v[4], v[jr].v[5], v[jr].v[6], v[jr].v[7]);
             }
           }
         } else {

@@ -169,13 +169,6 @@ __device__ __forceinline__ float warp_sum(float a) {
   return a;
 }
 
-// Sum within each half-warp (one row block each); every lane of the warp must call it.
-__device__ __forceinline__ float half_sum(float a) {
-#pragma unroll
-  for (int o = kLanesPerRow / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-  return a;
-}
-
 // Maxima of 4 rows over a half-warp, reduced and scattered: lane hl returns row hl / 4's (5 shuffles
 // instead of 16). Every lane of the warp must call it.
 __device__ __forceinline__ float scatter_amax4(const float (&a)[kRows], int hl) {
@@ -186,6 +179,18 @@ __device__ __forceinline__ float scatter_amax4(const float (&a)[kRows], int hl) 
   float m = nan_max(hi4 ? k1 : k0, __shfl_xor_sync(0xffffffffu, hi4 ? k0 : k1, 4));  // row 2 * bit3 + bit2
   m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, 2));
   return nan_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+}
+
+// Sums of 4 rows over a half-warp, reduced and scattered as scatter_amax4: lane hl returns row hl / 4's (5 shuffles
+// instead of 16). Each sum is a half-warp butterfly's (xor 8, 4, 2, 1) to the bit: the same pairs are added at each
+// step of the same tree, and a + b == b + a.
+__device__ __forceinline__ float scatter_sum4(const float (&a)[kRows], int hl) {
+  const bool hi8 = hl & 8, hi4 = hl & 4;
+  const float k0 = (hi8 ? a[2] : a[0]) + __shfl_xor_sync(0xffffffffu, hi8 ? a[0] : a[2], 8);
+  const float k1 = (hi8 ? a[3] : a[1]) + __shfl_xor_sync(0xffffffffu, hi8 ? a[1] : a[3], 8);
+  float m = (hi4 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi4 ? k0 : k1, 4);
+  m += __shfl_xor_sync(0xffffffffu, m, 2);
+  return m + __shfl_xor_sync(0xffffffffu, m, 1);
 }
 
 // Owner of 128-token block b (find_expert's answer) given the owner `from` of an earlier block: the
@@ -400,14 +405,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
       }
 
       if constexpr (Loader::kExtra) {
-#pragma unroll
-        for (int jr = 0; jr < kRows; ++jr) {
-          const int r = kRows * g + jr;
-          const float sum = half_sum(extra[jr]);
-          if (row_extra != nullptr && row_in(r) && hl == 0) {
-            row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
-            if (kOut == 2) row_extra[(tile.row0 + r) * Kb + Kt + tile.kb] = 0.f;
-          }
+        // Each row's sum over the tile's columns, lane 4 jr of the half-warp writing row jr's.
+        const float sum = scatter_sum4(extra, hl);
+        const int r = kRows * g + hl / 4;
+        if (row_extra != nullptr && hl % 4 == 0 && row_in(r)) {
+          float* at = row_extra + (tile.row0 + r) * Kb + tile.kb;
+          at[0] = sum;
+          if (kOut == 2) at[Kt] = 0.f;  // (the second output block's share)
         }
       }
 #pragma unroll

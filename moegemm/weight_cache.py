@@ -1,7 +1,7 @@
 """The FP8 weight cache: the FP8 copies of expert weights (``quantize_weight``: ``W`` and ``Wᵀ`` with their
-scales), made once per change of the weights (a layer's weights together: one launch on the GPU) and reused by every call in between (the micro-batches of a
-gradient-accumulation step, evaluation, activation recomputation). Used by ``GroupedLinear``,
-``GroupedMLP`` and ``moegemm.megatron.MoegemmExperts``.
+scales), made once per change of the weights (a layer's weights together: one launch on the GPU) and reused by
+every call in between (the micro-batches of a gradient-accumulation step, evaluation, activation recomputation).
+Used by ``GroupedLinear``, ``GroupedMLP`` and ``moegemm.megatron.MoegemmExperts``.
 
 When is a cached copy used? A copy of weight ``w`` is valid only while all of these still hold:
 

@@ -87,6 +87,14 @@ void check_num_experts(int64_t E, const char* what) {
   TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: ", what, " must be in [1, ", num(kMaxExperts), "], got ", num(E));
 }
 
+void check_weight_shape(const Tensor& w, const char* name) {
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: ", name, ".shape[0] (experts) must be in [1, ", num(kMaxExperts),
+              "], got ", num(E));
+  TORCH_CHECK(N > 0 && N % kColAlign == 0, "moegemm: ", name, ".shape[1] (N) must be a positive multiple of 16, got ", num(N));
+  TORCH_CHECK(K > 0 && K % kColAlign == 0, "moegemm: ", name, ".shape[2] (K) must be a positive multiple of 16, got ", num(K));
+}
+
 Activation to_activation(int64_t activation) {
   TORCH_CHECK(activation >= 0 && activation <= static_cast<int64_t>(Activation::kSquaredRelu),
               "moegemm: unknown activation ", num(activation));

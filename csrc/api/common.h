@@ -53,6 +53,9 @@ DType to_dtype(const Tensor& t, const char* name);
 int num_experts(const Tensor& plan);
 void check_multiple_of_16(int64_t v, const char* what);
 void check_num_experts(int64_t E, const char* what);
+// A weight [E, N, K] named `name` in errors: E in [1, kMaxExperts], N and K positive multiples of 16 (the message
+// is built only on failure).
+void check_weight_shape(const Tensor& w, const char* name);
 
 Activation to_activation(int64_t activation);
 // F of an activation over h [T, F1]: F1 = 2F for GLU activations.

@@ -13,6 +13,12 @@ namespace {
 
 int32_t* plan_ptr(const Tensor& plan) { return plan.data_ptr<int32_t>(); }
 
+// The counts a launch builds the plan from (none when undefined).
+DeviceSplits device_splits(const Tensor& m_splits) {
+  if (!m_splits.defined()) return {};
+  return {m_splits.data_ptr(), m_splits.scalar_type() == at::kLong};
+}
+
 Quantized multicast_outputs(const Tensor& like, int64_t T, int64_t K, int E, bool rows, bool cols) {
   // the parts not asked for: [0] placeholders
   auto part = [&](bool wanted, int64_t d0, int64_t d1, at::ScalarType dtype) {
@@ -36,13 +42,6 @@ Tensor run_make_plan(const Tensor& m_splits, int64_t T) {
 }
 
 Tensor empty_plan(int64_t E, const Tensor& like) { return empty({3, E + 1}, at::kInt, like); }
-
-namespace {
-DeviceSplits device_splits(const Tensor& m_splits) {
-  if (!m_splits.defined()) return {};
-  return {m_splits.data_ptr(), m_splits.scalar_type() == at::kLong};
-}
-}  // namespace
 
 Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols, const Tensor& plan_from) {
   MOEGEMM_RANGE("moegemm::run_quantize_act");

@@ -18,9 +18,7 @@ void check_weight(const Tensor& weight, const char* name, const Tensor& like) {
   TORCH_CHECK(weight.dim() == 3, "moegemm: ", name, " must be [E, N, K], got shape ", shape(weight));
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, "moegemm: ", name,
               " must be bfloat16 or float32, got ", c10::toString(weight.scalar_type()));
-  check_num_experts(weight.size(0), "the number of experts (weight.shape[0])");
-  check_multiple_of_16(weight.size(1), "weight.shape[1] (N)");
-  check_multiple_of_16(weight.size(2), "weight.shape[2] (K)");
+  check_weight_shape(weight, name);
 }
 
 Tensor weight_input(const Tensor& weight) { return aligned(weight.contiguous()); }

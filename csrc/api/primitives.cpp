@@ -23,9 +23,7 @@ WeightIn weight_input(const Tensor& w_in, const char* name, const Tensor& like) 
   check_placement(w_in, name, 3, like);
   const DType dtype = to_dtype(w_in, name);
   const Tensor w = aligned(w_in);
-  check_num_experts(w.size(0), (std::string(name) + ".shape[0] (experts)").c_str());
-  check_multiple_of_16(w.size(1), (std::string(name) + ".shape[1] (N)").c_str());
-  check_multiple_of_16(w.size(2), (std::string(name) + ".shape[2] (K)").c_str());
+  check_weight_shape(w, name);
   return {w, dtype};
 }
 

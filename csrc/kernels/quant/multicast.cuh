@@ -169,28 +169,25 @@ __device__ __forceinline__ float warp_sum(float a) {
   return a;
 }
 
-// Maxima of 4 rows over a half-warp, reduced and scattered: lane hl returns row hl / 4's (5 shuffles
-// instead of 16). Every lane of the warp must call it.
-__device__ __forceinline__ float scatter_amax4(const float (&a)[kRows], int hl) {
+// A reduction (op) of each of 4 rows over a half-warp, reduced and scattered: lane hl returns row hl / 4's (5
+// shuffles instead of 16). Each result is a half-warp butterfly's (xor 8, 4, 2, 1) to the bit: the same pairs are
+// combined at each step of the same tree (op commutative). Every lane of the warp must call it.
+template <class Op>
+__device__ __forceinline__ float scatter_reduce4(const float (&a)[kRows], int hl, Op op) {
   const bool hi8 = hl & 8, hi4 = hl & 4;
   // lanes with bit 3 keep rows 2, 3 and send rows 0, 1 to their partner; the others the opposite
-  const float k0 = nan_max(hi8 ? a[2] : a[0], __shfl_xor_sync(0xffffffffu, hi8 ? a[0] : a[2], 8));
-  const float k1 = nan_max(hi8 ? a[3] : a[1], __shfl_xor_sync(0xffffffffu, hi8 ? a[1] : a[3], 8));
-  float m = nan_max(hi4 ? k1 : k0, __shfl_xor_sync(0xffffffffu, hi4 ? k0 : k1, 4));  // row 2 * bit3 + bit2
-  m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-  return nan_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  const float k0 = op(hi8 ? a[2] : a[0], __shfl_xor_sync(0xffffffffu, hi8 ? a[0] : a[2], 8));
+  const float k1 = op(hi8 ? a[3] : a[1], __shfl_xor_sync(0xffffffffu, hi8 ? a[1] : a[3], 8));
+  float m = op(hi4 ? k1 : k0, __shfl_xor_sync(0xffffffffu, hi4 ? k0 : k1, 4));  // row 2 * bit3 + bit2
+  m = op(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  return op(m, __shfl_xor_sync(0xffffffffu, m, 1));
 }
-
-// Sums of 4 rows over a half-warp, reduced and scattered as scatter_amax4: lane hl returns row hl / 4's (5 shuffles
-// instead of 16). Each sum is a half-warp butterfly's (xor 8, 4, 2, 1) to the bit: the same pairs are added at each
-// step of the same tree, and a + b == b + a.
+// The rows' maxima (NaN-propagating) and sums.
+__device__ __forceinline__ float scatter_amax4(const float (&a)[kRows], int hl) {
+  return scatter_reduce4(a, hl, [](float x, float y) { return nan_max(x, y); });
+}
 __device__ __forceinline__ float scatter_sum4(const float (&a)[kRows], int hl) {
-  const bool hi8 = hl & 8, hi4 = hl & 4;
-  const float k0 = (hi8 ? a[2] : a[0]) + __shfl_xor_sync(0xffffffffu, hi8 ? a[0] : a[2], 8);
-  const float k1 = (hi8 ? a[3] : a[1]) + __shfl_xor_sync(0xffffffffu, hi8 ? a[1] : a[3], 8);
-  float m = (hi4 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi4 ? k0 : k1, 4);
-  m += __shfl_xor_sync(0xffffffffu, m, 2);
-  return m + __shfl_xor_sync(0xffffffffu, m, 1);
+  return scatter_reduce4(a, hl, [](float x, float y) { return x + y; });
 }
 
 // Owner of 128-token block b (find_expert's answer) given the owner `from` of an earlier block: the

@@ -20,7 +20,7 @@
 // - Two math warpgroups of 64 rows each: per block, a wgmma chain per 128-column part into a temporary
 //   accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary across the tile:
 //   1x128 blocks along the tokens on both operands). With one part the column scales go to registers
-//   before the wgmmas and the stage is released at their end (and the next stage's barrier tested without
+//   while its wgmmas run and the stage is released at their end (and the next stage's barrier tested without
 //   blocking, its latency hidden behind the promotion); with two (their accumulators fill the
 //   registers) they are read from shared memory per 8-column chunk and the stage is released after the
 //   last part's promotion.
@@ -318,7 +318,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     int sa_row = warpgroup * Cfg::kWarpgroupRows + r;
     asm volatile("" : "+r"(sa_row));  // kept in a register, not recomputed from %tid per block
     const float* smem_sa_row = smem_sa + sa_row;
-    const float2* smem_sb_cols = reinterpret_cast<const float2*>(smem_sb) + lane % 4;
+    int sb_col = lane % 4;
+    asm volatile("" : "+r"(sb_col));  // likewise (it was an S2R of %tid on the way to every block's first wgmma)
+    const float2* smem_sb_cols = reinterpret_cast<const float2*>(smem_sb) + sb_col;
 
     Walk next = walk(blockIdx.x, tok);
     for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
@@ -364,12 +366,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
           }
         }
         const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
-        // the column scales into registers now, so that the stage is released at the wgmma's end
+        // One part: the column scales into registers, loaded right after the chain is issued so that the loads
+        // overlap it (loaded before it, the chain's issue waited for them), the stage released at its end.
         float2 cols[Cfg::kColsInRegisters ? Cfg::kAccum / 4 : 1];
-        if constexpr (Cfg::kColsInRegisters) {
+        auto load_cols = [&] {
+          if constexpr (Cfg::kColsInRegisters) {
 #pragma unroll
-          for (int j = 0; j < Cfg::kAccum / 4; ++j) cols[j] = smem_sb_cols[stage * Cfg::kBlockN / 2 + 4 * j];
-        }
+            for (int j = 0; j < Cfg::kAccum / 4; ++j) cols[j] = smem_sb_cols[stage * Cfg::kBlockN / 2 + 4 * j];
+          }
+        };
 #pragma unroll
         for (int h = 0; h < Cfg::kParts; ++h) {
 #pragma unroll
@@ -384,12 +389,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
                                  std::make_integer_sequence<int, Cfg::kAccum>{});
             cute::warpgroup_commit_batch();
           };
-          switch (ksteps) {
-            case 1: chain(std::integral_constant<int, 1>{}); break;
-            case 2: chain(std::integral_constant<int, 2>{}); break;
-            case 3: chain(std::integral_constant<int, 3>{}); break;
-            default: chain(std::integral_constant<int, 4>{}); break;
+          if (ksteps == 4) {  // a whole box (all but an expert's last): one test before the chain, not three
+            chain(std::integral_constant<int, 4>{});
+          } else {
+            switch (ksteps) {
+              case 1: chain(std::integral_constant<int, 1>{}); break;
+              case 2: chain(std::integral_constant<int, 2>{}); break;
+              default: chain(std::integral_constant<int, 3>{}); break;
+            }
           }
+          if (h == 0) load_cols();
           cute::warpgroup_wait<0>();
 #pragma unroll
           for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);

@@ -17,7 +17,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .layout import ACTIVATIONS, GLU_ACTIVATIONS, MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS, act_width
+from .layout import ACTIVATIONS, DIM_ALIGN, GLU_ACTIVATIONS, MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS, act_width
 
 # The default of check_splits, read once at import (tests set it directly).
 CHECK_SPLITS = os.environ.get("MOEGEMM_CHECK_SPLITS", "0") not in ("", "0")
@@ -47,12 +47,12 @@ def check_num_experts(E: int, what: str) -> None:
 
 def check_expert_dims(E: int, N: int, K: int, name: str = "weight") -> None:
     """The sizes of an expert weight ``name`` [E, N, K]: 1 <= E <= MAX_EXPERTS, N and K positive multiples
-    of 16. The functions check their weights' shapes with it, the layers their sizes at construction."""
+    of DIM_ALIGN. The functions check their weights' shapes with it, the layers their sizes at construction."""
     check_num_experts(E, f"{name}.shape[0] (number of experts)")
-    if N <= 0 or N % 16:
-        raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of 16, got {N}")
-    if K <= 0 or K % 16:
-        raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of 16, got {K}")
+    if N <= 0 or N % DIM_ALIGN:
+        raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of {DIM_ALIGN}, got {N}")
+    if K <= 0 or K % DIM_ALIGN:
+        raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of {DIM_ALIGN}, got {K}")
 
 
 def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
@@ -69,8 +69,8 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
 def _check_mlp_pair(E: int, F1: int, H: int, fc2_shape: tuple, activation: str) -> int:
     """fc1 [E, F1, H] and fc2 of an expert MLP agree (F1 = 2F for GLU activations); -> F."""
     F = act_width(F1, activation)
-    if activation in GLU_ACTIVATIONS and F % 16:
-        raise ValueError(f"fc1_weight.shape[1] must be 2*ffn with ffn a multiple of 16 for {activation}, got {F1}")
+    if activation in GLU_ACTIVATIONS and F % DIM_ALIGN:
+        raise ValueError(f"fc1_weight.shape[1] must be 2*ffn with ffn a multiple of {DIM_ALIGN} for {activation}, got {F1}")
     if tuple(fc2_shape) != (E, H, F):
         raise ValueError(f"fc2_weight must have shape {(E, H, F)} to match fc1_weight {(E, F1, H)}, got "
                          f"{tuple(fc2_shape)}")

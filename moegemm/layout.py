@@ -15,6 +15,7 @@ import torch
 
 BLOCK = 128  # FP8 scaling block (csrc/moegemm.h: kBlock)
 COL_ALIGN = 16  # per-expert token padding of the transposed activation copy (kColAlign)
+DIM_ALIGN = 16  # N and K of every GEMM (hidden, ffn): 16-byte FP8 rows, the quantizers' 16-wide vectors (kDimAlign)
 MAX_EXPERTS = 1024  # the plan kernel runs one thread per expert (kMaxExperts)
 MAX_PLAN_VALUE = 2**31 - 1  # plan entries are int32: col_capacity(T, E) must fit (kMaxPlanValue)
 MAX_TOKENS = MAX_PLAN_VALUE - (COL_ALIGN - 1) * MAX_EXPERTS  # T that fits for every E

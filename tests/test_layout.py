@@ -37,6 +37,7 @@ def test_constants_agree():
     c = constants(HEADER)
     assert c["kBlock"] == layout.BLOCK
     assert c["kColAlign"] == layout.COL_ALIGN
+    assert c["kDimAlign"] == layout.DIM_ALIGN
     assert c["kMaxExperts"] == layout.MAX_EXPERTS
     assert c["kMaxPlanValue"] == layout.MAX_PLAN_VALUE
     assert c["kPtrAlign"] == layout.PTR_ALIGN

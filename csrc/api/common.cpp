@@ -79,8 +79,8 @@ int num_experts(const Tensor& plan) {
   return static_cast<int>(plan.size(1) - 1);
 }
 
-void check_multiple_of_16(int64_t v, const char* what) {
-  TORCH_CHECK(v > 0 && v % kColAlign == 0, "moegemm: ", what, " must be a positive multiple of 16, got ", num(v));
+void check_dim_aligned(int64_t v, const char* what) {
+  TORCH_CHECK(v > 0 && v % kDimAlign == 0, "moegemm: ", what, " must be a positive multiple of ", num(kDimAlign), ", got ", num(v));
 }
 
 void check_num_experts(int64_t E, const char* what) {
@@ -91,8 +91,10 @@ void check_weight_shape(const Tensor& w, const char* name) {
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: ", name, ".shape[0] (experts) must be in [1, ", num(kMaxExperts),
               "], got ", num(E));
-  TORCH_CHECK(N > 0 && N % kColAlign == 0, "moegemm: ", name, ".shape[1] (N) must be a positive multiple of 16, got ", num(N));
-  TORCH_CHECK(K > 0 && K % kColAlign == 0, "moegemm: ", name, ".shape[2] (K) must be a positive multiple of 16, got ", num(K));
+  TORCH_CHECK(N > 0 && N % kDimAlign == 0, "moegemm: ", name, ".shape[1] (N) must be a positive multiple of ", num(kDimAlign),
+              ", got ", num(N));
+  TORCH_CHECK(K > 0 && K % kDimAlign == 0, "moegemm: ", name, ".shape[2] (K) must be a positive multiple of ", num(kDimAlign),
+              ", got ", num(K));
 }
 
 Activation to_activation(int64_t activation) {
@@ -104,7 +106,7 @@ Activation to_activation(int64_t activation) {
 int64_t act_width(const Tensor& h, Activation act) {
   const int64_t F1 = h.size(1), F = is_glu(act) ? F1 / 2 : F1;
   TORCH_CHECK(!is_glu(act) || F1 % 2 == 0, "moegemm: h.shape[1] must be even (gate and up halves), got ", num(F1));
-  check_multiple_of_16(F, "the activation's width (h.shape[1], halved for GLU)");
+  check_dim_aligned(F, "the activation's width (h.shape[1], halved for GLU)");
   return F;
 }
 

@@ -51,9 +51,9 @@ Tensor input(const Tensor& t, const char* name, at::ScalarType dtype, int64_t di
 
 DType to_dtype(const Tensor& t, const char* name);
 int num_experts(const Tensor& plan);
-void check_multiple_of_16(int64_t v, const char* what);
+void check_dim_aligned(int64_t v, const char* what);  // a positive multiple of kDimAlign (an N or K)
 void check_num_experts(int64_t E, const char* what);
-// A weight [E, N, K] named `name` in errors: E in [1, kMaxExperts], N and K positive multiples of 16 (the message
+// A weight [E, N, K] named `name` in errors: E in [1, kMaxExperts], N and K positive multiples of kDimAlign (the message
 // is built only on failure).
 void check_weight_shape(const Tensor& w, const char* name);
 

@@ -44,8 +44,8 @@ MlpShape check_mlp_weights(const Tensor& fc1_weight, const Tensor& fc2_weight, A
   check_weight(fc2_weight, "fc2_weight", like);
   const int64_t E = fc1_weight.size(0), F1 = fc1_weight.size(1), H = fc1_weight.size(2);
   const int64_t F = is_glu(act) ? F1 / 2 : F1;
-  TORCH_CHECK(!is_glu(act) || (F1 % 2 == 0 && F % kColAlign == 0), "moegemm: fc1_weight.shape[1] must be 2*ffn with ffn a ",
-              "multiple of 16 for a GLU activation, got ", num(F1));
+  TORCH_CHECK(!is_glu(act) || (F1 % 2 == 0 && F % kDimAlign == 0), "moegemm: fc1_weight.shape[1] must be 2*ffn with ffn a ",
+              "multiple of ", num(kDimAlign), " for a GLU activation, got ", num(F1));
   TORCH_CHECK(fc2_weight.size(0) == E && fc2_weight.size(1) == H && fc2_weight.size(2) == F, "moegemm: fc2_weight must be [",
               num(E), ", ", num(H), ", ", num(F), "] to match fc1_weight ", shape(fc1_weight), ", got ", shape(fc2_weight));
   return {E, T, H, F, F1};

@@ -107,7 +107,7 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe) {
               "quantize_act), got ", c10::toString(x.scalar_type()));
   const Tensor q = input(x, "x", at::kFloat8_e4m3fn, 2, x);
   const int64_t T = q.size(0), K = q.size(1);
-  check_multiple_of_16(K, "x.shape[1] (K)");
+  check_dim_aligned(K, "x.shape[1] (K)");
   return {q, row_scales_input(x_scales, "x_scales", T, ceil_div(K, kBlock), q), Tensor(), Tensor()};
 }
 
@@ -125,7 +125,7 @@ Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first
     TORCH_CHECK(at_(0).dim() == 2 && at_(1).dim() == 2, "moegemm: ", name, " (qdyT, sdyT) must be 2-d, got ", shape(at_(0)),
                 " and ", shape(at_(1)));
     const int64_t Wc = at_(0).size(1), NB = at_(1).size(0);
-    TORCH_CHECK(Wc % kColAlign == 0, "moegemm: ", name, " qdyT.shape[1] must be a multiple of 16, got ", num(Wc));
+    TORCH_CHECK(Wc % kColAlign == 0, "moegemm: ", name, " qdyT.shape[1] must be a multiple of ", num(kColAlign), ", got ", num(Wc));
     check_tensor(at_(0), (n + " (qdyT)").c_str(), at::kFloat8_e4m3fn, {N, Wc}, plan);
     check_tensor(at_(1), (n + " (sdyT)").c_str(), at::kFloat, {NB, N}, plan);
     check_tensor(at_(2), (n + " (qxT)").c_str(), at::kFloat8_e4m3fn, {K, Wc}, plan);

@@ -62,9 +62,10 @@ void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Te
   const int64_t N = qaT.size(0), K = qbT.size(0), Wc = qaT.size(1);
   TORCH_CHECK(qbT.size(1) == Wc && saT.size(0) == sbT.size(0) && saT.size(1) == N && sbT.size(1) == K,
               "moegemm: column-quantized operands disagree: ", shape(qaT), shape(saT), shape(qbT), shape(sbT));
-  TORCH_CHECK(Wc % kColAlign == 0, "moegemm: qaT.shape[1] (the column copy's capacity) must be a multiple of 16, got ", num(Wc));
-  check_multiple_of_16(N, "qaT.shape[0] (N)");
-  check_multiple_of_16(K, "qbT.shape[0] (K)");
+  TORCH_CHECK(Wc % kColAlign == 0, "moegemm: qaT.shape[1] (the column copy's capacity) must be a multiple of ", num(kColAlign),
+              ", got ", num(Wc));
+  check_dim_aligned(N, "qaT.shape[0] (N)");
+  check_dim_aligned(K, "qbT.shape[0] (K)");
   check_wgrad_shape(out, E, N, K);
   c10::DeviceGuard guard(qaT.device());
   run_gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out, accumulate, choice);
@@ -78,8 +79,8 @@ Tensor gemm_bf16_ragged_m(const Tensor& a_in, const Tensor& w_in, const Tensor& 
   const int E = num_experts(plan);
   const int64_t N = w.size(1), K = w.size(2);
   TORCH_CHECK(w.size(0) == E && a.size(1) == (dgrad ? N : K), "moegemm: operand shapes disagree: ", shape(a), shape(w));
-  check_multiple_of_16(N, "weight.shape[1] (N)");
-  check_multiple_of_16(K, "weight.shape[2] (K)");
+  check_dim_aligned(N, "weight.shape[1] (N)");
+  check_dim_aligned(K, "weight.shape[2] (K)");
   c10::DeviceGuard guard(a.device());
   return run_gemm_bf16_ragged_m(a, w, plan, dgrad);
 }
@@ -92,8 +93,8 @@ void gemm_bf16_wgrad_into(const Tensor& dy_in, const Tensor& x_in, const Tensor&
   const int E = num_experts(plan);
   const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
   TORCH_CHECK(x.size(0) == T, "moegemm: dy and x have different token counts: ", shape(dy), shape(x));
-  check_multiple_of_16(N, "dy.shape[1] (N)");
-  check_multiple_of_16(K, "x.shape[1] (K)");
+  check_dim_aligned(N, "dy.shape[1] (N)");
+  check_dim_aligned(K, "x.shape[1] (K)");
   check_wgrad_shape(out, E, N, K);
   c10::DeviceGuard guard(dy.device());
   run_gemm_bf16_wgrad(dy, x, plan, out, accumulate);
@@ -123,7 +124,7 @@ Quad quantize_act_op(const Tensor& x_in, const Tensor& plan, bool rows, bool col
   const Tensor x = aligned(x_in);
   check(plan, "plan", at::kInt, 2, x);
   num_experts(plan);
-  check_multiple_of_16(x.size(1), "x.shape[1]");
+  check_dim_aligned(x.size(1), "x.shape[1]");
   c10::DeviceGuard guard(x.device());
   return as_tuple(run_quantize_act(x, dtype, plan, rows, cols));
 }
@@ -211,8 +212,8 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tens
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   TORCH_CHECK(qb.size(0) == E && qb.size(2) == K, "moegemm: qb must be [", num(E), ", N, ", num(K), "], got ", shape(qb));
-  check_multiple_of_16(K, "qa.shape[1] (K)");
-  check_multiple_of_16(N, "qb.shape[1] (N)");
+  check_dim_aligned(K, "qa.shape[1] (K)");
+  check_dim_aligned(N, "qb.shape[1] (N)");
   const Tensor sa = row_scales_input(sa_in, "sa", T, ceil_div(K, kBlock), qa);
   TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ",
               shape(sb));
@@ -254,7 +255,7 @@ void add_bias_op(const Tensor& y, const Tensor& bias_in, const Tensor& plan) {
   const Tensor bias = input(bias_in, "bias", bias_in.scalar_type(), 2, y);
   const int64_t N = y.size(1);
   TORCH_CHECK(bias.size(0) == E && bias.size(1) == N, "moegemm: bias must be [", num(E), ", ", num(N), "], got ", shape(bias));
-  check_multiple_of_16(N, "y.shape[1] (N)");
+  check_dim_aligned(N, "y.shape[1] (N)");
   c10::DeviceGuard guard(y.device());
   run_add_bias(y, bias, plan);
 }
@@ -263,7 +264,7 @@ Tensor bias_grad_op(const Tensor& dy_in, const Tensor& plan) {
   const Tensor dy = input(dy_in, "dy", at::kBFloat16, 2, dy_in);
   check(plan, "plan", at::kInt, 2, dy);
   num_experts(plan);
-  check_multiple_of_16(dy.size(1), "dy.shape[1] (N)");
+  check_dim_aligned(dy.size(1), "dy.shape[1] (N)");
   c10::DeviceGuard guard(dy.device());
   return run_bias_grad(dy, plan);
 }

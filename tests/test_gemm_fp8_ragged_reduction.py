@@ -114,6 +114,13 @@ def test_zipf(E, T, N, K, kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
+def test_banded_tile_walk(kernel):
+    """24 or more column tiles: the sm90 kernel walks an expert's tiles in bands of 16 row blocks (heuristics.h);
+    here 17 row blocks, a whole band and a band of one."""
+    check_against_reference(zipf_splits(5, 1500), 2176, 6144, kernel, seed=11)
+
+
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
 def test_foreign_plan_gives_no_tokens(kernel):
     """A plan made for more tokens than the column copy holds counts as no tokens: zeros written, an
     accumulated gradient left as it is."""

@@ -99,5 +99,13 @@ for kernel, tiling in [(GEMM_CUTLASS, -1)] + [(GEMM_SM90, i) for i in range(SM90
     acc = torch.ones(E, N, K, device="cuda")
     torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qdyT, sdyT, qxT, sxT, plan, acc, kernel, tiling)
     assert ((acc.double() - 1 - expect).norm() / expect.norm()).item() < 2e-3, (kernel, tiling, "accumulate")
+# The sm90 kernel's banded tile walk (24 or more column tiles, heuristics.h): 128 columns on K = 3072.
+_, _, qxT, sxT = cuda_ops.quantize_act(torch.randn(T, 3072, device="cuda", dtype=torch.bfloat16), plan, rows=False)
+expect = ref.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, ref.make_plan(m, T), out_dtype=torch.float64)
+dw = torch.ops.moegemm.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, torch.bfloat16, GEMM_SM90, 0)
+assert ((dw.double() - expect).norm() / expect.norm()).item() < 4e-3, "banded walk"
+acc = torch.ones(E, N, 3072, device="cuda")
+torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qdyT, sdyT, qxT, sxT, plan, acc, GEMM_SM90, 0)
+assert ((acc.double() - 1 - expect).norm() / expect.norm()).item() < 2e-3, "banded walk, accumulate"
 torch.cuda.synchronize()
 print("every_kernel: the FP8 ragged reduction on every kernel, tiling and output agrees with the reference")

@@ -86,6 +86,19 @@ inline GemmKernel kernel_from_env(const char* env) {
   return v != nullptr && std::strcmp(v, "cutlass") == 0 ? GemmKernel::kCutlass : GemmKernel::kSm90;
 }
 
+// The ragged reduction's tile walk within an expert (scheduler.cuh): row-major, where the CTAs working at one
+// time share sms / n_blocks row tiles and read every column tile, or, with many column tiles, in bands of
+// kReductionBandRows row blocks walked column by column (about 16 row tiles and 8 column tiles at a time, each
+// read by 8-16 CTAs together: fewer DRAM bytes). The wgrad GEMMs run power-capped on an H200, and fewer DRAM
+// bytes leave the SMs a higher clock: in sustained runs (bench/NOTES.md, twenty-first session) bands were 2-12 %
+// faster with 28 or 56 column tiles of 256 (K = 7168, 14336; -1 % on DeepGEMM's 32x1024) and 1-4 % slower
+// with 8-16.
+constexpr int kReductionBandRows = 16;
+constexpr int64_t kReductionBandMinColumnTiles = 24;
+inline int ragged_reduction_band(int64_t K, int block_n) {
+  return ceil_div(K, block_n) >= kReductionBandMinColumnTiles ? kReductionBandRows : 0;
+}
+
 // The FP8 ragged-reduction kernel: the caller's choice, else MOEGEMM_FP8_WGRAD (read once), else moegemm's
 // own kernel: in the wgrad table at 4928e16 faster than CUTLASS's on every problem with bf16 output, and
 // with fp32 accumulation on all but five (Zipf splits on V2-Lite fc1, Qwen3 and V3-EP8: by 1.4-4 %), by

@@ -37,6 +37,7 @@ void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream_t s
   k.sb = b.s;
   k.plan = p.plan;
   k.E = p.E, k.N = int(p.N), k.K = int(p.K);
+  k.band = ragged_reduction_band(p.K, Cfg::kBlockN);
   k.cols = p.cols, k.blocks = p.blocks;
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles)));

@@ -12,7 +12,7 @@
 //   zero in both operands in shared memory (none when the tokens end on a step), so nothing is padded in
 //   global memory and no size goes to the host.
 // - Every expert owns the same output tiles (scheduler.cuh, RaggedReductionTiles), walked statically by
-//   the persistent grid; a tile's reduction is its expert's tokens. An empty expert's tiles read nothing:
+//   the persistent grid, row-major or in bands of row blocks (heuristics.h); a tile's reduction is its expert's tokens. An empty expert's tiles read nothing:
 //   they store zeros (written outputs) or are skipped (accumulated outputs keep their values).
 // - A producer warpgroup: one thread issues the TMA copies of A (128 gradient rows) and B (BLOCK_N
 //   columns) per 128-token block into a ring of stages; one warp loads the stage's scales (saT of the
@@ -108,6 +108,7 @@ struct Fp8RaggedReductionParams {
   const float* sb;  // sbT [blocks, K]
   const int32_t* plan;
   int E, N, K;
+  int band;  // the tile walk's row blocks per band (0: row-major), heuristics.h
   int64_t cols, blocks;
 };
 
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
   auto set_up = [&] {
     N = p.N, K = p.K;
     tok = p.plan, col = p.plan + (p.E + 1), blk = p.plan + 2 * (p.E + 1);
-    tiles = {p.E, (N + Cfg::kBlockM - 1) / Cfg::kBlockM, (K + Cfg::kBlockN - 1) / Cfg::kBlockN};
+    tiles = {p.E, (N + Cfg::kBlockM - 1) / Cfg::kBlockM, (K + Cfg::kBlockN - 1) / Cfg::kBlockN, p.band};
     num_tiles = tiles.count();
   };
   // A role's walk over its tiles: the tile after the current one, with its expert's tokens and its column

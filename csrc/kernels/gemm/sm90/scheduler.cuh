@@ -65,10 +65,12 @@ __device__ __forceinline__ Shared shared_operand(const RowTile& t, const RowTile
   return t.row0 == u.row0 ? Shared::kA : Shared::kNone;
 }
 
-// Ragged reduction: every expert owns the same m_blocks x n_blocks output tiles of its gradient [N, K]
-// (ids expert by expert, row-major within an expert: the CTAs working at one time share a few A row tiles
-// and stream the expert's B); the tokens of the expert are the tile's reduction, so its length is the
-// expert's (none for an empty expert). The grid walks the ids statically, CTA c taking c, c + grid, ...
+// Ragged reduction: every expert owns the same m_blocks x n_blocks output tiles of its gradient [N, K]; the
+// tokens of the expert are the tile's reduction, so its length is the expert's (none for an empty expert).
+// Ids run expert by expert; within an expert row-major (band 0: the CTAs working at one time share a few A
+// row tiles and stream the expert's B) or in bands of `band` row blocks walked column by column (they share
+// about `band` row tiles and a few column tiles; heuristics.h chooses). The grid walks the ids statically,
+// CTA c taking c, c + grid, ...
 struct ReductionTile {
   int expert;
   int m_block;
@@ -80,13 +82,18 @@ struct RaggedReductionTiles {
   int E;
   int m_blocks;
   int n_blocks;
+  int band;  // row blocks per band, 0 for row-major
 
   __device__ __forceinline__ int count() const { return E * m_blocks * n_blocks; }
 
   __device__ __forceinline__ ReductionTile at(int id) const {
     const int per_expert = m_blocks * n_blocks;
     const int e = id / per_expert, local = id - e * per_expert;
-    return {e, local / n_blocks, local % n_blocks};
+    if (band == 0) return {e, local / n_blocks, local % n_blocks};
+    const int b = local / (band * n_blocks);
+    const int band_rows = min(band, m_blocks - b * band);
+    const int in_band = local - b * band * n_blocks;
+    return {e, b * band + in_band % band_rows, in_band / band_rows};
   }
 };
 

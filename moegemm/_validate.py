@@ -55,6 +55,14 @@ def check_expert_dims(E: int, N: int, K: int, name: str = "weight") -> None:
         raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of {DIM_ALIGN}, got {K}")
 
 
+def check_tokens_input(x: torch.Tensor) -> None:
+    """``x`` [T, K] for the quantizers: a tensor with K a positive multiple of DIM_ALIGN."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % DIM_ALIGN:
+        raise ValueError(f"x must be [T, K] with K a positive multiple of {DIM_ALIGN}, got shape {tuple(x.shape)}")
+
+
 def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")

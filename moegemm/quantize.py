@@ -8,8 +8,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import backends
-from ._validate import SplitsLike, check_num_experts, check_weight, splits_to_device
-from .layout import BLOCK, DIM_ALIGN, MAX_TOKENS, ceil_div
+from ._validate import SplitsLike, check_num_experts, check_tokens_input, check_weight, splits_to_device
+from .layout import BLOCK, MAX_TOKENS, ceil_div
 
 
 def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> torch.Tensor:
@@ -24,10 +24,7 @@ def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> t
 
 def quantize_act(x: torch.Tensor, m_splits: SplitsLike, rows: bool = True, cols: bool = True):
     """Multi-cast quantization of ``x [T, K]``: ``(q, s, qT, sT)``, None for the parts not asked for."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % DIM_ALIGN:
-        raise ValueError(f"x must be [T, K] with K a positive multiple of {DIM_ALIGN}, got shape {tuple(x.shape)}")
+    check_tokens_input(x)
     plan = make_plan(m_splits, x.shape[0], device=x.device)
     return backends.select(x.device).quantize_act(x.contiguous(), plan, rows=rows, cols=cols)
 
@@ -81,10 +78,7 @@ def to_fp8_rows(x: torch.Tensor, grad_target: Optional[torch.Tensor] = None) -> 
     """``x [T, K]`` quantized into its FP8 row copy (1×128 blocks; quantize_act's rows), as an FP8
     dispatcher would send it. ``grad_target`` defaults to x itself when x requires grad: dx flows back to
     the unquantized tensor (straight through the quantization), as a dispatcher's backward wants it."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % DIM_ALIGN:
-        raise ValueError(f"x must be [T, K] with K a positive multiple of {DIM_ALIGN}, got shape {tuple(x.shape)}")
+    check_tokens_input(x)
     with torch.no_grad():
         q, s, _, _ = quantize_act(x.detach(), [x.shape[0]], rows=True, cols=False)
     if grad_target is None and x.requires_grad:

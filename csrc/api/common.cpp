@@ -79,22 +79,19 @@ int num_experts(const Tensor& plan) {
   return static_cast<int>(plan.size(1) - 1);
 }
 
-void check_dim_aligned(int64_t v, const char* what) {
-  TORCH_CHECK(v > 0 && v % kDimAlign == 0, "moegemm: ", what, " must be a positive multiple of ", num(kDimAlign), ", got ", num(v));
+void check_dim_aligned(int64_t v, const char* what, const char* what_more) {
+  TORCH_CHECK(v > 0 && v % kDimAlign == 0, "moegemm: ", what, what_more, " must be a positive multiple of ", num(kDimAlign),
+              ", got ", num(v));
 }
 
-void check_num_experts(int64_t E, const char* what) {
-  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: ", what, " must be in [1, ", num(kMaxExperts), "], got ", num(E));
+void check_num_experts(int64_t E, const char* what, const char* what_more) {
+  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: ", what, what_more, " must be in [1, ", num(kMaxExperts), "], got ", num(E));
 }
 
 void check_weight_shape(const Tensor& w, const char* name) {
-  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: ", name, ".shape[0] (experts) must be in [1, ", num(kMaxExperts),
-              "], got ", num(E));
-  TORCH_CHECK(N > 0 && N % kDimAlign == 0, "moegemm: ", name, ".shape[1] (N) must be a positive multiple of ", num(kDimAlign),
-              ", got ", num(N));
-  TORCH_CHECK(K > 0 && K % kDimAlign == 0, "moegemm: ", name, ".shape[2] (K) must be a positive multiple of ", num(kDimAlign),
-              ", got ", num(K));
+  check_num_experts(w.size(0), name, ".shape[0] (experts)");
+  check_dim_aligned(w.size(1), name, ".shape[1] (N)");
+  check_dim_aligned(w.size(2), name, ".shape[2] (K)");
 }
 
 Activation to_activation(int64_t activation) {

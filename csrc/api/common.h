@@ -51,8 +51,10 @@ Tensor input(const Tensor& t, const char* name, at::ScalarType dtype, int64_t di
 
 DType to_dtype(const Tensor& t, const char* name);
 int num_experts(const Tensor& plan);
-void check_dim_aligned(int64_t v, const char* what);  // a positive multiple of kDimAlign (an N or K)
-void check_num_experts(int64_t E, const char* what);
+// An N or K: a positive multiple of kDimAlign. Here and in check_num_experts `what` followed by `what_more` names
+// the value in errors (the message is built only on failure).
+void check_dim_aligned(int64_t v, const char* what, const char* what_more = "");
+void check_num_experts(int64_t E, const char* what, const char* what_more = "");
 // A weight [E, N, K] named `name` in errors: E in [1, kMaxExperts], N and K positive multiples of kDimAlign (the message
 // is built only on failure).
 void check_weight_shape(const Tensor& w, const char* name);

@@ -12,8 +12,9 @@
 //   zero in both operands in shared memory (none when the tokens end on a step), so nothing is padded in
 //   global memory and no size goes to the host.
 // - Every expert owns the same output tiles (scheduler.cuh, RaggedReductionTiles), walked statically by
-//   the persistent grid, row-major or in bands of row blocks (heuristics.h); a tile's reduction is its expert's tokens. An empty expert's tiles read nothing:
-//   they store zeros (written outputs) or are skipped (accumulated outputs keep their values).
+//   the persistent grid, row-major or in bands of row blocks (heuristics.h); a tile's reduction is its
+//   expert's tokens. An empty expert's tiles read nothing: they store zeros (written outputs) or are
+//   skipped (accumulated outputs keep their values).
 // - A producer warpgroup: one thread issues the TMA copies of A (128 gradient rows) and B (BLOCK_N
 //   columns) per 128-token block into a ring of stages; one warp loads the stage's scales (saT of the
 //   tile's rows, sbT of its columns, 16-byte loads) into shared memory beside them.

@@ -33,6 +33,18 @@ struct RowTile {
 
 constexpr int kBandRows = 16;
 
+// Tile `local` of an m_blocks x n_blocks grid walked in bands of `band` row blocks, column by column within a
+// band (the last band may be narrower): its row block m and column tile n.
+struct GridTile {
+  int m, n;
+};
+__host__ __device__ __forceinline__ GridTile banded_tile(int local, int m_blocks, int n_blocks, int band) {
+  const int b = local / (band * n_blocks);
+  const int band_rows = min(band, m_blocks - b * band);
+  const int in_band = local - b * band * n_blocks;
+  return {b * band + in_band % band_rows, in_band / band_rows};
+}
+
 // Tile ids are 32-bit: the launcher refuses problems of 2^31 tiles or more (block_capacity x column tiles).
 struct RaggedRowTiles {
   const int32_t* tok;  // the plan's token starts [E + 1]
@@ -45,13 +57,9 @@ struct RaggedRowTiles {
   __device__ __forceinline__ RowTile at(int id) const {
     const int e = find_expert(blk, E, id / n_blocks);
     const int local = id - blk[e] * n_blocks;
-    const int m_blocks = blk[e + 1] - blk[e];
-    const int band = local / (kBandRows * n_blocks);
-    const int band_rows = min(kBandRows, m_blocks - band * kBandRows);
-    const int in_band = local - band * kBandRows * n_blocks;
-    const int m = band * kBandRows + in_band % band_rows;
-    const int row0 = tok[e] + m * kBlock;
-    return {e, row0, min(kBlock, tok[e + 1] - row0), in_band / band_rows};
+    const GridTile t = banded_tile(local, blk[e + 1] - blk[e], n_blocks, kBandRows);
+    const int row0 = tok[e] + t.m * kBlock;
+    return {e, row0, min(kBlock, tok[e + 1] - row0), t.n};
   }
 };
 
@@ -90,10 +98,8 @@ struct RaggedReductionTiles {
     const int per_expert = m_blocks * n_blocks;
     const int e = id / per_expert, local = id - e * per_expert;
     if (band == 0) return {e, local / n_blocks, local % n_blocks};
-    const int b = local / (band * n_blocks);
-    const int band_rows = min(band, m_blocks - b * band);
-    const int in_band = local - b * band * n_blocks;
-    return {e, b * band + in_band % band_rows, in_band / band_rows};
+    const GridTile t = banded_tile(local, m_blocks, n_blocks, band);
+    return {e, t.m, t.n};
   }
 };
 

@@ -12,10 +12,10 @@
 namespace moegemm {
 
 constexpr int kBlock = 128;       // FP8 scaling block (1x128, 128x1, 128x128)
-constexpr int kColAlign = 16;     // per-expert token padding of the transposed activation copy
+constexpr int kColAlign = 32;     // per-expert token padding of the transposed activation copy (32-byte sectors)
 constexpr int kDimAlign = 16;     // N and K of every GEMM (hidden, ffn): 16-byte FP8 rows, the quantizers' 16-wide vectors
 constexpr int kMaxExperts = 1024; // one thread per expert in the plan kernel
-constexpr int64_t kMaxPlanValue = 2147483647;  // plan entries are int32: T + 15*E (col_capacity) must fit
+constexpr int64_t kMaxPlanValue = 2147483647;  // plan entries are int32: T + 31*E (col_capacity) must fit
 constexpr int kPtrAlign = 16;     // every tensor's data pointer: TMA and 16-byte vector loads/stores
 
 enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };

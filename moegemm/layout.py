@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 128  # FP8 scaling block (csrc/moegemm.h: kBlock)
-COL_ALIGN = 16  # per-expert token padding of the transposed activation copy (kColAlign)
+COL_ALIGN = 32  # per-expert token padding of the transposed activation copy (kColAlign)
 DIM_ALIGN = 16  # N and K of every GEMM (hidden, ffn): 16-byte FP8 rows, the quantizers' 16-wide vectors (kDimAlign)
 MAX_EXPERTS = 1024  # the plan kernel runs one thread per expert (kMaxExperts)
 MAX_PLAN_VALUE = 2**31 - 1  # plan entries are int32: col_capacity(T, E) must fit (kMaxPlanValue)
@@ -59,7 +59,7 @@ def empty_row_scales(T: int, Kb: int, device=None) -> torch.Tensor:
 
 
 def col_capacity(T: int, E: int) -> int:
-    """Width of the transposed activation copy: Σ round_up(m_e, 16) ≤ T + 15·E, rounded up to 16."""
+    """Width of the transposed activation copy: Σ round_up(m_e, 32) ≤ T + 31·E, rounded up to 32."""
     return ceil_div(T + (COL_ALIGN - 1) * E, COL_ALIGN) * COL_ALIGN
 
 

@@ -17,6 +17,7 @@ import torch
 
 import moegemm
 from moegemm import reference as R
+from moegemm.layout import COL_ALIGN
 
 from conftest import capture_step, cuda_alive, rel, requires_cuda, zipf_splits
 
@@ -74,7 +75,7 @@ def oracle_plan(counts) -> list:
     tok, col, blk = [0], [0], [0]
     for c in counts:
         tok.append(tok[-1] + c)
-        col.append(col[-1] + -(-c // 16) * 16)
+        col.append(col[-1] + -(-c // COL_ALIGN) * COL_ALIGN)
         blk.append(blk[-1] + -(-c // 128))
     return [tok, col, blk]
 
@@ -334,7 +335,7 @@ def test_invalid_device_splits_plan_and_quantizer(name, dt):
     rq, rs, rqT, rsT = R.quantize_act(x.cpu(), plan)
     assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
     for start, c, col, blk in R._segments(plan):
-        wd, nb = -(-c // 16) * 16, -(-c // 128)
+        wd, nb = -(-c // COL_ALIGN) * COL_ALIGN, -(-c // 128)
         assert torch.equal(qT[:, col:col + wd].cpu().view(torch.uint8), rqT[:, col:col + wd].view(torch.uint8))
         assert torch.equal(sT[blk:blk + nb].cpu(), rsT[blk:blk + nb])
     cuda_alive()

@@ -10,6 +10,7 @@ import torch
 
 import moegemm
 from moegemm import reference as ref
+from moegemm.layout import COL_ALIGN
 
 from conftest import HAS_HOPPER, capture_step, rel, requires_cuda, zipf_splits
 
@@ -145,7 +146,7 @@ def assert_cols_equal(a, b, plan, T):
     qT_a, sT_a = a
     qT_b, sT_b = b
     for start, m, col, blk in ref._segments(plan):
-        w = -(-m // 16) * 16
+        w = -(-m // COL_ALIGN) * COL_ALIGN
         nblk = -(-m // 128)
         assert torch.equal(qT_a[:, col: col + w].view(torch.uint8), qT_b[:, col: col + w].view(torch.uint8))
         assert torch.equal(sT_a[blk: blk + nblk], sT_b[blk: blk + nblk])

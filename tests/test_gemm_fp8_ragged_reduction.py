@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moegemm import reference as ref
-from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS
+from moegemm.layout import COL_ALIGN, GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS
 
 from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, poisoned, rel, requires_cuda, zipf_splits
 
@@ -179,7 +179,7 @@ def test_past_int32_elements(kernel):
     m = torch.tensor(splits, device=DEV)
     plan, plan_ref = cuda_ops.make_plan(m, T), ref.make_plan(m, T)
     cols, blocks = int(plan_ref[1, -1]), int(plan_ref[2, -1])
-    cols = -(-cols // 16) * 16
+    cols = -(-cols // COL_ALIGN) * COL_ALIGN
 
     def random_fp8(rows):  # e4m3 bytes without NaN codes: magnitude codes 0..0x7e, either sign
         return (torch.randint(0, 0x7F, (rows, cols), device=DEV, dtype=torch.uint8, generator=gen)

@@ -14,6 +14,7 @@ import torch
 
 import moegemm
 from moegemm import reference as R
+from moegemm.layout import COL_ALIGN
 
 from conftest import zipf_splits
 
@@ -213,7 +214,7 @@ def test_plan_layout_from_list(splits):
     assert plan.dtype == torch.int32 and plan.shape == (3, len(splits) + 1)
     tok, col, blk = plan.tolist()
     assert tok == _cumsum0(splits)
-    assert col == _cumsum0([16 * math.ceil(m / 16) for m in splits])
+    assert col == _cumsum0([COL_ALIGN * math.ceil(m / COL_ALIGN) for m in splits])
     assert blk == _cumsum0([math.ceil(m / 128) for m in splits])
     assert col[-1] <= R.col_capacity(T, len(splits))
     assert blk[-1] <= R.block_capacity(T, len(splits))
@@ -226,9 +227,10 @@ def test_plan_layout_from_list(splits):
 def test_plan_clamps_bad_device_counts(dt):
     # negatives are taken as 0, the running total is clamped to T
     plan = R.make_plan(torch.tensor([5, -3, 10, 7], dtype=dt), 12)
-    assert plan.tolist() == [[0, 5, 5, 12, 12], [0, 16, 16, 32, 32], [0, 1, 1, 2, 2]]
+    A = COL_ALIGN
+    assert plan.tolist() == [[0, 5, 5, 12, 12], [0, A, A, 2 * A, 2 * A], [0, 1, 1, 2, 2]]
     plan = R.make_plan(torch.tensor([-100, 1000], dtype=dt), 40)
-    assert plan.tolist() == [[0, 0, 40], [0, 0, 48], [0, 0, 1]]
+    assert plan.tolist() == [[0, 0, 40], [0, 0, -(-40 // A) * A], [0, 0, 1]]
     # a sum below T is left as it is
     plan = R.make_plan(torch.tensor([3, 4], dtype=dt), 40)
     assert plan[0].tolist() == [0, 3, 7]
@@ -242,7 +244,7 @@ def test_plan_capacities_bound_worst_case():
         plan = R.make_plan(torch.tensor(splits), T)
         assert plan[1, -1].item() <= R.col_capacity(T, E)
         assert plan[2, -1].item() <= R.block_capacity(T, E)
-        assert R.col_capacity(T, E) % 16 == 0
+        assert R.col_capacity(T, E) % COL_ALIGN == 0
 
 
 # -------------------------------------------------------------------------------------- quantize_cols

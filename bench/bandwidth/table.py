@@ -2,7 +2,7 @@
 device's copy bandwidth measured in the same run (issue 24's table).
 
 Bytes are the minimal ones: every input read once, every output written once (the FP8 copies with the
-16-row padding of each expert's column copy, the scales, the probs-gradient partial sums). Kernels:
+padding of each expert's column copy to COL_ALIGN tokens, the scales, the probs-gradient partial sums). Kernels:
   quantize_act        x [T, H] -> rows (1x128) + per-expert columns (128x1): fc1's input, fc2's dy
   act_quantize        SwiGLU(h) x probs -> FP8 rows + columns, h [T, 2F]
   act_backward_quant  its gradient: da [T, F], h, probs -> dh rows + columns and the probs partials
@@ -39,9 +39,11 @@ def parse_args():
 
 def multicast_bytes(T: int, K: int, splits: list, rows: bool = True, cols: bool = True) -> float:
     """Bytes written by a multi-cast quantization of [T, K]: FP8 rows + 1x128 scales, FP8 columns (each
-    expert's tokens rounded up to 16) + 128x1 scales (one per 128-token block of an expert)."""
+    expert's tokens rounded up to COL_ALIGN) + 128x1 scales (one per 128-token block of an expert)."""
+    from moegemm.layout import COL_ALIGN
+
     kb = -(-K // 128)
-    col = sum(-(-m // 16) * 16 for m in splits)
+    col = sum(-(-m // COL_ALIGN) * COL_ALIGN for m in splits)
     blocks = sum(-(-m // 128) for m in splits)
     return (T * K + T * kb * 4 if rows else 0) + (K * col + blocks * K * 4 if cols else 0)
 

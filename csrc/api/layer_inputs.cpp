@@ -47,7 +47,7 @@ Tensor splits_input(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& 
               "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
   TORCH_CHECK(m_splits.numel() == E, "moegemm: len(m_splits) must equal the number of experts ", num(E), ", got ",
               num(m_splits.numel()));
-  TORCH_CHECK(col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - 15 * E), "] for ", num(E),
+  TORCH_CHECK(col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - (kColAlign - 1) * int64_t(E)), "] for ", num(E),
               " experts (int32 plan), got ", num(T));
   return aligned(m_splits);
 }

@@ -112,7 +112,7 @@ Tensor make_plan_op(const Tensor& m_splits, int64_t T) {
               "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
   check_num_experts(m_splits.numel(), "len(m_splits) (the number of experts)");
   const int E = static_cast<int>(m_splits.numel());
-  TORCH_CHECK(T >= 0 && col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - 15 * E),
+  TORCH_CHECK(T >= 0 && col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - (kColAlign - 1) * int64_t(E)),
               "] for ", num(E), " experts (int32 plan), got ", num(T));
   c10::DeviceGuard guard(m_splits.device());
   return run_make_plan(m_splits, T);

@@ -59,8 +59,8 @@ struct RaggedReductionTiling {
 constexpr RaggedReductionTiling kRaggedReductionTilings[] = {{128}, {256}};
 constexpr int kNumRaggedReductionTilings = sizeof(kRaggedReductionTilings) / sizeof(kRaggedReductionTilings[0]);
 
-// The tokens a ragged reduction covers, from the width of its column copies (col_capacity: T + 15 E
-// rounded up to 16; the counts themselves stay on the device).
+// The tokens a ragged reduction covers, from the width of its column copies (col_capacity: T + 31 E
+// rounded up to 32; the counts themselves stay on the device).
 inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int64_t>(0, p.cols - (kColAlign - 1) * int64_t(p.E)); }
 
 // Tokens per expert below which an fp32 accumulation is short: moving the gradient in and out is its

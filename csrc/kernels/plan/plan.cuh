@@ -13,7 +13,7 @@ __host__ __device__ inline PlanLimits token_limit(int64_t T) { return {T, kNoLim
 
 // Block-wide: every thread of the block calls it, before any early return. True when `plan` has the
 // structure make_plan writes (offsets from 0; per expert a non-negative token count, its columns rounded
-// up to 16, its 128-token blocks) and keeps within `limits`, so that every offset it yields lies inside
+// up to kColAlign, its 128-token blocks) and keeps within `limits`, so that every offset it yields lies inside
 // the caller's buffers. Callers treat a plan that does not fit (made for more tokens, or not by
 // make_plan: only a raw op can be handed one) as the plan of no tokens, so such input gives zeros and
 // never an out-of-bounds access.

@@ -520,8 +520,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         }
         async_copy::sync_threads(1, kThreads);  // barrier C
 
-        // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to 16 (zeros past nr).
-        const int chunks = kWhole ? kBlock / kColAlign : (tile.nr + kColAlign - 1) / kColAlign;
+        // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to kColAlign (zeros past nr).
+        const int chunks = kWhole ? kBlock / 16 : (tile.nr + kColAlign - 1) / kColAlign * (kColAlign / 16);
 #pragma unroll
         for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
           const int idx = it * kThreads + threadIdx.x;
@@ -968,11 +968,11 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     __syncthreads();
     // ... and out with 16-byte stores, 8 lanes per column line: thread t writes chunk t % 8 of columns
     // t / 8 + 32 i (the column tile's swizzle folded: chunk ^ (cc / 16), word pairs swapped when cc / 8 is
-    // odd), the tokens rounded up to 16 (zeros past nr).
+    // odd), the tokens rounded up to kColAlign (zeros past nr).
     {
       const int chunk = tid % 8, c0 = tid / 8;
       const bool swap = (c0 / 8) % 2;
-      const int chunks = kWhole ? kBlock / kColAlign : (nr + kColAlign - 1) / kColAlign;
+      const int chunks = kWhole ? kBlock / 16 : (nr + kColAlign - 1) / kColAlign * (kColAlign / 16);
       uint8_t* dst = qT + (k0 + c0) * col_cap + qt_col + chunk * 16;
 #pragma unroll
       for (int it = 0; it < kBlock / 32; ++it) {

@@ -7,8 +7,10 @@ DeepGEMM's public Python API, written the way its users must write it on Hopper 
   total sizes the buffers;
 - the tokens are gathered once into a zero-padded buffer, the whole MLP runs in that layout (the router
   probs of the padding rows are 0) and the outputs are gathered back;
-- quantization in torch ops (bench/peers/deepgemm.py's quantizers, E4M3 with amax/448 scales):
-  activations in 1x128 blocks, their scales handed over in the MN-major layout DeepGEMM's kernels read;
+- quantization in torch ops (bench/peers/deepgemm.py's quantizers, E4M3 with amax/448 scales), each
+  quantizer and the SwiGLU forward and backward under ``torch.compile`` on the GPU (inductor fuses their
+  elementwise ops and reductions into a few kernels, as a user who wants DeepGEMM's speed writes the work
+  around it; in eager torch ops it took ~70 % of the peer's step on the H200): activations in 1x128 blocks, their scales handed over in the MN-major layout DeepGEMM's kernels read;
   weights in 128x128 blocks inside every call (``deepgemm_fp8``), or once per change of the weights
   (``deepgemm_fp8_wcache``: the cache a user writes to quantize once per optimizer step, keyed on the
   weights' version counters);
@@ -21,7 +23,8 @@ DeepGEMM's public Python API, written the way its users must write it on Hopper 
   indexed copy, not a copy per expert), accumulated in fp32 into
   ``weight.main_grad`` when the weight has one (Megatron's gradient-accumulation fusion), else into zeros
   returned in the weight's dtype;
-- the SwiGLU backward and dprobs in torch ops, in bf16 as autograd would run them (dprobs summed in fp32).
+- the SwiGLU backward and dprobs in torch ops, in bf16 as autograd would run them (dprobs summed in fp32),
+  compiled as above.
 
 ``load`` builds DeepGEMM from the carried source tree (``.peers/DeepGEMM``, bench/peers/deepgemm.py) on its
 first use and needs the system libstdc++ preloaded; where it cannot run, it raises with the reason.
@@ -84,6 +87,20 @@ def _check_dims(H: int, F: int) -> None:
                              f"blocks), got {v}")
 
 
+_COMPILED: dict = {}  # function -> its torch.compile'd form
+
+
+def _fused(fn, *args):
+    """fn(*args): on a GPU under torch.compile (dynamic shapes: one graph for every point), on the CPU (the
+    tests' stand-in for DeepGEMM) eagerly."""
+    if not args[0].is_cuda:
+        return fn(*args)
+    compiled = _COMPILED.get(fn)
+    if compiled is None:
+        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return compiled(*args)
+
+
 # ------------------------------------------------------------------------------------------- layout
 class _Layout:
     """Where the tokens go in DeepGEMM's contiguous layout: expert e's rows start at a multiple of ALIGN and
@@ -119,7 +136,7 @@ class _FP8Weight:
     for, its transpose (dgrad: W^T's blocks are W's blocks transposed, bytes and scales alike)."""
 
     def __init__(self, w):
-        self.q, self.s = dgpeer.quantize_blocks(w.detach())
+        self.q, self.s = _fused(dgpeer.quantize_blocks, w.detach())
         self._t = None
 
     def t(self):
@@ -148,11 +165,18 @@ class _WeightCache:
 
 
 # ------------------------------------------------------------------------------------------- GEMMs
+def _rows_mn_major(t):
+    q, s = dgpeer.quantize_rows(t)
+    return q, s.t().contiguous().t()
+
+
 def _rows(t):
     """1x128-block FP8 of t [R, C], its scales [R, C/128] in the MN-major layout (strides (1, R)) that
     DeepGEMM's SM90 kernels read (R a multiple of 128, so TMA-aligned)."""
-    q, s = dgpeer.quantize_rows(t)
-    return q, s.t().contiguous().t()
+    q, s = _fused(_rows_mn_major, t)
+    if s.stride(0) != 1:  # the layout DeepGEMM reads, whatever strides the compiled graph gave
+        s = s.t().contiguous().t()
+    return q, s
 
 
 def _m_grouped(dg, a, w, lay):
@@ -167,8 +191,8 @@ def _m_grouped(dg, a, w, lay):
 def _k_grouped(dg, a, b, lay, out):
     """out[e] (fp32 [M, N]) += a_e^T b_e over expert e's padded rows of a [T_pad, M] and b [T_pad, N] (the
     padding rows are zeros)."""
-    qa, sa = dgpeer.quantize_cols(a)  # [T_pad, M], scales [T_pad/128, M]
-    qb, sb = dgpeer.quantize_cols(b)
+    qa, sa = _fused(dgpeer.quantize_cols, a)  # [T_pad, M], scales [T_pad/128, M]
+    qb, sb = _fused(dgpeer.quantize_cols, b)
     dg.k_grouped_fp8_gemm_nt_contiguous((dgpeer.k_major(qa, lay.padded), sa.t()), (dgpeer.k_major(qb, lay.padded), sb.t()),
                                         out, lay.padded, lay.ks, out)
 
@@ -187,6 +211,19 @@ def _weight_grad(dg, w, a, b, lay):
     return out.to(w.dtype)
 
 
+def _swiglu_backward(da, h, probs, F: int):
+    """From da = dL/d(silu(g) * u * p) and h = [g | u]: (dprobs [rows] fp32, dh = [dg | du], the activation
+    a = silu(g) * u * p that fc2 read, for its wgrad), in h's dtype as autograd runs them."""
+    g, u = h[:, :F], h[:, F:]
+    s = F_.silu(g)
+    act = s * u
+    pb = probs.to(h.dtype).unsqueeze(1)
+    dprobs = (da * act).sum(1, dtype=torch.float32)
+    dact = da * pb
+    dh = torch.cat([torch.ops.aten.silu_backward(dact * u, g), dact * s], 1)
+    return dprobs, dh, act * pb
+
+
 class _ExpertMLP(torch.autograd.Function):
     """y = fc2(silu(gate) * up * probs) with fc1 = x W1[e]^T, fc2 = a W2[e]^T, on DeepGEMM's grouped GEMMs."""
 
@@ -197,7 +234,7 @@ class _ExpertMLP(torch.autograd.Function):
         x_pad, p_pad = lay.pad(x), lay.pad(probs)
         fc1, fc2 = cache.get(w1, w2)
         h = _m_grouped(dg, x_pad, (fc1.q, fc1.s), lay)
-        y = lay.unpad(_m_grouped(dg, swiglu_probs(h, p_pad, F), (fc2.q, fc2.s), lay))
+        y = lay.unpad(_m_grouped(dg, _fused(swiglu_probs, h, p_pad, F), (fc2.q, fc2.s), lay))
         ctx.save_for_backward(x_pad, h, p_pad)
         ctx.lay, ctx.dg, ctx.fp8, ctx.weights, ctx.F, ctx.probs_dtype = lay, dg, (fc1, fc2), (w1, w2), F, probs.dtype
         return y
@@ -209,18 +246,12 @@ class _ExpertMLP(torch.autograd.Function):
         need_x, need_p, need_w1, need_w2 = ctx.needs_input_grad[:4]
         dy_pad = lay.pad(dy.contiguous())
         da = _m_grouped(dg, dy_pad, fc2.t(), lay)  # dgrad of fc2: dy W2[e]
-        g, u = h[:, :F], h[:, F:]
-        s = F_.silu(g)
-        act = s * u
-        pb = p_pad.to(h.dtype).unsqueeze(1)
-        dprobs = lay.unpad((da * act).sum(1, dtype=torch.float32)).to(ctx.probs_dtype) if need_p else None
-        dact = da * pb
+        dprobs, dh, a = _fused(_swiglu_backward, da, h, p_pad, F)
         del da
-        dh = torch.cat([torch.ops.aten.silu_backward(dact * u, g), dact * s], 1)
-        del dact, s, g, u
+        dprobs = lay.unpad(dprobs).to(ctx.probs_dtype) if need_p else None
         dx = lay.unpad(_m_grouped(dg, dh, fc1.t(), lay)) if need_x else None  # dgrad of fc1: dh W1[e]
-        dw2 = _weight_grad(dg, w2, dy_pad, act * pb, lay) if need_w2 else None
-        del act
+        dw2 = _weight_grad(dg, w2, dy_pad, a, lay) if need_w2 else None
+        del a
         dw1 = _weight_grad(dg, w1, dh, x_pad, lay) if need_w1 else None
         return dx, dprobs, dw1, dw2, None, None, None
 

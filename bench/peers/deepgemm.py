@@ -216,17 +216,20 @@ def fprop(dg, xq, sx, wq, sw, counts):
     return (lambda: gemm((xq, sx), (wq, sw), out, m_indices)), out
 
 
-def k_major(q, counts):
+def k_major(q, counts, device_counts=None):
     """q [T, C] token-major (FP8, each group's rows a multiple of 128, groups of ``counts`` rows one after
     another) -> each group's rows transposed, [C, k_e], one group after another, flat: the K-major operand
     of the k-grouped GEMM on SM90. Two copies: every 128-token tile transposed ([128, C] -> [C, 128]),
     then the 128-byte chunks in their places: chunk b (of n) of group e's column c goes to chunk
-    first_e * C + c * n + b."""
+    first_e * C + c * n + b. ``device_counts``: the counts already on q's device (else copied there: a
+    host-to-device copy from pageable memory, which waits for the stream)."""
     import torch
 
     T, C = q.shape
     nt, dev = T // 128, q.device
-    per_group = torch.tensor([k // 128 for k in counts], device=dev)
+    if device_counts is None:
+        device_counts = torch.tensor(counts, device=dev)
+    per_group = device_counts.to(torch.int64) // 128
     first = torch.cumsum(per_group, 0) - per_group
     group = torch.repeat_interleave(torch.arange(len(counts), device=dev), per_group, output_size=nt)
     first, n = first[group], per_group[group]

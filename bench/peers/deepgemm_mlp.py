@@ -2,7 +2,8 @@
 the MLP every peer computes (fc1 -> silu(gate) * up * probs -> fc2, forward and backward) composed from
 DeepGEMM's public Python API, written the way its users must write it on Hopper (SM90):
 
-- ``m_splits`` is read on the host (``.tolist()``, a sync inside every call): DeepGEMM's wgrad takes host
+- ``m_splits`` is read on the host (``.tolist()``, the one sync of every call; everything else that the
+  host sizes shape is derived on the device from the same counts): DeepGEMM's wgrad takes host
   sizes, and every expert's rows are padded to a multiple of 128 (its contiguous layout), so the padded
   total sizes the buffers;
 - the tokens are gathered once into a zero-padded buffer, the whole MLP runs in that layout (the router
@@ -193,7 +194,7 @@ def _k_grouped(dg, a, b, lay, out):
     padding rows are zeros)."""
     qa, sa = _fused(dgpeer.quantize_cols, a)  # [T_pad, M], scales [T_pad/128, M]
     qb, sb = _fused(dgpeer.quantize_cols, b)
-    dg.k_grouped_fp8_gemm_nt_contiguous((dgpeer.k_major(qa, lay.padded), sa.t()), (dgpeer.k_major(qb, lay.padded), sb.t()),
+    dg.k_grouped_fp8_gemm_nt_contiguous((dgpeer.k_major(qa, lay.padded, lay.ks), sa.t()), (dgpeer.k_major(qb, lay.padded, lay.ks), sb.t()),
                                         out, lay.padded, lay.ks, out)
 
 

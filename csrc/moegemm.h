@@ -13,6 +13,7 @@ namespace moegemm {
 
 constexpr int kBlock = 128;       // FP8 scaling block (1x128, 128x1, 128x128)
 constexpr int kColAlign = 32;     // per-expert token padding of the transposed activation copy (32-byte sectors)
+static_assert(kColAlign % 16 == 0 && kBlock % kColAlign == 0, "the quantizers store whole 16-byte chunks of a 128-token tile");
 constexpr int kDimAlign = 16;     // N and K of every GEMM (hidden, ffn): 16-byte FP8 rows, the quantizers' 16-wide vectors
 constexpr int kMaxExperts = 1024; // one thread per expert in the plan kernel
 constexpr int64_t kMaxPlanValue = 2147483647;  // plan entries are int32: T + 31*E (col_capacity) must fit

@@ -11,7 +11,8 @@ DeepGEMM's public Python API, written the way its users must write it on Hopper 
 - quantization in torch ops (bench/peers/deepgemm.py's quantizers, E4M3 with amax/448 scales), each
   quantizer and the SwiGLU forward and backward under ``torch.compile`` on the GPU (inductor fuses their
   elementwise ops and reductions into a few kernels, as a user who wants DeepGEMM's speed writes the work
-  around it; in eager torch ops it took ~70 % of the peer's step on the H200): activations in 1x128 blocks, their scales handed over in the MN-major layout DeepGEMM's kernels read;
+  around it; in eager torch ops it took ~70 % of the peer's step on the H200): activations in 1x128 blocks,
+  their scales handed over in the MN-major layout DeepGEMM's kernels read;
   weights in 128x128 blocks inside every call (``deepgemm_fp8``), or once per change of the weights
   (``deepgemm_fp8_wcache``: the cache a user writes to quantize once per optimizer step, keyed on the
   weights' version counters);

@@ -90,17 +90,19 @@ def _check_dims(H: int, F: int) -> None:
 
 
 _COMPILED: dict = {}  # function -> its torch.compile'd form
+_GRAPHS_PER_FUNCTION = 64  # shapes a compiled function may specialize for (a benchmark run meets ~20)
 
 
 def _fused(fn, *args):
-    """fn(*args): on a GPU under torch.compile (dynamic shapes: one graph for every point), on the CPU (the
-    tests' stand-in for DeepGEMM) eagerly."""
+    """fn(*args): on a GPU under torch.compile, specialized to each shape (kernels with static sizes), on the
+    CPU (the tests' stand-in for DeepGEMM) eagerly."""
     if not args[0].is_cuda:
         return fn(*args)
     compiled = _COMPILED.get(fn)
     if compiled is None:
-        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return compiled(*args)
+        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=_GRAPHS_PER_FUNCTION):
+        return compiled(*args)
 
 
 # ------------------------------------------------------------------------------------------- layout

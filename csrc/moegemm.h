@@ -31,6 +31,8 @@ constexpr int kRowScaleAlign = 4;
 constexpr int64_t row_scale_pitch(int64_t T) { return (T + kRowScaleAlign - 1) / kRowScaleAlign * kRowScaleAlign; }
 inline int64_t col_capacity(int64_t T, int64_t E) { return ceil_div(T + (kColAlign - 1) * E, kColAlign) * kColAlign; }
 inline int64_t block_capacity(int64_t T, int64_t E) { return (T + (kBlock - 1) * E) / kBlock; }
+// The most tokens a plan of E experts holds: col_capacity(T, E) <= kMaxPlanValue exactly when T <= max_plan_tokens(E).
+inline int64_t max_plan_tokens(int64_t E) { return kMaxPlanValue / kColAlign * kColAlign - (kColAlign - 1) * E; }
 
 // What a plan may address (the device-side check plan_fits, csrc/kernels/plan/plan.cuh): tok[E] <= tok,
 // col[E] <= col, blk[E] <= blk; kNoLimit where the caller's buffers set no bound of that kind.

@@ -18,7 +18,6 @@ COL_ALIGN = 32  # per-expert token padding of the transposed activation copy (kC
 DIM_ALIGN = 16  # N and K of every GEMM (hidden, ffn): 16-byte FP8 rows, the quantizers' 16-wide vectors (kDimAlign)
 MAX_EXPERTS = 1024  # the plan kernel runs one thread per expert (kMaxExperts)
 MAX_PLAN_VALUE = 2**31 - 1  # plan entries are int32: col_capacity(T, E) must fit (kMaxPlanValue)
-MAX_TOKENS = MAX_PLAN_VALUE - (COL_ALIGN - 1) * MAX_EXPERTS  # T that fits for every E
 PTR_ALIGN = 16  # data pointers the kernels read: TMA and 16-byte vector accesses (kPtrAlign)
 PLAN_ROWS = 3  # token starts, padded column starts, scale-block starts
 ROW_SCALE_ALIGN = 4  # the row scales' pitch: T rounded up to 4, 16-byte aligned K-block rows (kRowScaleAlign)
@@ -61,6 +60,14 @@ def empty_row_scales(T: int, Kb: int, device=None) -> torch.Tensor:
 def col_capacity(T: int, E: int) -> int:
     """Width of the transposed activation copy: Σ round_up(m_e, 32) ≤ T + 31·E, rounded up to 32."""
     return ceil_div(T + (COL_ALIGN - 1) * E, COL_ALIGN) * COL_ALIGN
+
+
+def max_plan_tokens(E: int) -> int:
+    """The most tokens a plan of E experts holds: col_capacity(T, E) <= MAX_PLAN_VALUE exactly when T <= this."""
+    return MAX_PLAN_VALUE // COL_ALIGN * COL_ALIGN - (COL_ALIGN - 1) * E
+
+
+MAX_TOKENS = max_plan_tokens(MAX_EXPERTS)  # T that fits for every E
 
 
 def block_capacity(T: int, E: int) -> int:

@@ -43,7 +43,16 @@ def test_constants_agree():
     assert c["kPtrAlign"] == layout.PTR_ALIGN
     assert c["kActBf16Cols"] == layout.ACT_BF16_COLS
     assert c["kRowScaleAlign"] == layout.ROW_SCALE_ALIGN
-    assert layout.MAX_TOKENS == c["kMaxPlanValue"] - (c["kColAlign"] - 1) * c["kMaxExperts"]
+    assert layout.MAX_TOKENS == layout.max_plan_tokens(c["kMaxExperts"])
+
+
+def test_max_plan_tokens_agrees_and_is_exact():
+    body = re.search(r"inline int64_t max_plan_tokens\(int64_t E\) \{ return ([^;]+); \}", HEADER).group(1)
+    cpp = lambda E: eval(body.replace("/", "//"), {}, {**constants(HEADER), "E": E})  # noqa: E731, S307
+    for E in (1, 2, 7, 64, 1024):
+        T = layout.max_plan_tokens(E)
+        assert cpp(E) == T, E
+        assert layout.col_capacity(T, E) <= layout.MAX_PLAN_VALUE < layout.col_capacity(T + 1, E), E
 
 
 def test_enums_agree():

@@ -88,6 +88,17 @@ void check_num_experts(int64_t E, const char* what, const char* what_more) {
   TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moegemm: ", what, what_more, " must be in [1, ", num(kMaxExperts), "], got ", num(E));
 }
 
+void check_splits(const Tensor& m_splits, const Tensor& like) {
+  check_placement(m_splits, "m_splits", 1, like);
+  TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
+              "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
+}
+
+void check_plan_tokens(int64_t T, int64_t E) {
+  TORCH_CHECK(T >= 0 && T <= max_plan_tokens(E), "moegemm: T must be in [0, ", num(max_plan_tokens(E)), "] for ", num(E),
+              " experts (int32 plan), got ", num(T));
+}
+
 void check_weight_shape(const Tensor& w, const char* name) {
   check_num_experts(w.size(0), name, ".shape[0] (experts)");
   check_dim_aligned(w.size(1), name, ".shape[1] (N)");

@@ -55,6 +55,10 @@ int num_experts(const Tensor& plan);
 // the value in errors (the message is built only on failure).
 void check_dim_aligned(int64_t v, const char* what, const char* what_more = "");
 void check_num_experts(int64_t E, const char* what, const char* what_more = "");
+// m_splits as the ops take it: a 1-d int32 or int64 tensor on like's device.
+void check_splits(const Tensor& m_splits, const Tensor& like);
+// T tokens fit a plan of E experts (int32 entries): 0 <= T <= max_plan_tokens(E).
+void check_plan_tokens(int64_t T, int64_t E);
 // A weight [E, N, K] named `name` in errors: E in [1, kMaxExperts], N and K positive multiples of kDimAlign (the message
 // is built only on failure).
 void check_weight_shape(const Tensor& w, const char* name);

@@ -42,13 +42,10 @@ Tensor probs_fp32(const std::optional<Tensor>& probs, int64_t T, const Tensor& l
 }
 
 Tensor splits_input(const Tensor& m_splits, int64_t E, int64_t T, const Tensor& like) {
-  check_placement(m_splits, "m_splits", 1, like);
-  TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
-              "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
+  check_splits(m_splits, like);
   TORCH_CHECK(m_splits.numel() == E, "moegemm: len(m_splits) must equal the number of experts ", num(E), ", got ",
               num(m_splits.numel()));
-  TORCH_CHECK(col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - (kColAlign - 1) * int64_t(E)), "] for ", num(E),
-              " experts (int32 plan), got ", num(T));
+  check_plan_tokens(T, E);
   return aligned(m_splits);
 }
 

@@ -107,13 +107,10 @@ Tensor new_wgrad_for(const Tensor& plan, int64_t N, int64_t K, at::ScalarType dt
 }  // namespace
 
 Tensor make_plan_op(const Tensor& m_splits, int64_t T) {
-  check_placement(m_splits, "m_splits", 1, m_splits);
-  TORCH_CHECK(m_splits.scalar_type() == at::kInt || m_splits.scalar_type() == at::kLong,
-              "moegemm: m_splits must be int32 or int64, got ", c10::toString(m_splits.scalar_type()));
+  check_splits(m_splits, m_splits);
   check_num_experts(m_splits.numel(), "len(m_splits) (the number of experts)");
   const int E = static_cast<int>(m_splits.numel());
-  TORCH_CHECK(T >= 0 && col_capacity(T, E) <= kMaxPlanValue, "moegemm: T must be in [0, ", num(kMaxPlanValue - (kColAlign - 1) * int64_t(E)),
-              "] for ", num(E), " experts (int32 plan), got ", num(T));
+  check_plan_tokens(T, E);
   c10::DeviceGuard guard(m_splits.device());
   return run_make_plan(m_splits, T);
 }

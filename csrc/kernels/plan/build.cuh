@@ -15,7 +15,7 @@ namespace moegemm {
 // The host-side requirements of a plan (csrc/moegemm.h make_plan), thrown before anything is launched.
 inline void check_plan_size(int E, int64_t T, const char* what) {
   if (E < 1 || E > kMaxExperts) throw std::runtime_error(std::string("moegemm: ") + what + ": E out of range");
-  if (T < 0 || col_capacity(T, E) > kMaxPlanValue) throw std::runtime_error(std::string("moegemm: ") + what + ": T out of range");
+  if (T < 0 || T > max_plan_tokens(E)) throw std::runtime_error(std::string("moegemm: ") + what + ": T out of range");
 }
 
 // One expert's entries of the plan: tokens [tok0, tok1), padded columns from col0 to col1, 128-token blocks

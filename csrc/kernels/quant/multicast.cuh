@@ -45,6 +45,10 @@ constexpr int kWarps = 16;                       // one CTA per SM
 constexpr int kThreads = kWarps * 32;            // 512
 constexpr int kVec = 8;                          // values per lane: columns 8 hl .. 8 hl + 7 of a row
 constexpr int kLanesPerRow = kBlock / kVec;      // 16: a half-warp covers a 128-column row block
+
+// The 16-byte chunks of a column line that a tile of nr tokens stores: its tokens rounded up to kColAlign (the
+// chunks past nr hold zeros).
+__device__ __forceinline__ int column_chunks(int nr) { return (nr + kColAlign - 1) / kColAlign * (kColAlign / 16); }
 constexpr int kRows = 4;                         // rows per thread: group g = 2 warp + half owns 4g .. 4g + 3
 constexpr int kMaxStages = 8;
 constexpr int kSharedBytes = 227 * 1024;         // an sm_90 CTA's shared memory (all of it dynamic here)
@@ -521,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         async_copy::sync_threads(1, kThreads);  // barrier C
 
         // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to kColAlign (zeros past nr).
-        const int chunks = kWhole ? kBlock / 16 : (tile.nr + kColAlign - 1) / kColAlign * (kColAlign / 16);
+        const int chunks = kWhole ? kBlock / 16 : column_chunks(tile.nr);
 #pragma unroll
         for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
           const int idx = it * kThreads + threadIdx.x;
@@ -972,7 +976,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     {
       const int chunk = tid % 8, c0 = tid / 8;
       const bool swap = (c0 / 8) % 2;
-      const int chunks = kWhole ? kBlock / 16 : (nr + kColAlign - 1) / kColAlign * (kColAlign / 16);
+      const int chunks = kWhole ? kBlock / 16 : column_chunks(nr);
       uint8_t* dst = qT + (k0 + c0) * col_cap + qt_col + chunk * 16;
 #pragma unroll
       for (int it = 0; it < kBlock / 32; ++it) {

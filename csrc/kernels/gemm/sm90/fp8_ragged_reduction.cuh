@@ -29,8 +29,9 @@
 //   through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
 //   written or added into the output (Megatron's main_grad): when all of the warpgroup's columns fit in
 //   its buffers, its current values are loaded into them by TMA as the tile starts and added in registers,
-//   else TMA's reduce-add adds in L2. bf16 is written. A 3-D tensor map over [E, N, K] clips rows past N
-//   and columns past K. The last stores overlap the next tile's main loop.
+//   else TMA's reduce-add adds in L2 (the values prefetched into L2 a few boxes before the main loop ends).
+//   bf16 is written. A 3-D tensor map over [E, N, K] clips rows past N and columns past K. The last stores
+//   overlap the next tile's main loop.
 // - A plan that does not fit the column copy (plan_fits) is taken as the plan of no tokens.
 #pragma once
 
@@ -84,6 +85,12 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // values are loaded into them by TMA when the tile starts (behind its main loop), added in registers and
   // stored with a plain TMA store (faster than the reduce-add, which adds in L2); else the reduce-add.
   static constexpr bool kLoadC = kOut == WgradOut::kF32Accumulate && kSlabBuffers * kSlabCols >= kBlockN;
+  // Else (the reduce-add) the tile's gradient values are prefetched into L2 this many 128-token boxes before
+  // the end of its main loop, so that the reduce-adds find them there instead of reading DRAM behind the
+  // epilogue: 3 was the best of the tile's start, half-way and 3 or 6 boxes before its end (+1 to +8 % on
+  // the wgrad table's fp32 rows at 256 columns, bench/NOTES.md).
+  static constexpr int kPrefetchBoxesAhead = 3;
+  static constexpr bool kPrefetchC = kOut == WgradOut::kF32Accumulate && !kLoadC;
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
@@ -345,6 +352,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
         }
       }
 
+      // the K block at which this warpgroup's gradient values are prefetched into L2 (kPrefetchC)
+      const int k_prefetch = max(0, (m - 1) / kBlock - Cfg::kPrefetchBoxesAhead) * kBlock;
+
 #pragma unroll
       for (int h = 0; h < Cfg::kParts; ++h)
 #pragma unroll
@@ -354,6 +364,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
         const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
         if (!full_next) Barrier::wait(&full[stage], phase);
         full_next = false;
+        if constexpr (Cfg::kPrefetchC) {
+          if (k0 == k_prefetch && row0 < N && tid == 0) {
+#pragma unroll
+            for (int c = 0; c < Cfg::kBlockN / Cfg::kSlabCols; ++c)
+              if (n0 + c * Cfg::kSlabCols < K) cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&p.d, n0 + c * Cfg::kSlabCols, row0, t.expert);
+          }
+        }
         // The expert's last box: its 32-token wgmma steps past the expert's tokens are skipped, and the bytes
         // past them in its last step (another expert's tokens, or padding) are set to zero in both operands.
         int ksteps = kBlock / 32;

@@ -93,7 +93,7 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static constexpr bool kPrefetchC = kOut == WgradOut::kF32Accumulate && !kLoadC;
   // The two math warpgroups take turns at issuing their wgmma chains (each chain issued after the other's
   // last one: two named barriers), so that one promotes while the other's chain runs. With fp32 accumulation
-  // +2 to +12 % on the wgrad table's 256-column rows (H200, same run; DeepGEMM's 8x2048 M=28672 643 -> 722
+  // 0 to +12 % on the wgrad table's 256-column rows (H200, same run; DeepGEMM's 8x2048 M=28672 643 -> 722
   // TFLOP/s, Mixtral-8x7B fc1 665 -> 731), unchanged at 128 columns; with bf16 output 1-5 % slower: not there.
   static constexpr bool kPingPong = kOut == WgradOut::kF32Accumulate;
 

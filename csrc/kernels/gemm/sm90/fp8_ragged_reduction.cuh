@@ -91,8 +91,9 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // the wgrad table's fp32 rows at 256 columns, bench/NOTES.md).
   static constexpr int kPrefetchBoxesAhead = 3;
   static constexpr bool kPrefetchC = kOut == WgradOut::kF32Accumulate && !kLoadC;
-  // The two math warpgroups take turns at issuing their wgmma chains (each chain issued after the other's
-  // last one: two named barriers), so that one promotes while the other's chain runs. With fp32 accumulation
+  // The two math warpgroups take turns at issuing their wgmma chains (each chain issued once the other
+  // warpgroup has issued its previous one: two named barriers), so that one promotes while the other's chain
+  // runs (waiting for the other's chain to complete instead was slower, bench/NOTES.md). With fp32 accumulation
   // 0 to +12 % on the wgrad table's 256-column rows (H200, same run; DeepGEMM's 8x2048 M=28672 643 -> 722
   // TFLOP/s, Mixtral-8x7B fc1 665 -> 731), unchanged at 128 columns; with bf16 output 1-5 % slower: not there.
   static constexpr bool kPingPong = kOut == WgradOut::kF32Accumulate;

@@ -337,8 +337,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     asm volatile("" : "+r"(sb_col));  // likewise (it was an S2R of %tid on the way to every block's first wgmma)
     const float2* smem_sb_cols = reinterpret_cast<const float2*>(smem_sb) + sb_col;
 
-    // kPingPong: warpgroup w waits on named barrier kTurnBarrier + w for its turn; warpgroup 0 issues first
-    constexpr int kTurnBarrier = 3;  // 0, 1: each warpgroup's epilogue; 2: both, around the zeroing of a last box
+    // named barriers: kEpilogueBarrier + w for warpgroup w's epilogue, kZeroBarrier for both around the zeroing
+    // of a last box, kTurnBarrier + w for warpgroup w's turn to issue (kPingPong; warpgroup 0 issues first)
+    constexpr int kEpilogueBarrier = 0, kZeroBarrier = 2, kTurnBarrier = 3;
     if (Cfg::kPingPong && warpgroup == 1) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier);
     Walk next = walk(blockIdx.x, tok);
     for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
@@ -390,7 +391,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
             detail::zero_past<Cfg::kBlockM, Cfg::kBlockN, 256>(smem_a + stage * Cfg::kBytesA, smem_b + stage * Cfg::kBytesB, keep,
                                                                32 * ksteps, warpgroup * 128 + tid);
             cutlass::arch::fence_view_async_shared();
-            cutlass::arch::NamedBarrier::sync(256, 2);
+            cutlass::arch::NamedBarrier::sync(256, kZeroBarrier);
           }
         }
         const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
@@ -463,7 +464,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
           } else {
             buf = smem_d_wg + (slab++ % Cfg::kSlabBuffers) * Cfg::kSlabBytes;
             if (tid == 0) cute::tma_store_wait<Cfg::kSlabBuffers - 1>();  // the store that last read `buf` is done
-            cutlass::arch::NamedBarrier::sync(128, warpgroup);
+            cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);
           }
           constexpr int kChunks = Cfg::kSlabCols / 8;  // 8-column chunks per slab
 #pragma unroll
@@ -486,7 +487,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
             }
           }
           cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(128, warpgroup);
+          cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);
           if (tid == 0) {
             if constexpr (kAccumulate && !Cfg::kLoadC)
               cute::SM90_TMA_REDUCE_ADD_3D::copy(&p.d, buf, col0, row0, t.expert);

@@ -2,8 +2,8 @@
 // expert; tokens past the covered ones belong to no block and are left alone).
 //   add_bias:  y[t, :] += bias[e(t), :]                    one CTA per (block, 256 columns)
 //   bias_grad: db[e, :] = sum of dy[t, :] over e's tokens  two passes, fixed order, no atomics:
-//              partial[b, :] = sum of block b's rows, then db[e, :] = sum of e's partials in order,
-//              so the result is bitwise reproducible.
+//              partial[b, :] = sum of block b's rows (one CTA per (block, 256 columns)), then
+//              db[e, :] = sum of e's partials in order, so the result is bitwise reproducible.
 #include <cuda_bf16.h>
 
 #include "moegemm.h"
@@ -13,8 +13,15 @@
 namespace moegemm {
 namespace {
 
+// A CTA of 4 warps takes one 128-token block x 256 columns: each lane 8 columns (16 bytes of bf16), the warps
+// the block's rows w, w + 4, ... in turn, kRowsInFlight rows' loads issued before their first use, so that
+// each thread has 128 bytes in flight (one 4-byte value per thread at a time left the kernels at 50-70 % of
+// copy bandwidth, bench/NOTES.md). N is a multiple of 16, so 8 columns lie within N or past it.
 constexpr int kThreads = 128;
-constexpr int kCols = 2 * kThreads;  // two columns (one bf16x2) per thread; N is a multiple of 16
+constexpr int kWarps = kThreads / 32;
+constexpr int kColsPerLane = 8;
+constexpr int kCols = 32 * kColsPerLane;
+constexpr int kRowsInFlight = 8;
 
 struct BlockRows {
   int e;
@@ -31,43 +38,115 @@ __device__ __forceinline__ BlockRows block_rows(const int32_t* plan, int E, int6
   return {e, row0, row1};
 }
 
-__device__ __forceinline__ float2 load_bias(const float* bias, int64_t i) { return *reinterpret_cast<const float2*>(bias + i); }
-__device__ __forceinline__ float2 load_bias(const __nv_bfloat16* bias, int64_t i) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + i));
+// 8 bf16 values <-> fp32
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = __bfloat1622float2(h[i]);
+    f[2 * i] = v.x, f[2 * i + 1] = v.y;
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return u;
+}
+
+__device__ __forceinline__ void load_bias(const float* bias, int64_t i, float* f) {
+  const float4 lo = *reinterpret_cast<const float4*>(bias + i), hi = *reinterpret_cast<const float4*>(bias + i + 4);
+  f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+}
+__device__ __forceinline__ void load_bias(const __nv_bfloat16* bias, int64_t i, float* f) {
+  unpack8(*reinterpret_cast<const uint4*>(bias + i), f);
+}
+
+// The CTA's block and this lane's columns; false (after the plan check, which every thread takes part in)
+// when there is nothing to do.
+__device__ __forceinline__ bool block_cols(const int32_t* plan, int E, int64_t T, int64_t N, BlockRows& r, int64_t& n) {
+  const int64_t b = blockIdx.x;
+  n = (int64_t(blockIdx.y) * 32 + threadIdx.x % 32) * kColsPerLane;
+  if (!plan_fits(plan, E, token_limit(T)) || b >= plan[2 * (E + 1) + E] || n >= N) return false;  // foreign plan: no tokens
+  r = block_rows(plan, E, b);
+  return true;
 }
 
 template <class Bias>
 __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, const Bias* bias, const int32_t* plan, int E,
                                                             int64_t T, int64_t N) {
-  const int64_t b = blockIdx.x, n = (int64_t(blockIdx.y) * kThreads + threadIdx.x) * 2;
-  if (!plan_fits(plan, E, token_limit(T)) || b >= plan[2 * (E + 1) + E] || n >= N) return;  // foreign plan: no tokens
-  const BlockRows r = block_rows(plan, E, b);
-  const float2 bv = load_bias(bias, r.e * N + n);
-  for (int64_t t = r.row0; t < r.row1; ++t) {
-    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(y + t * N + n);
-    const float2 v = __bfloat1622float2(*p);
-    *p = __floats2bfloat162_rn(v.x + bv.x, v.y + bv.y);
+  BlockRows r;
+  int64_t n;
+  if (!block_cols(plan, E, T, N, r, n)) return;
+  float bv[kColsPerLane];
+  load_bias(bias, r.e * N + n, bv);
+  for (int64_t t0 = r.row0 + threadIdx.x / 32; t0 < r.row1; t0 += kWarps * kRowsInFlight) {
+    uint4 v[kRowsInFlight];
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i)
+      if (t0 + kWarps * i < r.row1) v[i] = *reinterpret_cast<const uint4*>(y + (t0 + kWarps * i) * N + n);
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      if (t0 + kWarps * i >= r.row1) break;
+      float f[kColsPerLane];
+      unpack8(v[i], f);
+#pragma unroll
+      for (int j = 0; j < kColsPerLane; ++j) f[j] += bv[j];
+      *reinterpret_cast<uint4*>(y + (t0 + kWarps * i) * N + n) = pack8(f);
+    }
   }
 }
 
+// partial[b, n] = the sum of block b's rows of dy: each warp sums its rows in order, then the warps' sums are
+// added in warp order (a fixed order: bitwise reproducible). (16 rows in flight, or 16 columns per lane, were
+// no faster: bench/NOTES.md.)
 __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat16* dy, const int32_t* plan, int E,
                                                               int64_t T, int64_t N, float* partial) {
-  const int64_t b = blockIdx.x, n = (int64_t(blockIdx.y) * kThreads + threadIdx.x) * 2;
-  if (!plan_fits(plan, E, token_limit(T)) || b >= plan[2 * (E + 1) + E] || n >= N) return;
-  const BlockRows r = block_rows(plan, E, b);
-  float2 acc = make_float2(0.f, 0.f);
-  for (int64_t t = r.row0; t < r.row1; ++t) {
-    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dy + t * N + n));
-    acc.x += v.x;
-    acc.y += v.y;
+  __shared__ float4 sums[kWarps - 1][32][kColsPerLane / 4];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  BlockRows r;
+  int64_t n;
+  const bool work = block_cols(plan, E, T, N, r, n);  // the same across the CTA but for n
+  float acc[kColsPerLane] = {};
+  if (work) {
+    for (int64_t t0 = r.row0 + warp; t0 < r.row1; t0 += kWarps * kRowsInFlight) {
+      uint4 v[kRowsInFlight];
+#pragma unroll
+      for (int i = 0; i < kRowsInFlight; ++i)
+        if (t0 + kWarps * i < r.row1) v[i] = __ldg(reinterpret_cast<const uint4*>(dy + (t0 + kWarps * i) * N + n));
+#pragma unroll
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        if (t0 + kWarps * i >= r.row1) break;
+        float f[kColsPerLane];
+        unpack8(v[i], f);
+#pragma unroll
+        for (int j = 0; j < kColsPerLane; ++j) acc[j] += f[j];
+      }
+    }
   }
-  *reinterpret_cast<float2*>(partial + b * N + n) = acc;
+  if (warp > 0) {
+    sums[warp - 1][lane][0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    sums[warp - 1][lane][1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  }
+  __syncthreads();
+  if (warp > 0 || !work) return;
+#pragma unroll
+  for (int w = 0; w < kWarps - 1; ++w) {
+    const float4 lo = sums[w][lane][0], hi = sums[w][lane][1];
+    acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w, acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
+  }
+  float4* out = reinterpret_cast<float4*>(partial + int64_t(blockIdx.x) * N + n);
+  out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
 }
 
-__global__ void __launch_bounds__(kThreads) expert_sums_kernel(const float* partial, const int32_t* plan, int E, int64_t T,
-                                                               int64_t N, float* db) {
+constexpr int kSumThreads = 128;  // expert_sums_kernel: two columns per thread
+
+__global__ void __launch_bounds__(kSumThreads) expert_sums_kernel(const float* partial, const int32_t* plan, int E, int64_t T,
+                                                                  int64_t N, float* db) {
   const int e = blockIdx.y;
-  const int64_t n = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 2;
+  const int64_t n = (int64_t(blockIdx.x) * kSumThreads + threadIdx.x) * 2;
   const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: no tokens, zeros
   if (n >= N) return;
   const int32_t* blk = plan + 2 * (E + 1);
@@ -120,7 +199,8 @@ void bias_grad(const void* dy_bf16, const int32_t* plan, int E, int64_t T, int64
                                                                     T, N, partial);
     check_launch("bias_grad block sums");
   }
-  expert_sums_kernel<<<dim3(static_cast<unsigned>(ceil_div(N, kCols)), E), kThreads, 0, stream>>>(partial, plan, E, T, N, db);
+  expert_sums_kernel<<<dim3(static_cast<unsigned>(ceil_div(N, 2 * kSumThreads)), E), kSumThreads, 0, stream>>>(partial, plan, E, T,
+                                                                                                         N, db);
   check_launch("bias_grad expert sums");
 }
 

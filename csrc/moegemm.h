@@ -177,11 +177,18 @@ struct RaggedReduction {
   WgradOut out_kind;
 };
 
+// A per-expert bias [E, N] (fp32 or bf16; none when data is null), added to a ragged-row GEMM's fp32 result
+// before it is rounded to bf16: out[t] = a_t qb[e]^T + bias[e].
+struct ExpertBias {
+  const void* data = nullptr;
+  bool f32 = false;
+};
+
 // The FP8 ragged-row GEMM (fprop, dgrad) runs on moegemm's own persistent sm90 kernel
 // (csrc/kernels/gemm/sm90/) with the tiling heuristics.h picks (tiling < 0) or the one at that index of its
 // table (kRaggedRowsTilings). No workspace.
 int num_ragged_rows_tilings();  // the size of that table
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, int tiling, cudaStream_t stream);
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, int tiling, cudaStream_t stream, ExpertBias bias = {});
 // The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
 // moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.
 enum class GemmKernel : int { kDefault = 0, kCutlass = 1, kSm90 = 2 };

@@ -179,12 +179,15 @@ def dequantize_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs
-def _ragged_m(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, out_dtype) -> torch.Tensor:
-    """``out[t] = a[t] @ b[e(t)]ᵀ`` in float64; a ``[T, K]``, b ``[E, N, K]``; uncovered rows are zeros."""
+def _ragged_m(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, out_dtype, bias=None) -> torch.Tensor:
+    """``out[t] = a[t] @ b[e(t)]ᵀ (+ bias[e(t)])`` in float64, rounded once; a ``[T, K]``, b ``[E, N, K]``;
+    uncovered rows are zeros."""
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
     for e, (start, m, _, _) in enumerate(_segments(plan)):
         if m:
             out[start: start + m] = a[start: start + m] @ b[e].t()
+            if bias is not None:
+                out[start: start + m] += bias[e].double()
     return out.to(out_dtype)
 
 
@@ -200,6 +203,12 @@ def _ragged_k(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, E: int) -> t
 def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     """fprop (b = W) and dgrad (b = Wᵀ copy): row-quantized a times per-expert block-quantized b."""
     return _ragged_m(dequantize_rows(qa, sa), dequantize_weight(qb, sb), plan, out_dtype)
+
+
+def gemm_fp8_fprop(qa, sa, qb, sb, plan, out_dtype, bias):
+    """A layer's FP8 forward GEMM: ``gemm_fp8_ragged_m`` plus the per-expert ``bias`` [E, N] (or None), added
+    before the one rounding to ``out_dtype``, as the CUDA kernel's epilogue adds it."""
+    return _ragged_m(dequantize_rows(qa, sa), dequantize_weight(qb, sb), plan, out_dtype, bias)
 
 
 def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None, out_dtype=torch.float32):

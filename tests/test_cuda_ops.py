@@ -282,6 +282,30 @@ def test_bf16_gemms_match_reference(E, K, N):
         assert rel(acc - acc0, dw_ref) <= 2e-3, name
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [144, 400, 1408])
+def test_fp8_forward_bias_added_in_the_gemm(bias_dtype, N, monkeypatch):
+    """fp8_blockwise adds the bias in the GEMM's epilogue, to the fp32 result before its one rounding
+    (docs/design.md), on each expert's rows and inside N only: against the reference backend, with a bias
+    far larger than x·Wᵀ so that a bias on the wrong rows or columns shows; rows past the covered tokens
+    stay zero. Partial tiles (1, 17, 129 rows), empty experts, N past a tile's width."""
+    E, K, T = 6, 256, 480
+    splits = [0, 1, 17, 129, 300, 0]  # 447 covered tokens
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn(T, K, device=DEV, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(E, N, K, device=DEV, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = (torch.randn(E, N, device=DEV, generator=gen) * 20).to(bias_dtype)
+    m = torch.tensor(splits, device=DEV)
+    got = moegemm.grouped_linear(x, w, m, bias)
+    no_bias = moegemm.grouped_linear(x, w, m)
+    monkeypatch.setattr(moegemm.backends, "FORCE_REFERENCE", True)
+    expected = moegemm.grouped_linear(x, w, m, bias)
+    covered = sum(splits)
+    assert (got[covered:] == 0).all()
+    assert rel(got[:covered], expected[:covered]) <= 2e-3
+    assert rel(got[:covered].float() - no_bias[:covered].float(), expected[:covered].float() - no_bias[:covered].float()) <= 2e-2
+
+
 # ----------------------------------------------------------------------------------------- whole op
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "bf16"])
 def test_grouped_linear_cuda_matches_reference_backend(recipe, monkeypatch):

@@ -74,7 +74,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
     }
     Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw, plan_from)
                          : run_quantize_act(x, DType::kBF16, plan, true, need_dw, plan_from);
-    y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan);
+    y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan, -1, bias);  // the bias added in the GEMM's epilogue
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
     const bool keep_wT = need_dx && !weight_given;
@@ -85,10 +85,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   } else {
     const Tensor w = weight_bf16(weight);
     y = run_gemm_bf16_ragged_m(x, w, plan, false);
+    if (bias.defined()) run_add_bias(y, bias, plan);
     saved.resize(saved_bf16::kCount);
     saved[saved_bf16::kWBf16] = need_dx && weight.scalar_type() != at::kBFloat16 ? w : none_like(x, at::kBFloat16);
   }
-  if (bias.defined()) run_add_bias(y, bias, plan);
   return {y, plan, saved};
 }
 

@@ -109,11 +109,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     }
     Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1, plan_from)
                          : run_quantize_act(x, DType::kBF16, plan, true, need_dw1, plan_from);
-    Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan);
-    if (b1.defined()) run_add_bias(h, b1, plan);
+    Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan, -1, b1);  // biases added in the GEMMs' epilogues
     qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
-    y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan);
+    y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2);
     if (save) {
       // a fresh empty tensor per unused slot: outputs of an op may not alias each other
       auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };
@@ -131,6 +130,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     Tensor a = run_act_bf16(h, probs, act);
     const Tensor w2 = weight_bf16(fc2_weight);
     y = run_gemm_bf16_ragged_m(a, w2, plan, false);
+    if (b2.defined()) run_add_bias(y, b2, plan);
     if (save) {
       auto none = [&] { return none_like(x, at::kBFloat16); };  // one fresh empty tensor per unused slot
       saved.resize(bf16::kCount);
@@ -139,7 +139,6 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
       saved[bf16::kW2Bf16] = fc2_weight.scalar_type() == at::kBFloat16 ? none() : w2;
     }
   }
-  if (b2.defined()) run_add_bias(y, b2, plan);
   return {y, plan, saved};
 }
 

@@ -153,14 +153,15 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
 }
 
 Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
-                             int tiling) {
+                             int tiling, const Tensor& bias) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m");
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
+  const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   gemm_fp8_ragged_m({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
-                    {cbytes(qb), sb.data_ptr<float>()}, tiling, current_stream(qa));
+                    {cbytes(qb), sb.data_ptr<float>()}, tiling, current_stream(qa), b);
   return out;
 }
 

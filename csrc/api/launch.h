@@ -53,10 +53,11 @@ Tensor run_act_bf16(const Tensor& h, const Tensor& probs, Activation act);
 // dh [T, F1] bf16; dprobs_partial [T or 0, ceil(F/256)] fp32.
 Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act, Tensor& dprobs_partial);
 
-// out [T, N] bf16 = qa [T, K] · qb [E, N, K]ᵀ, blockwise scaled (fprop; dgrad with the Wᵀ copy), with the
-// tiling heuristics.h picks unless `tiling` (>= 0) names one.
+// out [T, N] bf16 = qa [T, K] · qb [E, N, K]ᵀ (+ bias [E, N], fp32 or bf16, added before the rounding),
+// blockwise scaled (fprop; dgrad with the Wᵀ copy), with the tiling heuristics.h picks unless `tiling` (>= 0)
+// names one.
 Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
-                             int tiling = -1);
+                             int tiling = -1, const Tensor& bias = Tensor());
 // out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the
 // kernel and tiling heuristics.h picks unless `choice` names them.
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,

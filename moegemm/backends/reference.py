@@ -62,13 +62,13 @@ def _linear_fwd(a) -> dict:
     if a.recipe == FP8_BLOCKWISE:
         qx, sx, qxT, sxT = _x_fp8(a.x, a.x_scales, plan, a.need_dw)
         w = _fp8_weight(C.LINEAR_FWD, a.fp8_weight, "weight", a.weight)
-        y = R.gemm_fp8_ragged_m(qx, sx, w.q, w.s, plan, a.act)
+        y = R.gemm_fp8_fprop(qx, sx, w.q, w.s, plan, a.act, a.bias)
         values = dict(qxT=qxT, sxT=sxT, qwT=w.qT, swT=w.sT)
     else:
         w = _in_act_dtype(a.weight, a.act)
-        y = R.gemm_bf16_fprop(a.x, w, plan)
+        y = _add_bias(R.gemm_bf16_fprop(a.x, w, plan), a.bias, plan)
         values = dict(w_bf16=w)
-    return dict(values, y=_add_bias(y, a.bias, plan), plan=plan)
+    return dict(values, y=y, plan=plan)
 
 
 def _linear_bwd(a) -> dict:
@@ -119,18 +119,18 @@ def _mlp_fwd(a) -> dict:
     if a.recipe == FP8_BLOCKWISE:
         w1 = _fp8_weight(C.MLP_FWD, a.fp8_weights, "fc1_weight", a.fc1_weight)
         qx, sx, qxT, sxT = _x_fp8(a.x, a.x_scales, plan, a.need_dw1)
-        h = _add_bias(R.gemm_fp8_ragged_m(qx, sx, w1.q, w1.s, plan, a.act), a.fc1_bias, plan)
+        h = R.gemm_fp8_fprop(qx, sx, w1.q, w1.s, plan, a.act, a.fc1_bias)
         w2 = _fp8_weight(C.MLP_FWD, a.fp8_weights, "fc2_weight", a.fc2_weight)
         qa, sa, qaT, saT = R.act_quantize(h, p32, act, plan, rows=True, cols=a.need_dw2)
-        y = R.gemm_fp8_ragged_m(qa, sa, w2.q, w2.s, plan, a.act)
+        y = R.gemm_fp8_fprop(qa, sa, w2.q, w2.s, plan, a.act, a.fc2_bias)
         values = dict(qxT=qxT, sxT=sxT, h=h, qaT=qaT, saT=saT, qw1T=w1.qT, sw1T=w1.sT, qw2T=w2.qT, sw2T=w2.sT)
     else:
         w1, w2 = _in_act_dtype(a.fc1_weight, a.act), _in_act_dtype(a.fc2_weight, a.act)
         h = _add_bias(R.gemm_bf16_fprop(a.x, w1, plan), a.fc1_bias, plan)
         act_out = R.act_bf16(h, p32, act)
-        y = R.gemm_bf16_fprop(act_out, w2, plan)
+        y = _add_bias(R.gemm_bf16_fprop(act_out, w2, plan), a.fc2_bias, plan)
         values = dict(h=h, a=act_out, w1_bf16=w1, w2_bf16=w2)
-    return dict(values, y=_add_bias(y, a.fc2_bias, plan), plan=plan)
+    return dict(values, y=y, plan=plan)
 
 
 def _mlp_bwd(a) -> dict:

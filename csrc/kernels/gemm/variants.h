@@ -22,7 +22,7 @@ void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const v
 
 // moegemm's own persistent sm90 kernels (csrc/kernels/gemm/sm90/); no workspace.
 struct RaggedRowsTiling;  // heuristics.h
-void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, const RaggedRowsTiling& tiling,
+void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
                           cudaStream_t stream);
 struct RaggedReductionTiling;  // heuristics.h
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,

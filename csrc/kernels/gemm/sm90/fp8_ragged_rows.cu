@@ -45,7 +45,7 @@ int max_active_clusters(const char* name) {
 }
 
 template <class Cfg>
-void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream) {
+void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cudaStream_t stream) {
   constexpr auto kKernel = sm90::fp8_ragged_rows_kernel<Cfg>;
   const char* name = "gemm_fp8_ragged_m (sm90)";
   if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: E * N exceeds the TMA coordinate range");
@@ -63,6 +63,8 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
   k.sb = b.s;
   k.plan = p.plan;
   k.out = static_cast<__nv_bfloat16*>(p.out);
+  k.bias = bias.data;
+  k.bias_f32 = bias.f32;
   k.E = p.E, k.T = int(p.T), k.N = int(p.N), k.K = int(p.K);
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   // as many clusters as fit at once, or one per group of tiles when there are fewer (an upper bound: the
@@ -84,15 +86,16 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream
 
 }  // namespace
 
-void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, const RaggedRowsTiling& tiling, cudaStream_t stream) {
+void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
+                          cudaStream_t stream) {
   // one instantiation per entry of heuristics.h's kRaggedRowsTilings
   const auto is = [&](int block_n, int cluster) { return tiling.block_n == block_n && tiling.cluster == cluster; };
-  if (is(128, 1)) return launch<Config<128, 1>>(p, a, b, stream);
-  if (is(256, 1)) return launch<Config<256, 1>>(p, a, b, stream);
-  if (is(128, 2)) return launch<Config<128, 2>>(p, a, b, stream);
-  if (is(256, 2)) return launch<Config<256, 2>>(p, a, b, stream);
-  if (is(192, 1)) return launch<Config<192, 1>>(p, a, b, stream);
-  if (is(192, 2)) return launch<Config<192, 2>>(p, a, b, stream);
+  if (is(128, 1)) return launch<Config<128, 1>>(p, a, b, bias, stream);
+  if (is(256, 1)) return launch<Config<256, 1>>(p, a, b, bias, stream);
+  if (is(128, 2)) return launch<Config<128, 2>>(p, a, b, bias, stream);
+  if (is(256, 2)) return launch<Config<256, 2>>(p, a, b, bias, stream);
+  if (is(192, 1)) return launch<Config<192, 1>>(p, a, b, bias, stream);
+  if (is(192, 2)) return launch<Config<192, 2>>(p, a, b, bias, stream);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no kernel built for this tiling");
 }
 

@@ -25,7 +25,8 @@
 //   operands (sa of the tile's 128 rows, sb of its weight blocks) and arrives on the stage's full barrier
 //   with the TMA bytes; the math threads read them from shared memory, so no global load sits between a
 //   stage's wgmma and its promotion.
-// - Epilogue per warpgroup and part: bf16 into 128B-swizzled shared memory, then one TMA store
+// - Epilogue per warpgroup and part: the expert's bias added when given (fp32 or bf16, read from global
+//   memory, before the rounding), bf16 into 128B-swizzled shared memory, then one TMA store
 //   per 64 columns when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the
 //   expert's rows only (the rows past them belong to the next expert). The wait for a TMA store's reads
 //   is deferred to the next part or tile, so the last store overlaps the next tile's main loop; one
@@ -105,6 +106,8 @@ struct Fp8RaggedRowsParams {
   const float* sb;
   const int32_t* plan;
   __nv_bfloat16* out;
+  const void* bias;  // [E, N] fp32 (bias_f32) or bf16, added before the rounding to bf16; null: none
+  bool bias_f32;
   int E, T, N, K;
 };
 
@@ -119,6 +122,28 @@ __device__ __forceinline__ void promote(float* out, const float* acc, float lo0,
   for (int i = 0; i < kAccum; ++i) {
     const float s = i / 4 < kLoChunks ? ((i & 2) ? lo1 : lo0) : ((i & 2) ? hi1 : hi0);
     out[i] = fmaf(s, acc[i], out[i]);
+  }
+}
+
+// out[i] += bias[e][col] over a part's accumulator (this thread's columns c + 8 j, c + 8 j + 1 of chunk j for
+// both its rows), from the expert's row of the bias (`row` its offset); columns at or past N are left alone.
+template <int kPartN>
+__device__ __forceinline__ void add_bias(float* out, const void* bias, bool f32, int64_t row, int c, int N) {
+  float2 b[kPartN / 8];
+#pragma unroll
+  for (int j = 0; j < kPartN / 8; ++j) {  // every load first, then the additions
+    const int col = c + 8 * j;
+    if (col >= N)
+      b[j] = make_float2(0.f, 0.f);
+    else if (f32)
+      b[j] = *reinterpret_cast<const float2*>(static_cast<const float*>(bias) + row + col);
+    else
+      b[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(bias) + row + col));
+  }
+#pragma unroll
+  for (int j = 0; j < kPartN / 8; ++j) {
+    out[4 * j + 0] += b[j].x, out[4 * j + 1] += b[j].y;
+    out[4 * j + 2] += b[j].x, out[4 * j + 3] += b[j].y;
   }
 }
 
@@ -309,11 +334,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       // The tile, from its first stage (K has at least one block), where the scale warp wrote it: no
       // global loads at a tile's start. Broadcast from lane 0, so that the compiler knows it warp-uniform
       // and keeps the K loop's branches, stage and descriptors in uniform registers.
-      int rows, parts, lo_chunks, row0, n0;
+      int rows, parts, lo_chunks, row0, n0, expert;
       {
         Barrier::wait(&full[stage], phase);
         const RowTile t = smem_tile[stage];
         row0 = __shfl_sync(0xffffffff, t.row0, 0);
+        expert = t.expert;
         n0 = __shfl_sync(0xffffffff, t.n_block, 0) * Cfg::kBlockN;
         const int tile_rows = __shfl_sync(0xffffffff, t.rows, 0);
         rows = min(Cfg::kWarpgroupRows, max(0, tile_rows - warpgroup * Cfg::kWarpgroupRows));  // of this warpgroup
@@ -388,6 +414,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         cutlass::arch::NamedBarrier::sync(128, warpgroup);
         if (stored > 0) {
           const int r = warp * 16 + lane / 4;
+          if (p.bias != nullptr) detail::add_bias<Cfg::kPartN>(out[h], p.bias, p.bias_f32, int64_t(expert) * N, col0 + (lane % 4) * 2, N);
 #pragma unroll
           for (int j = 0; j < Cfg::kPartN / 8; ++j)
 #pragma unroll

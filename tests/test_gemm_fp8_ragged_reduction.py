@@ -1,7 +1,8 @@
 """The FP8 ragged-reduction GEMM (wgrad) on each of its kernels against the reference, on a Hopper GPU.
 
 kernel=1 is CUTLASS's ptr-array kernel, kernel=2 moegemm's own persistent sm90 kernel
-(csrc/kernels/gemm/sm90/fp8_ragged_reduction.cuh) in each of its tilings (heuristics.h: BLOCK_N 128 or 256).
+(csrc/kernels/gemm/sm90/fp8_ragged_reduction.cuh) in each of its tilings (heuristics.h: BLOCK_N 128, 256, and 160
+for fp32 outputs only).
 Each case draws fresh operands, fills the column copies' unspecified bytes (each expert's padding and
 everything past the last expert) with garbage that includes NaN codes, poisons the output's memory for the
 written outputs, and checks ‖out − ref‖/‖ref‖ against the float64 reference on the same quantized operands
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from moegemm import reference as ref
-from moegemm.layout import COL_ALIGN, GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS
+from moegemm.layout import COL_ALIGN, GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_FP32_ONLY, SM90_RAGGED_REDUCTION_TILINGS
 
 from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, poisoned, rel, requires_cuda, zipf_splits
 
@@ -65,13 +66,18 @@ def column_operands(splits, N, K, gen):
     return (qaT, saT, qbT, sbT), plan, plan_ref
 
 
+def outs_of(kernel):
+    fp32_only = kernel[0] == GEMM_SM90 and kernel[1] in SM90_RAGGED_REDUCTION_FP32_ONLY
+    return [o for o in OUTS if not (fp32_only and o == "bf16")]
+
+
 def check_against_reference(splits, N, K, kernel, seed):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     E = len(splits)
     ops, plan, plan_ref = column_operands(splits, N, K, gen)
     expect = ref.gemm_fp8_ragged_k(*ops, plan_ref, out_dtype=torch.float64)
     empty = [e for e, m in enumerate(splits) if m == 0]
-    for out_kind in OUTS:
+    for out_kind in outs_of(kernel):
         acc0 = None
         if out_kind == "f32_accumulate":
             acc0 = torch.randn(E, N, K, device=DEV, generator=gen)
@@ -98,6 +104,15 @@ def test_tiling_table_size():
         wgrad(*ops, plan, (GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS), "f32")
     with pytest.raises(RuntimeError, match="pass it with kernel=2"):
         wgrad(*ops, plan, (GEMM_CUTLASS, 0), "bf16")
+
+
+@pytest.mark.parametrize("tiling", SM90_RAGGED_REDUCTION_FP32_ONLY)
+def test_fp32_only_tiling_refuses_bf16(tiling):
+    """A tiling built for fp32 outputs only (160 columns) refuses a bf16 output with a clear error."""
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    ops, plan, _ = column_operands([30, 34], 256, 320, gen)
+    with pytest.raises(RuntimeError, match="fp32 outputs only"):
+        wgrad(*ops, plan, (GEMM_SM90, tiling), "bf16")
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())

@@ -51,12 +51,13 @@ inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms)
 }
 
 // moegemm's own ragged-reduction kernel (sm90/fp8_ragged_reduction.cuh, the FP8 wgrad): BLOCK_M = 128
-// gradient rows, BLOCK_N = 128 or 256 columns. The table of tilings it is built with; a raw op may ask for
-// one by its index.
+// gradient rows, BLOCK_N = 128 or 256 columns, or 160 for fp32 outputs only (bf16's 64-column store slabs do
+// not divide it). The table of tilings it is built with; a raw op may ask for one by its index.
 struct RaggedReductionTiling {
   int block_n;
+  bool fp32_only;
 };
-constexpr RaggedReductionTiling kRaggedReductionTilings[] = {{128}, {256}};
+constexpr RaggedReductionTiling kRaggedReductionTilings[] = {{128, false}, {256, false}, {160, true}};
 constexpr int kNumRaggedReductionTilings = sizeof(kRaggedReductionTilings) / sizeof(kRaggedReductionTilings[0]);
 
 // The tokens a ragged reduction covers, from the width of its column copies (col_capacity: T + 31 E
@@ -70,13 +71,16 @@ inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int6
 // Qwen3, DeepGEMM's 64x384, small experts) and 256 from ~1000 (DeepSeek-V3-EP8 and DeepGEMM's 32x1024 on).
 constexpr int64_t kShortReductionTokensPerExpert = 512;
 
-// The tiling of moegemm's kernel: 256 columns, except 128 for a short fp32 accumulation and when 256-wide
-// tiles would leave SMs idle.
+// The tiling of moegemm's kernel: wide tiles (160 columns for fp32 outputs, 256 for bf16), except 128 for a
+// short fp32 accumulation and when 256-wide tiles would leave SMs idle. 160 columns in one part (their column
+// scales in registers, the stage released before the promotion) beat 256 in two parts on every fp32 row of the
+// wgrad table where 256 was chosen (+4 to +11 %, H200, bench/NOTES.md twenty-fourth session).
 inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
   const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
   const bool short_accumulation =
       p.out_kind == WgradOut::kF32Accumulate && reduction_tokens(p) < kShortReductionTokensPerExpert * p.E;
-  return kRaggedReductionTilings[p.K > 128 && wide_tiles >= sms && !short_accumulation ? 1 : 0];
+  if (p.K <= 128 || wide_tiles < sms || short_accumulation) return kRaggedReductionTilings[0];
+  return kRaggedReductionTilings[p.out_kind == WgradOut::kBF16 ? 1 : 2];
 }
 
 // The kernel an FP8 grouped GEMM runs when the caller names none: CUTLASS's when the environment variable

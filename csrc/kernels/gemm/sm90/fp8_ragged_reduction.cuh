@@ -18,8 +18,8 @@
 // - A producer warpgroup: one thread issues the TMA copies of A (128 gradient rows) and B (BLOCK_N
 //   columns) per 128-token block into a ring of stages; one warp loads the stage's scales (saT of the
 //   tile's rows, sbT of its columns, 16-byte loads) into shared memory beside them.
-// - Two math warpgroups of 64 rows each: per block, a wgmma chain per 128-column part into a temporary
-//   accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary across the tile:
+// - Two math warpgroups of 64 rows each: per block, a wgmma chain per part (all of BLOCK_N, or 128 of
+//   256) into a temporary accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary across the tile:
 //   1x128 blocks along the tokens on both operands). With one part the column scales go to registers
 //   while its wgmmas run and the stage is released at their end (and the next stage's barrier tested without
 //   blocking, its latency hidden behind the promotion); with two (their accumulators fill the
@@ -56,20 +56,23 @@
 namespace moegemm::sm90 {
 
 // One kernel configuration: BLOCK_M = 128 rows of the gradient (two warpgroups of 64), BLOCK_K = 128
-// tokens (one scale block per stage), BLOCK_N = 128 or 256 columns in parts of 128, each one wgmma chain
-// (64 x 128 x 32) into the temporary accumulator; the output kind (WgradOut) fixed per instantiation.
+// tokens (one scale block per stage), BLOCK_N = 128 or 160 columns in one part or 256 in two parts of 128,
+// each part one wgmma chain (64 x part x 32) into the temporary accumulator; the output kind (WgradOut) fixed
+// per instantiation (160 only with fp32 outputs: bf16 is stored in slabs of 64 columns).
 template <int kBlockN_, WgradOut kOut_>
 struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr WgradOut kOut = kOut_;
-  // (BLOCK_N = 192 in one part measured slower than 256 on most problems of the wgrad table, bench/NOTES.md;
-  // its column scales would not fit in the registers beside two 96-value accumulators.)
-  static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N of 128 or 256 columns");
+  // (BLOCK_N = 192 in one part: its column scales would not fit in the registers beside two 96-value
+  // accumulators; 160 (80 + 80 + 40 registers) is the widest one-part tile that keeps them there.)
+  static_assert(kBlockN == 128 || kBlockN == 160 || kBlockN == 256, "BLOCK_N of 128, 160 or 256 columns");
   static constexpr int kBlockK = kBlock;
   static_assert(kBlockK == 4 * 32, "four 32-token wgmma steps per box (the kernel's chains of 1 to 4 steps)");
-  static constexpr int kPartN = 128;  // the scale warp loads 128 column scales per part
+  static constexpr int kPartN = kBlockN == 256 ? 128 : kBlockN;  // one part, or two of 128
   static constexpr int kParts = kBlockN / kPartN;
-  static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x 128 wgmma
+  static constexpr int kScaleGroupN = 128;  // the scale warp loads 128 column scales per group (4 per lane)
+  static constexpr int kScaleGroups = (kBlockN + kScaleGroupN - 1) / kScaleGroupN;
+  static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x part wgmma
   // One part: its column scales go to registers before the wgmmas and the stage is released at their end;
   // two (their accumulators fill the registers): the scales are read from shared memory in the promotion
   // and the stage is released after it.
@@ -79,6 +82,7 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static constexpr int kOutBytes = kOut == WgradOut::kBF16 ? 2 : 4;
   static constexpr int kSlabCols = 128 / kOutBytes;
   static constexpr int kSlabBytes = kWarpgroupRows * 128;
+  static_assert(kPartN % kSlabCols == 0, "whole slabs per part (so no bf16 output at 160 columns)");
   // buffers per warpgroup: 4 measured faster than 2 wherever the output is the bound (the wgrad table)
   static constexpr int kSlabBuffers = 4;
   // fp32 accumulation with all of a warpgroup's output columns in its buffers: the gradient's current
@@ -285,15 +289,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
           // loaded before the wait, so that their latency overlaps it
           const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
           const float4 a = m0 < N ? __ldg(reinterpret_cast<const float4*>(sa)) : zero;
-          float4 b[Cfg::kParts];
+          float4 b[Cfg::kScaleGroups];
 #pragma unroll
-          for (int h = 0; h < Cfg::kParts; ++h)
-            b[h] = n0 + h * Cfg::kPartN < K ? __ldg(reinterpret_cast<const float4*>(sb + h * Cfg::kPartN)) : zero;
+          for (int h = 0; h < Cfg::kScaleGroups; ++h)
+            b[h] = n0 + h * Cfg::kScaleGroupN < K && 4 * lane + h * Cfg::kScaleGroupN < Cfg::kBlockN
+                       ? __ldg(reinterpret_cast<const float4*>(sb + h * Cfg::kScaleGroupN))
+                       : zero;
           Barrier::wait(&empty[stage], phase ^ 1);
           reinterpret_cast<float4*>(smem_sa + stage * Cfg::kBlockM)[lane] = a;
 #pragma unroll
-          for (int h = 0; h < Cfg::kParts; ++h)
-            reinterpret_cast<float4*>(smem_sb + stage * Cfg::kBlockN + h * Cfg::kPartN)[lane] = b[h];
+          for (int h = 0; h < Cfg::kScaleGroups; ++h)
+            if (4 * lane + h * Cfg::kScaleGroupN < Cfg::kBlockN)
+              reinterpret_cast<float4*>(smem_sb + stage * Cfg::kBlockN + h * Cfg::kScaleGroupN)[lane] = b[h];
           Barrier::arrive(&full[stage]);  // each lane releases its own stores
           if (++stage == kStages) stage = 0, phase ^= 1;
           sa += N, sb += K;

@@ -10,6 +10,7 @@
 
 #include "cute/arch/mma_sm90_desc.hpp"
 #include "cute/arch/mma_sm90_gmma.hpp"
+#include "cute/arch/mma_sm90_gmma_ext.hpp"
 
 namespace moegemm::sm90 {
 
@@ -34,6 +35,7 @@ __device__ __forceinline__ int sw128_offset(int row, int col) {
 
 template <int kN> struct WgmmaOp;
 template <> struct WgmmaOp<128> { using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>; };
+template <> struct WgmmaOp<160> { using type = cute::SM90::GMMA::MMA_64x160x32_F32E4M3E4M3_SS_TN<>; };
 template <> struct WgmmaOp<192> { using type = cute::SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>; };
 
 // One 64 x kN x 32 wgmma, d (kN / 2 fp32 per thread) = a · bᵀ (+ d when accumulate). A thread's value i

@@ -164,7 +164,7 @@ def test_graph_replay_with_new_splits(kernel):
         _, _, qbT, sbT = cuda_ops.quantize_act(x, plan, rows=False)
         acc.zero_()
         wgrad(qaT, saT, qbT, sbT, plan, kernel, "f32_accumulate", acc)
-        return wgrad(qaT, saT, qbT, sbT, plan, kernel, "bf16")
+        return wgrad(qaT, saT, qbT, sbT, plan, kernel, "bf16" if "bf16" in outs_of(kernel) else "f32")
 
     step()
     torch.cuda.synchronize()
@@ -181,7 +181,7 @@ def test_graph_replay_with_new_splits(kernel):
         _, _, qbT, sbT = ref.quantize_act(x, plan_ref, rows=False)
         expect = ref.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan_ref, out_dtype=torch.float64)
         assert rel(acc, expect) <= 2e-3, splits[:4]
-        assert rel(out16, expect) <= 4e-3, splits[:4]
+        assert rel(out16, expect) <= 4e-3, splits[:4]  # (bf16 where the kernel has it, else fp32 written)
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())

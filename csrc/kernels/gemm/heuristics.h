@@ -71,16 +71,17 @@ inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int6
 // Qwen3, DeepGEMM's 64x384, small experts) and 256 from ~1000 (DeepSeek-V3-EP8 and DeepGEMM's 32x1024 on).
 constexpr int64_t kShortReductionTokensPerExpert = 512;
 
-// The tiling of moegemm's kernel: wide tiles (160 columns for fp32 outputs, 256 for bf16), except 128 for a
-// short fp32 accumulation and when 256-wide tiles would leave SMs idle. 160 columns in one part (their column
-// scales in registers, the stage released before the promotion) beat 256 in two parts on every fp32 row of the
-// wgrad table where 256 was chosen (+4 to +11 %, H200, bench/NOTES.md twenty-fourth session).
+// The tiling of moegemm's kernel: wide tiles (160 columns for an fp32 accumulation, 256 for the written
+// outputs), except 128 for a short fp32 accumulation and when 256-wide tiles would leave SMs idle. For the
+// accumulation into main_grad, 160 columns in one part (their column scales in registers, the stage released
+// before the promotion) beat 256 in two parts by up to 11 % (0 to +6 % in a second run) on the large rows of the
+// wgrad table; with fp32 written they were 7-10 % slower (H200, bench/NOTES.md twenty-fourth session).
 inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
   const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
   const bool short_accumulation =
       p.out_kind == WgradOut::kF32Accumulate && reduction_tokens(p) < kShortReductionTokensPerExpert * p.E;
   if (p.K <= 128 || wide_tiles < sms || short_accumulation) return kRaggedReductionTilings[0];
-  return kRaggedReductionTilings[p.out_kind == WgradOut::kBF16 ? 1 : 2];
+  return kRaggedReductionTilings[p.out_kind == WgradOut::kF32Accumulate ? 2 : 1];
 }
 
 // The kernel an FP8 grouped GEMM runs when the caller names none: CUTLASS's when the environment variable

@@ -74,8 +74,8 @@ constexpr int64_t kShortReductionTokensPerExpert = 512;
 // The tiling of moegemm's kernel: wide tiles (160 columns for an fp32 accumulation, 256 for the written
 // outputs), except 128 for a short fp32 accumulation and when 256-wide tiles would leave SMs idle. For the
 // accumulation into main_grad, 160 columns in one part (their column scales in registers, the stage released
-// before the promotion) beat 256 in two parts by up to 11 % (0 to +6 % in a second run) on the large rows of the
-// wgrad table; with fp32 written they were 7-10 % slower (H200, bench/NOTES.md twenty-fourth session).
+// before the promotion) beat 256 in two parts on the wide rows of the wgrad table, +4 to +11 % in one run and
+// -1 to +6 % in two more; with fp32 written they were 7-10 % slower (H200, bench/NOTES.md twenty-fourth session).
 inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
   const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
   const bool short_accumulation =

@@ -19,12 +19,12 @@
 //   columns) per 128-token block into a ring of stages; one warp loads the stage's scales (saT of the
 //   tile's rows, sbT of its columns, 16-byte loads) into shared memory beside them.
 // - Two math warpgroups of 64 rows each: per block, a wgmma chain per part (all of BLOCK_N, or 128 of
-//   256) into a temporary accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary across the tile:
-//   1x128 blocks along the tokens on both operands). With one part the column scales go to registers
-//   while its wgmmas run and the stage is released at their end (and the next stage's barrier tested without
-//   blocking, its latency hidden behind the promotion); with two (their accumulators fill the
-//   registers) they are read from shared memory per 8-column chunk and the stage is released after the
-//   last part's promotion. With fp32 accumulation the warpgroups take turns at issuing their chains.
+//   256) into a temporary accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary
+//   across the tile: 1x128 blocks along the tokens on both operands). With one part the column scales go
+//   to registers while its wgmmas run and the stage is released at their end (and the next stage's barrier
+//   tested without blocking, its latency hidden behind the promotion); with two (their accumulators fill
+//   the registers) they are read from shared memory per 8-column chunk and the stage is released after
+//   the last part's promotion. With fp32 accumulation the warpgroups take turns at issuing their chains.
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns)
 //   through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
 //   written or added into the output (Megatron's main_grad): when all of the warpgroup's columns fit in
@@ -73,7 +73,7 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static constexpr int kScaleGroupN = 128;  // the scale warp loads 128 column scales per group (4 per lane)
   static constexpr int kScaleGroups = (kBlockN + kScaleGroupN - 1) / kScaleGroupN;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x part wgmma
-  // One part: its column scales go to registers before the wgmmas and the stage is released at their end;
+  // One part: its column scales go to registers while its wgmmas run and the stage is released at their end;
   // two (their accumulators fill the registers): the scales are read from shared memory in the promotion
   // and the stage is released after it.
   static constexpr bool kColsInRegisters = kParts == 1;

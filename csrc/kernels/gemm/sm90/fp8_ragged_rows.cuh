@@ -138,7 +138,8 @@ __device__ __forceinline__ void add_bias(float* out, const void* bias, bool f32,
     else if (f32)
       b[j] = *reinterpret_cast<const float2*>(static_cast<const float*>(bias) + row + col);
     else
-      b[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(bias) + row + col));
+      b[j] = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(bias) + row + col));
   }
 #pragma unroll
   for (int j = 0; j < kPartN / 8; ++j) {
@@ -414,7 +415,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         cutlass::arch::NamedBarrier::sync(128, warpgroup);
         if (stored > 0) {
           const int r = warp * 16 + lane / 4;
-          if (p.bias != nullptr) detail::add_bias<Cfg::kPartN>(out[h], p.bias, p.bias_f32, int64_t(expert) * N, col0 + (lane % 4) * 2, N);
+          if (p.bias != nullptr)
+            detail::add_bias<Cfg::kPartN>(out[h], p.bias, p.bias_f32, int64_t(expert) * N, col0 + (lane % 4) * 2, N);
 #pragma unroll
           for (int j = 0; j < Cfg::kPartN / 8; ++j)
 #pragma unroll

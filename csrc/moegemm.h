@@ -188,7 +188,7 @@ struct ExpertBias {
 // (csrc/kernels/gemm/sm90/) with the tiling heuristics.h picks (tiling < 0) or the one at that index of its
 // table (kRaggedRowsTilings). No workspace.
 int num_ragged_rows_tilings();  // the size of that table
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, int tiling, cudaStream_t stream, ExpertBias bias = {});
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, cudaStream_t stream);
 // The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
 // moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.
 enum class GemmKernel : int { kDefault = 0, kCutlass = 1, kSm90 = 2 };

@@ -161,7 +161,7 @@ Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& q
   if (T == 0) return out;
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   gemm_fp8_ragged_m({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
-                    {cbytes(qb), sb.data_ptr<float>()}, tiling, current_stream(qa), b);
+                    {cbytes(qb), sb.data_ptr<float>()}, b, tiling, current_stream(qa));
   return out;
 }
 

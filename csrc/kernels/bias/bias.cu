@@ -73,6 +73,27 @@ __device__ __forceinline__ bool block_cols(const int32_t* plan, int E, int64_t T
   return true;
 }
 
+// Calls f(t, v) for this warp's rows t of block r (w, w + kWarps, ... for warp w), in order, with v the 16 bytes
+// of row t at column n; the loads of kRowsInFlight rows are issued before the first of them is used (through the
+// read-only path when the kernel does not write src).
+template <bool kReadOnly, class F>
+__device__ __forceinline__ void for_rows(const __nv_bfloat16* src, const BlockRows& r, int64_t N, int64_t n, F f) {
+  for (int64_t t0 = r.row0 + threadIdx.x / 32; t0 < r.row1; t0 += kWarps * kRowsInFlight) {
+    uint4 v[kRowsInFlight];
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i)
+      if (t0 + kWarps * i < r.row1) {
+        const uint4* p = reinterpret_cast<const uint4*>(src + (t0 + kWarps * i) * N + n);
+        v[i] = kReadOnly ? __ldg(p) : *p;
+      }
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      if (t0 + kWarps * i >= r.row1) break;
+      f(t0 + kWarps * i, v[i]);
+    }
+  }
+}
+
 template <class Bias>
 __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, const Bias* bias, const int32_t* plan, int E,
                                                             int64_t T, int64_t N) {
@@ -81,21 +102,13 @@ __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, co
   if (!block_cols(plan, E, T, N, r, n)) return;
   float bv[kColsPerLane];
   load_bias(bias, r.e * N + n, bv);
-  for (int64_t t0 = r.row0 + threadIdx.x / 32; t0 < r.row1; t0 += kWarps * kRowsInFlight) {
-    uint4 v[kRowsInFlight];
+  for_rows<false>(y, r, N, n, [&](int64_t t, const uint4& v) {
+    float f[kColsPerLane];
+    unpack8(v, f);
 #pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i)
-      if (t0 + kWarps * i < r.row1) v[i] = *reinterpret_cast<const uint4*>(y + (t0 + kWarps * i) * N + n);
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i) {
-      if (t0 + kWarps * i >= r.row1) break;
-      float f[kColsPerLane];
-      unpack8(v[i], f);
-#pragma unroll
-      for (int j = 0; j < kColsPerLane; ++j) f[j] += bv[j];
-      *reinterpret_cast<uint4*>(y + (t0 + kWarps * i) * N + n) = pack8(f);
-    }
-  }
+    for (int j = 0; j < kColsPerLane; ++j) f[j] += bv[j];
+    *reinterpret_cast<uint4*>(y + t * N + n) = pack8(f);
+  });
 }
 
 // partial[b, n] = the sum of block b's rows of dy: each warp sums its rows in order, then the warps' sums are
@@ -110,20 +123,12 @@ __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat1
   const bool work = block_cols(plan, E, T, N, r, n);  // the same across the CTA but for n
   float acc[kColsPerLane] = {};
   if (work) {
-    for (int64_t t0 = r.row0 + warp; t0 < r.row1; t0 += kWarps * kRowsInFlight) {
-      uint4 v[kRowsInFlight];
+    for_rows<true>(dy, r, N, n, [&](int64_t, const uint4& v) {
+      float f[kColsPerLane];
+      unpack8(v, f);
 #pragma unroll
-      for (int i = 0; i < kRowsInFlight; ++i)
-        if (t0 + kWarps * i < r.row1) v[i] = __ldg(reinterpret_cast<const uint4*>(dy + (t0 + kWarps * i) * N + n));
-#pragma unroll
-      for (int i = 0; i < kRowsInFlight; ++i) {
-        if (t0 + kWarps * i >= r.row1) break;
-        float f[kColsPerLane];
-        unpack8(v[i], f);
-#pragma unroll
-        for (int j = 0; j < kColsPerLane; ++j) acc[j] += f[j];
-      }
-    }
+      for (int j = 0; j < kColsPerLane; ++j) acc[j] += f[j];
+    });
   }
   if (warp > 0) {
     sums[warp - 1][lane][0] = make_float4(acc[0], acc[1], acc[2], acc[3]);

@@ -9,7 +9,7 @@ namespace moegemm {
 
 int num_ragged_rows_tilings() { return gemm::kNumRaggedRowsTilings; }
 
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, int tiling, cudaStream_t stream, ExpertBias bias) {
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, cudaStream_t stream) {
   if (tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
   const gemm::RaggedRowsTiling chosen = tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count());
   gemm::sm90_fp8_ragged_rows(p, a, b, bias, chosen, stream);

@@ -60,13 +60,13 @@ void launch_out(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream
 
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
                                cudaStream_t stream) {
-  // one instantiation per entry of heuristics.h's kRaggedReductionTilings (and output kind it is built for)
-  if (tiling.block_n == 128) return launch_out<128>(p, a, b, stream);
-  if (tiling.block_n == 256) return launch_out<256>(p, a, b, stream);
   if (tiling.fp32_only && p.out_kind == WgradOut::kBF16)
     throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): the tiling of " + std::to_string(tiling.block_n) +
                              " columns is built for fp32 outputs only; a bf16 output takes another tiling");
-  if (tiling.block_n == 160) {
+  // one instantiation per entry of heuristics.h's kRaggedReductionTilings and output kind it is built for
+  if (tiling.block_n == 128) return launch_out<128>(p, a, b, stream);
+  if (tiling.block_n == 256) return launch_out<256>(p, a, b, stream);
+  if (tiling.block_n == 160) {  // fp32 outputs only
     if (p.out_kind == WgradOut::kF32) return launch<Config<160, WgradOut::kF32>>(p, a, b, stream);
     return launch<Config<160, WgradOut::kF32Accumulate>>(p, a, b, stream);
   }

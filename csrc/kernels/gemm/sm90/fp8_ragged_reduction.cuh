@@ -21,10 +21,11 @@
 // - Two math warpgroups of 64 rows each: per block, a wgmma chain per part (all of BLOCK_N, or 128 of
 //   256) into a temporary accumulator, then the promotion out += acc · sa[row] · sb[col] (both scales vary
 //   across the tile: 1x128 blocks along the tokens on both operands). With one part the column scales go
-//   to registers while its wgmmas run and the stage is released at their end (and the next stage's barrier
-//   tested without blocking, its latency hidden behind the promotion); with two (their accumulators fill
-//   the registers) they are read from shared memory per 8-column chunk and the stage is released after
-//   the last part's promotion. With fp32 accumulation the warpgroups take turns at issuing their chains.
+//   to registers (at 160 columns before its wgmmas are issued, at 128 while they run) and the stage is
+//   released at their end (and the next stage's barrier tested without blocking, its latency hidden behind
+//   the promotion); with two (their accumulators fill the registers) they are read from shared memory per
+//   8-column chunk and the stage is released after the last part's promotion. With fp32 accumulation at 128
+//   or 256 columns the warpgroups take turns at issuing their chains; at 160 they run independently.
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns)
 //   through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
 //   written or added into the output (Megatron's main_grad): when all of the warpgroup's columns fit in
@@ -77,6 +78,11 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // two (their accumulators fill the registers): the scales are read from shared memory in the promotion
   // and the stage is released after it.
   static constexpr bool kColsInRegisters = kParts == 1;
+  // At 160 columns their 20 pairs are read before the chain is issued and the warpgroups run independently (no
+  // turns, below), as DeepGEMM's k-grouped kernel does: fp32 accumulation +5 to +8 % on the wide rows of the wgrad
+  // table against reading them after the issue with turns (either change alone: +2 to +4 %, -2 to -6 %; H200,
+  // bench/NOTES.md twenty-fifth session). At 128 columns, read before the issue, the issue waited for them.
+  static constexpr bool kColsBeforeChain = kParts == 1 && kBlockN > 128;
 
   // epilogue: slabs of a warpgroup's 64 rows x one 128-byte swizzle span
   static constexpr int kOutBytes = kOut == WgradOut::kBF16 ? 2 : 4;
@@ -99,8 +105,9 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // warpgroup has issued its previous one: two named barriers), so that one promotes while the other's chain
   // runs (waiting for the other's chain to complete instead was slower, bench/NOTES.md). With fp32 accumulation
   // 0 to +12 % on the wgrad table's 256-column rows (H200, same run; DeepGEMM's 8x2048 M=28672 643 -> 722
-  // TFLOP/s, Mixtral-8x7B fc1 665 -> 731), unchanged at 128 columns; with bf16 output 1-5 % slower: not there.
-  static constexpr bool kPingPong = kOut == WgradOut::kF32Accumulate;
+  // TFLOP/s, Mixtral-8x7B fc1 665 -> 731), unchanged at 128 columns; with bf16 output 1-5 % slower, and at 160
+  // columns with the column scales read before the chain (kColsBeforeChain) 3-8 % slower: not there.
+  static constexpr bool kPingPong = kOut == WgradOut::kF32Accumulate && !kColsBeforeChain;
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
@@ -403,7 +410,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
         }
         const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
         // One part: the column scales into registers, loaded right after the chain is issued so that the loads
-        // overlap it (loaded before it, the chain's issue waited for them), the stage released at its end.
+        // overlap it, or before it (kColsBeforeChain), the stage released at its end.
         float2 cols[Cfg::kColsInRegisters ? Cfg::kAccum / 4 : 1];
         auto load_cols = [&] {
           if constexpr (Cfg::kColsInRegisters) {
@@ -425,6 +432,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
                                  std::make_integer_sequence<int, Cfg::kAccum>{});
             cute::warpgroup_commit_batch();
           };
+          if (Cfg::kColsBeforeChain && h == 0) load_cols();
           if constexpr (Cfg::kPingPong) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + warpgroup);  // this warpgroup's turn
           if (ksteps == 4) {  // a whole box (all but an expert's last): one test before the chain, not three
             chain(std::integral_constant<int, 4>{});
@@ -436,7 +444,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
             }
           }
           if constexpr (Cfg::kPingPong) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier + 1 - warpgroup);  // the other's
-          if (h == 0) load_cols();
+          if (!Cfg::kColsBeforeChain && h == 0) load_cols();
           cute::warpgroup_wait<0>();
 #pragma unroll
           for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);

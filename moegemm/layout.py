@@ -40,8 +40,6 @@ BF16, FP8_BLOCKWISE = RECIPE_IDS["bf16"], RECIPE_IDS["fp8_blockwise"]
 GEMM_CUTLASS, GEMM_SM90 = 1, 2  # 0: the default choice (heuristics.h)
 SM90_RAGGED_ROWS_TILINGS = 6
 SM90_RAGGED_REDUCTION_TILINGS = 3
-# the ragged-reduction tilings built for fp32 outputs only (BLOCK_N 160: bf16's 64-column store slabs do not divide it)
-SM90_RAGGED_REDUCTION_FP32_ONLY = (2,)
 
 
 def ceil_div(a: int, b: int) -> int:

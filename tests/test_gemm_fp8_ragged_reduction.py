@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moegemm import reference as ref
-from moegemm.layout import COL_ALIGN, GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_FP32_ONLY, SM90_RAGGED_REDUCTION_TILINGS
+from moegemm.layout import COL_ALIGN, GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS
 
 from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, poisoned, rel, requires_cuda, zipf_splits
 
@@ -66,18 +66,13 @@ def column_operands(splits, N, K, gen):
     return (qaT, saT, qbT, sbT), plan, plan_ref
 
 
-def outs_of(kernel):
-    fp32_only = kernel[0] == GEMM_SM90 and kernel[1] in SM90_RAGGED_REDUCTION_FP32_ONLY
-    return [o for o in OUTS if not (fp32_only and o == "bf16")]
-
-
 def check_against_reference(splits, N, K, kernel, seed):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     E = len(splits)
     ops, plan, plan_ref = column_operands(splits, N, K, gen)
     expect = ref.gemm_fp8_ragged_k(*ops, plan_ref, out_dtype=torch.float64)
     empty = [e for e, m in enumerate(splits) if m == 0]
-    for out_kind in outs_of(kernel):
+    for out_kind in OUTS:
         acc0 = None
         if out_kind == "f32_accumulate":
             acc0 = torch.randn(E, N, K, device=DEV, generator=gen)
@@ -104,15 +99,6 @@ def test_tiling_table_size():
         wgrad(*ops, plan, (GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS), "f32")
     with pytest.raises(RuntimeError, match="pass it with kernel=2"):
         wgrad(*ops, plan, (GEMM_CUTLASS, 0), "bf16")
-
-
-@pytest.mark.parametrize("tiling", SM90_RAGGED_REDUCTION_FP32_ONLY)
-def test_fp32_only_tiling_refuses_bf16(tiling):
-    """A tiling built for fp32 outputs only (160 columns) refuses a bf16 output with a clear error."""
-    gen = torch.Generator(device=DEV).manual_seed(2)
-    ops, plan, _ = column_operands([30, 34], 256, 320, gen)
-    with pytest.raises(RuntimeError, match="fp32 outputs only"):
-        wgrad(*ops, plan, (GEMM_SM90, tiling), "bf16")
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -164,7 +150,7 @@ def test_graph_replay_with_new_splits(kernel):
         _, _, qbT, sbT = cuda_ops.quantize_act(x, plan, rows=False)
         acc.zero_()
         wgrad(qaT, saT, qbT, sbT, plan, kernel, "f32_accumulate", acc)
-        return wgrad(qaT, saT, qbT, sbT, plan, kernel, "bf16" if "bf16" in outs_of(kernel) else "f32")
+        return wgrad(qaT, saT, qbT, sbT, plan, kernel, "bf16")
 
     step()
     torch.cuda.synchronize()
@@ -181,7 +167,7 @@ def test_graph_replay_with_new_splits(kernel):
         _, _, qbT, sbT = ref.quantize_act(x, plan_ref, rows=False)
         expect = ref.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan_ref, out_dtype=torch.float64)
         assert rel(acc, expect) <= 2e-3, splits[:4]
-        assert rel(out16, expect) <= 4e-3, splits[:4]  # (bf16 where the kernel has it, else fp32 written)
+        assert rel(out16, expect) <= 4e-3, splits[:4]
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())

@@ -68,7 +68,7 @@ def main() -> int:
 
     from bench.gemm.mlp_problems import ceilings, ops  # builds / loads the extension
     from bench.suite.measure import time_interleaved
-    from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_FP32_ONLY, SM90_RAGGED_REDUCTION_TILINGS
+    from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS
 
     iters, rounds = args.iters, args.rounds or (5 if args.quick else 9)
     dev = "cuda"
@@ -92,10 +92,7 @@ def main() -> int:
             return lambda: torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(*ops_, plan, out, *kernel)
         return lambda: torch.ops.moegemm.gemm_fp8_ragged_k(*ops_, plan, torch.bfloat16, *kernel)
 
-    def built(kernel, mode):  # the sm90 tilings built for fp32 outputs only have no bf16 kernel
-        return not (mode == "bf16" and kernel[0] == GEMM_SM90 and kernel[1] in SM90_RAGGED_REDUCTION_FP32_ONLY)
-
-    cols = [f"{k} {m}" for m, mode in MODES.items() for k, kernel in kernels.items() if built(kernel, mode)]
+    cols = [f"{k} {m}" for m in MODES for k in kernels]
     cols += ["DeepGEMM f32+="] if dg else []
     rows = []
     print("TFLOP/s on real tokens\n" + f"{'problem':40s} {'T':>6s}" + "".join(f" {c:>14s}" for c in cols), flush=True)
@@ -113,8 +110,6 @@ def main() -> int:
         for m, mode in MODES.items():
             base = None
             for k, kernel in kernels.items():
-                if not built(kernel, mode):
-                    continue
                 out = torch.zeros(E, N, K, device=dev)
                 res = call(operands, plan, kernel, mode, out)()
                 res = (out if res is None else res).float()

@@ -22,7 +22,7 @@ import torch  # noqa: E402  (after the machine check)
 import moegemm  # noqa: E402
 from moegemm import reference as ref  # noqa: E402
 from moegemm.backends import cuda as cuda_ops  # noqa: E402
-from moegemm.layout import (GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_FP32_ONLY, SM90_RAGGED_REDUCTION_TILINGS,  # noqa: E402
+from moegemm.layout import (GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS,  # noqa: E402
                             SM90_RAGGED_ROWS_TILINGS)
 
 torch.manual_seed(0)
@@ -94,8 +94,7 @@ _, _, qdyT, sdyT = cuda_ops.quantize_act(torch.randn(T, N, device="cuda", dtype=
 _, _, qxT, sxT = cuda_ops.quantize_act(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), plan, rows=False)
 expect = ref.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, ref.make_plan(m, T), out_dtype=torch.float64)
 for kernel, tiling in [(GEMM_CUTLASS, -1)] + [(GEMM_SM90, i) for i in range(SM90_RAGGED_REDUCTION_TILINGS)]:
-    fp32_only = kernel == GEMM_SM90 and tiling in SM90_RAGGED_REDUCTION_FP32_ONLY
-    for dtype in (torch.float32,) if fp32_only else (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16):
         dw = torch.ops.moegemm.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, dtype, kernel, tiling)
         assert ((dw.double() - expect).norm() / expect.norm()).item() < 4e-3, (kernel, tiling, dtype)
     acc = torch.ones(E, N, K, device="cuda")

@@ -51,13 +51,12 @@ inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms)
 }
 
 // moegemm's own ragged-reduction kernel (sm90/fp8_ragged_reduction.cuh, the FP8 wgrad): BLOCK_M = 128
-// gradient rows, BLOCK_N = 128 or 256 columns, or 160 for fp32 outputs only (bf16's 64-column store slabs do
-// not divide it). The table of tilings it is built with; a raw op may ask for one by its index.
+// gradient rows, BLOCK_N = 128, 256 or 160 columns. The table of tilings it is built with; a raw op may ask for
+// one by its index.
 struct RaggedReductionTiling {
   int block_n;
-  bool fp32_only;
 };
-constexpr RaggedReductionTiling kRaggedReductionTilings[] = {{128, false}, {256, false}, {160, true}};
+constexpr RaggedReductionTiling kRaggedReductionTilings[] = {{128}, {256}, {160}};
 constexpr int kNumRaggedReductionTilings = sizeof(kRaggedReductionTilings) / sizeof(kRaggedReductionTilings[0]);
 
 // The tokens a ragged reduction covers, from the width of its column copies (col_capacity: T + 31 E
@@ -71,17 +70,23 @@ inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int6
 // Qwen3, DeepGEMM's 64x384, small experts) and 256 from ~1000 (DeepSeek-V3-EP8 and DeepGEMM's 32x1024 on).
 constexpr int64_t kShortReductionTokensPerExpert = 512;
 
-// The tiling of moegemm's kernel: wide tiles (160 columns for an fp32 accumulation, 256 for the written
-// outputs), except 128 for a short fp32 accumulation and when 256-wide tiles would leave SMs idle. For the
-// accumulation into main_grad, 160 columns in one part (their column scales in registers, the stage released
-// before the promotion) beat 256 in two parts on the wide rows of the wgrad table, +4 to +11 % in one run and
-// -1 to +6 % in two more; with fp32 written they were 7-10 % slower (H200, bench/NOTES.md twenty-fourth session).
+// Tokens per expert from which a written output (bf16, fp32) is a long reduction: 160-column tiles' cheaper
+// boxes outweigh their 1.6x as many tile ends (H200, same run, bench/NOTES.md twenty-fifth session: +5 to +10 %
+// against 256 with 4096-8192 tokens per expert, -2 to +3 % with 2048, mostly slower with 1024 or fewer).
+constexpr int64_t kLongReductionTokensPerExpert = 4096;
+
+// The tiling of moegemm's kernel: wide tiles (160 columns for an fp32 accumulation or a long reduction, else
+// 256), except 128 for a short fp32 accumulation and when 256-wide tiles would leave SMs idle. For the
+// accumulation into main_grad, 160 columns in one part (their column scales in registers, read before the
+// chain; the stage released before the promotion) beat 256 in two parts on most wide rows of the wgrad table:
+// -3 to +16 % in the twenty-fifth session's run (bench/NOTES.md), DeepSeek-V3-EP8 +7-8 %.
 inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
   const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
-  const bool short_accumulation =
-      p.out_kind == WgradOut::kF32Accumulate && reduction_tokens(p) < kShortReductionTokensPerExpert * p.E;
+  const bool accumulate = p.out_kind == WgradOut::kF32Accumulate;
+  const bool short_accumulation = accumulate && reduction_tokens(p) < kShortReductionTokensPerExpert * p.E;
   if (p.K <= 128 || wide_tiles < sms || short_accumulation) return kRaggedReductionTilings[0];
-  return kRaggedReductionTilings[p.out_kind == WgradOut::kF32Accumulate ? 2 : 1];
+  const bool long_reduction = reduction_tokens(p) >= kLongReductionTokensPerExpert * p.E;
+  return kRaggedReductionTilings[accumulate || long_reduction ? 2 : 1];
 }
 
 // The kernel an FP8 grouped GEMM runs when the caller names none: CUTLASS's when the environment variable

@@ -1,7 +1,6 @@
 // Launching moegemm's own FP8 ragged-reduction GEMM (fp8_ragged_reduction.cuh) with the tiling heuristics.h chose.
 #include <algorithm>
 #include <stdexcept>
-#include <string>
 
 #include "kernels/common/device.h"
 #include "kernels/gemm/heuristics.h"
@@ -30,8 +29,9 @@ void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream_t s
                                CU_TENSOR_MAP_SWIZZLE_128B}, name);
   const CUtensorMapDataType out_type = Cfg::kOut == WgradOut::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   const uint64_t row_bytes = K * Cfg::kOutBytes;
+  const CUtensorMapSwizzle out_swizzle = Cfg::kSlabRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   k.d = sm90::make_tensor_map_3d(sm90::Tensor3d{{p.out, out_type, Cfg::kOutBytes, N, K, row_bytes, Cfg::kWarpgroupRows, Cfg::kSlabCols,
-                                              CU_TENSOR_MAP_SWIZZLE_128B},
+                                              out_swizzle},
                                              uint64_t(p.E), N * row_bytes},
                               name);
   k.sa = a.s;
@@ -60,16 +60,10 @@ void launch_out(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream
 
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
                                cudaStream_t stream) {
-  if (tiling.fp32_only && p.out_kind == WgradOut::kBF16)
-    throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): the tiling of " + std::to_string(tiling.block_n) +
-                             " columns is built for fp32 outputs only; a bf16 output takes another tiling");
-  // one instantiation per entry of heuristics.h's kRaggedReductionTilings and output kind it is built for
+  // one instantiation per entry of heuristics.h's kRaggedReductionTilings and output kind
   if (tiling.block_n == 128) return launch_out<128>(p, a, b, stream);
+  if (tiling.block_n == 160) return launch_out<160>(p, a, b, stream);
   if (tiling.block_n == 256) return launch_out<256>(p, a, b, stream);
-  if (tiling.block_n == 160) {  // fp32 outputs only
-    if (p.out_kind == WgradOut::kF32) return launch<Config<160, WgradOut::kF32>>(p, a, b, stream);
-    return launch<Config<160, WgradOut::kF32Accumulate>>(p, a, b, stream);
-  }
   throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): no kernel built for this tiling");
 }
 

@@ -26,8 +26,8 @@
 //   the promotion); with two (their accumulators fill the registers) they are read from shared memory per
 //   8-column chunk and the stage is released after the last part's promotion. With fp32 accumulation at 128
 //   or 256 columns the warpgroups take turns at issuing their chains; at 160 they run independently.
-// - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns)
-//   through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
+// - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns; 32 bf16
+//   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
 //   written or added into the output (Megatron's main_grad): when all of the warpgroup's columns fit in
 //   its buffers, its current values are loaded into them by TMA as the tile starts and added in registers,
 //   else TMA's reduce-add adds in L2 (the values prefetched into L2 a few boxes before the main loop ends).
@@ -59,7 +59,7 @@ namespace moegemm::sm90 {
 // One kernel configuration: BLOCK_M = 128 rows of the gradient (two warpgroups of 64), BLOCK_K = 128
 // tokens (one scale block per stage), BLOCK_N = 128 or 160 columns in one part or 256 in two parts of 128,
 // each part one wgmma chain (64 x part x 32) into the temporary accumulator; the output kind (WgradOut) fixed
-// per instantiation (160 only with fp32 outputs: bf16 is stored in slabs of 64 columns).
+// per instantiation.
 template <int kBlockN_, WgradOut kOut_>
 struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
@@ -84,11 +84,13 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // bench/NOTES.md twenty-fifth session). At 128 columns, read before the issue, the issue waited for them.
   static constexpr bool kColsBeforeChain = kParts == 1 && kBlockN > 128;
 
-  // epilogue: slabs of a warpgroup's 64 rows x one 128-byte swizzle span
+  // epilogue: slabs of a warpgroup's 64 rows x one swizzle span, 128 bytes (128B swizzle), or 64 bytes (64B
+  // swizzle) for bf16 when 64 columns do not divide the part (160)
   static constexpr int kOutBytes = kOut == WgradOut::kBF16 ? 2 : 4;
-  static constexpr int kSlabCols = 128 / kOutBytes;
-  static constexpr int kSlabBytes = kWarpgroupRows * 128;
-  static_assert(kPartN % kSlabCols == 0, "whole slabs per part (so no bf16 output at 160 columns)");
+  static constexpr int kSlabRowBytes = kPartN % (128 / kOutBytes) == 0 ? 128 : 64;
+  static constexpr int kSlabCols = kSlabRowBytes / kOutBytes;
+  static constexpr int kSlabBytes = kWarpgroupRows * kSlabRowBytes;
+  static_assert(kPartN % kSlabCols == 0, "whole slabs per part");
   // buffers per warpgroup: 4 measured faster than 2 wherever the output is the bound (the wgrad table)
   static constexpr int kSlabBuffers = 4;
   // fp32 accumulation with all of a warpgroup's output columns in its buffers: the gradient's current
@@ -489,7 +491,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
             for (int v = 0; v < 2; ++v) {
               const float lo = out[h][4 * j + 2 * v], hi = out[h][4 * j + 2 * v + 1];
               if constexpr (Cfg::kOut == WgradOut::kBF16) {
-                *reinterpret_cast<uint32_t*>(buf + sw128_offset(r + 8 * v, 2 * c)) = pack_bf16x2(lo, hi);
+                const int at = Cfg::kSlabRowBytes == 128 ? sw128_offset(r + 8 * v, 2 * c) : sw64_offset(r + 8 * v, 2 * c);
+                *reinterpret_cast<uint32_t*>(buf + at) = pack_bf16x2(lo, hi);
               } else {
                 float2* dst = reinterpret_cast<float2*>(buf + sw128_offset(r + 8 * v, 4 * c));
                 if constexpr (Cfg::kLoadC) {

@@ -33,6 +33,12 @@ __device__ __forceinline__ int sw128_offset(int row, int col) {
   return row * 128 + (((col / 16) ^ (row % 8)) * 16) + col % 16;
 }
 
+// The same in a 64B-swizzled tile of 64-byte rows (unit u of row r stored at unit u ^ (r / 2 % 4): the
+// 128B pattern's address bits on rows half as long).
+__device__ __forceinline__ int sw64_offset(int row, int col) {
+  return row * 64 + (((col / 16) ^ (row / 2 % 4)) * 16) + col % 16;
+}
+
 template <int kN> struct WgmmaOp;
 template <> struct WgmmaOp<128> { using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>; };
 template <> struct WgmmaOp<160> { using type = cute::SM90::GMMA::MMA_64x160x32_F32E4M3E4M3_SS_TN<>; };

@@ -79,8 +79,8 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // and the stage is released after it.
   static constexpr bool kColsInRegisters = kParts == 1;
   // At 160 columns their 20 pairs are read before the chain is issued and the warpgroups run independently (no
-  // turns, below), as DeepGEMM's k-grouped kernel does: fp32 accumulation +5 to +8 % on the wide rows of the wgrad
-  // table against reading them after the issue with turns (either change alone: +2 to +4 %, -2 to -6 %; H200,
+  // turns, below), as DeepGEMM's k-grouped kernel does: fp32 accumulation +2 to +8 % on the wide rows of the wgrad
+  // table against reading them after the issue with turns (either change alone: -1 to +4 %, -3 to -6 %; H200,
   // bench/NOTES.md twenty-fifth session). At 128 columns, read before the issue, the issue waited for them.
   static constexpr bool kColsBeforeChain = kParts == 1 && kBlockN > 128;
 
@@ -108,7 +108,7 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // runs (waiting for the other's chain to complete instead was slower, bench/NOTES.md). With fp32 accumulation
   // 0 to +12 % on the wgrad table's 256-column rows (H200, same run; DeepGEMM's 8x2048 M=28672 643 -> 722
   // TFLOP/s, Mixtral-8x7B fc1 665 -> 731), unchanged at 128 columns; with bf16 output 1-5 % slower, and at 160
-  // columns with the column scales read before the chain (kColsBeforeChain) 3-8 % slower: not there.
+  // columns with the column scales read before the chain (kColsBeforeChain) up to 4 % slower: not there.
   static constexpr bool kPingPong = kOut == WgradOut::kF32Accumulate && !kColsBeforeChain;
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)

@@ -27,12 +27,12 @@
 //   8-column chunk and the stage is released after the last part's promotion. With fp32 accumulation at 128
 //   or 256 columns the warpgroups take turns at issuing their chains; at 160 they run independently.
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns; 32 bf16
-//   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA while the next is written; fp32 is
-//   written or added into the output (Megatron's main_grad): when all of the warpgroup's columns fit in
-//   its buffers, its current values are loaded into them by TMA as the tile starts and added in registers,
-//   else TMA's reduce-add adds in L2 (the values prefetched into L2 a few boxes before the main loop ends).
-//   bf16 is written. A 3-D tensor map over [E, N, K] clips rows past N and columns past K. The last stores
-//   overlap the next tile's main loop.
+//   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA
+//   while the next is written; fp32 is written or added into the output (Megatron's main_grad): when all of
+//   the warpgroup's columns fit in its buffers, its current values are loaded into them by TMA as the tile
+//   starts and added in registers, else TMA's reduce-add adds in L2 (the values prefetched into L2 a few
+//   boxes before the main loop ends). bf16 is written. A 3-D tensor map over [E, N, K] clips rows past N
+//   and columns past K. The last stores overlap the next tile's main loop.
 // - A plan that does not fit the column copy (plan_fits) is taken as the plan of no tokens.
 #pragma once
 

@@ -202,7 +202,7 @@ def _ragged_k(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, E: int) -> t
 
 def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     """fprop (b = W) and dgrad (b = Wᵀ copy): row-quantized a times per-expert block-quantized b."""
-    return _ragged_m(dequantize_rows(qa, sa), dequantize_weight(qb, sb), plan, out_dtype)
+    return gemm_fp8_fprop(qa, sa, qb, sb, plan, out_dtype, None)
 
 
 def gemm_fp8_fprop(qa, sa, qb, sb, plan, out_dtype, bias):

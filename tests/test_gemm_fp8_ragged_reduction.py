@@ -1,8 +1,8 @@
 """The FP8 ragged-reduction GEMM (wgrad) on each of its kernels against the reference, on a Hopper GPU.
 
 kernel=1 is CUTLASS's ptr-array kernel, kernel=2 moegemm's own persistent sm90 kernel
-(csrc/kernels/gemm/sm90/fp8_ragged_reduction.cuh) in each of its tilings (heuristics.h: BLOCK_N 128, 256, and 160
-for fp32 outputs only).
+(csrc/kernels/gemm/sm90/fp8_ragged_reduction.cuh) in each of its tilings (heuristics.h: BLOCK_N 128, 256 and 160),
+each with every output kind.
 Each case draws fresh operands, fills the column copies' unspecified bytes (each expert's padding and
 everything past the last expert) with garbage that includes NaN codes, poisons the output's memory for the
 written outputs, and checks ‖out − ref‖/‖ref‖ against the float64 reference on the same quantized operands

@@ -92,8 +92,7 @@ def main() -> int:
             return lambda: torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(*ops_, plan, out, *kernel)
         return lambda: torch.ops.moegemm.gemm_fp8_ragged_k(*ops_, plan, torch.bfloat16, *kernel)
 
-    cols = [f"{k} {m}" for m in MODES for k in kernels]
-    cols += ["DeepGEMM f32+="] if dg else []
+    cols = [f"{k} {m}" for m in MODES for k in kernels] + (["DeepGEMM f32+="] if dg else [])
     rows = []
     print("TFLOP/s on real tokens\n" + f"{'problem':40s} {'T':>6s}" + "".join(f" {c:>14s}" for c in cols), flush=True)
     for label, splits, N, K in problems(args.quick, args.shapes):

@@ -22,8 +22,7 @@ import torch  # noqa: E402  (after the machine check)
 import moegemm  # noqa: E402
 from moegemm import reference as ref  # noqa: E402
 from moegemm.backends import cuda as cuda_ops  # noqa: E402
-from moegemm.layout import (GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS,  # noqa: E402
-                            SM90_RAGGED_ROWS_TILINGS)
+from moegemm.layout import GEMM_CUTLASS, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS, SM90_RAGGED_ROWS_TILINGS  # noqa: E402
 
 torch.manual_seed(0)
 splits = [0, 17, 130, 1, 64]

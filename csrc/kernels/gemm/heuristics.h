@@ -82,11 +82,11 @@ constexpr int64_t kLongReductionTokensPerExpert = 4096;
 // -3 to +16 % in the twenty-fifth session's run (bench/NOTES.md), DeepSeek-V3-EP8 +7-8 %.
 inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
   const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
+  const int64_t tokens = reduction_tokens(p);
   const bool accumulate = p.out_kind == WgradOut::kF32Accumulate;
-  const bool short_accumulation = accumulate && reduction_tokens(p) < kShortReductionTokensPerExpert * p.E;
-  if (p.K <= 128 || wide_tiles < sms || short_accumulation) return kRaggedReductionTilings[0];
-  const bool long_reduction = reduction_tokens(p) >= kLongReductionTokensPerExpert * p.E;
-  return kRaggedReductionTilings[accumulate || long_reduction ? 2 : 1];
+  if (p.K <= 128 || wide_tiles < sms || (accumulate && tokens < kShortReductionTokensPerExpert * p.E))
+    return kRaggedReductionTilings[0];
+  return kRaggedReductionTilings[accumulate || tokens >= kLongReductionTokensPerExpert * p.E ? 2 : 1];
 }
 
 // The kernel an FP8 grouped GEMM runs when the caller names none: CUTLASS's when the environment variable

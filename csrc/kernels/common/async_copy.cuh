@@ -1,4 +1,4 @@
-// Asynchronous copies global -> shared memory (16-byte cp.async per thread, sm_80+) completing on an
+// Asynchronous copies global -> shared memory (16- or 4-byte cp.async per thread, sm_80+) completing on an
 // mbarrier, and the mbarrier and named-barrier steps of a ring of shared-memory stages. Device-only.
 #pragma once
 
@@ -32,6 +32,11 @@ __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
 // 16 bytes from global to shared memory (both 16-byte aligned), bypassing L1.
 __device__ __forceinline__ void load16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// 4 bytes from global to shared memory (both 4-byte aligned), through L1.
+__device__ __forceinline__ void load4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
 // Waits until every cp.async this thread issued has landed (its own copies only: a CTA barrier follows

@@ -80,7 +80,8 @@ __device__ __forceinline__ float act_grad(float d, float g, float up, float p, f
   return d * f * up;
 }
 
-// a[t, k] = act(h[t, k]) * (GLU: h[t, F + k]) * probs[t]; staged: the gate columns (and the up columns).
+// a[t, k] = act(h[t, k]) * (GLU: h[t, F + k]) * probs[t]; staged: the gate columns (and the up columns) and
+// probs (the row factor).
 template <class Act, bool kGlu>
 struct ActForward {
   using Raw = __nv_bfloat16;
@@ -89,6 +90,7 @@ struct ActForward {
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = kGlu;  // (the GLU's values in place of gate and up: multicast.cuh, per_tile)
   static constexpr bool kInPlace = kGlu;
+  static constexpr bool kRowFactor = true;  // probs
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
@@ -97,12 +99,12 @@ struct ActForward {
     return 1;
   }
   __device__ __forceinline__ const __nv_bfloat16* row_start(int, int64_t row) const { return h + row * (kGlu ? 2 * F : F); }
-  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], int64_t row, int64_t,
+  __device__ __forceinline__ const float* row_factor() const { return probs; }
+  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], float p, int64_t, int64_t,
                                           float (&v)[multicast::kVec]) const {
     float g[multicast::kVec], u[multicast::kVec];
     multicast::load8(raw[0], g);
     if constexpr (kGlu) multicast::load8(raw[kInputs - 1], u);
-    const float p = prob(probs, row);
 #pragma unroll
     for (int i = 0; i < multicast::kVec; ++i) v[i] = Act::f(g[i]) * (kGlu ? u[i] : 1.f) * p;
     return 0.f;
@@ -121,10 +123,12 @@ struct ActBackward {
   static constexpr bool kExtra = true;
   static constexpr bool kPerTile = false;  // (several staged inputs)
   static constexpr bool kInPlace = false;
+  static constexpr bool kRowFactor = true;  // probs
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
+  __device__ __forceinline__ const float* row_factor() const { return probs; }
   __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
     if (!kGlu) {
       seg[0] = {k0, 0, nk};
@@ -140,7 +144,7 @@ struct ActBackward {
   __device__ __forceinline__ const __nv_bfloat16* row_start(int in, int64_t row) const {
     return in == 0 ? da + row * F : h + row * (kGlu ? 2 * F : F);
   }
-  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], int64_t row, int64_t k,
+  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], float p, int64_t, int64_t k,
                                           float (&v)[multicast::kVec]) const {
     constexpr int n = multicast::kVec;
     const bool up_half = kGlu && k >= F;  // F is a multiple of 16: a lane's eight columns are all on one side
@@ -148,7 +152,6 @@ struct ActBackward {
     multicast::load8(raw[0], d);
     multicast::load8(raw[1], g);
     if (kGlu && !up_half) multicast::load8(raw[kInputs - 1], u);
-    const float p = prob(probs, row);
     float extra = 0.f, unused;
     if (up_half) {  // (act_grad's up-side value, without the derivative)
 #pragma unroll
@@ -172,10 +175,12 @@ struct ActBackwardPaired {
   static constexpr bool kExtra = true;
   static constexpr bool kPerTile = false;  // (several staged inputs)
   static constexpr bool kInPlace = false;
+  static constexpr bool kRowFactor = true;  // probs
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
+  __device__ __forceinline__ const float* row_factor() const { return probs; }
   __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
     seg[0] = {in == 2 ? F + k0 : k0, 0, nk};
     return 1;
@@ -183,14 +188,13 @@ struct ActBackwardPaired {
   __device__ __forceinline__ const __nv_bfloat16* row_start(int in, int64_t row) const {
     return in == 0 ? da + row * F : h + row * 2 * F;
   }
-  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], int64_t row, int64_t,
+  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], float p, int64_t, int64_t,
                                           float (&gate_grad)[multicast::kVec], float (&up_grad)[multicast::kVec]) const {
     constexpr int n = multicast::kVec;
     float d[n], g[n], u[n];
     multicast::load8(raw[0], d);
     multicast::load8(raw[1], g);
     multicast::load8(raw[2], u);
-    const float p = prob(probs, row);
     float extra = 0.f;
 #pragma unroll
     for (int i = 0; i < n; ++i) extra += act_grad<Act>(d[i], g[i], u[i], p, gate_grad[i], up_grad[i]);

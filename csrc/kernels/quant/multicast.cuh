@@ -19,8 +19,10 @@
 //   activation loaders    act(h) (* up) * probs and its gradient (activation.cu), so the activation
 //                         between the two GEMMs of an expert MLP never goes through memory in bf16.
 // A loader has kInputs staged inputs of element type Raw; for a tile's columns [k0, k0 + nk) it names up
-// to two column segments of each input (segments) and the start of a row of it (row_start); from the
-// staged rows it computes eight values of each of its kOut output blocks (values): with kOut = 2 a tile
+// to two column segments of each input (segments) and the start of a row of it (row_start); with kRowFactor
+// it has one fp32 factor per row (row_factor(): the router probs, or null for none), staged beside the
+// inputs so that no global load sits among the values; from the staged rows and the row's factor (1 without
+// one) it computes eight values of each of its kOut output blocks (values): with kOut = 2 a tile
 // makes output blocks kt and Kt + kt of the K = 2 Kt * 128 output columns (the two halves of a GLU
 // gradient from one read of its inputs). It may also return a per-element "extra" whose per-row sums
 // over each tile are written to row_extra [T, Kb] at the first output block (zeros at the second): the
@@ -112,6 +114,7 @@ struct PlainLoader {
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = sizeof(T) == 2;  // (fp32: slower per tile on the small-experts shape)
   static constexpr bool kInPlace = false;
+  static constexpr bool kRowFactor = false;
   const T* x;
   int64_t K;
   __device__ __forceinline__ int segments(int, int64_t k0, int nk, Segment (&seg)[2]) const {
@@ -119,7 +122,8 @@ struct PlainLoader {
     return 1;
   }
   __device__ __forceinline__ const T* row_start(int, int64_t row) const { return x + row * K; }
-  __device__ __forceinline__ float values(const T* const (&raw)[kInputs], int64_t, int64_t, float (&v)[kVec]) const {
+  __device__ __forceinline__ const float* row_factor() const { return nullptr; }
+  __device__ __forceinline__ float values(const T* const (&raw)[kInputs], float, int64_t, int64_t, float (&v)[kVec]) const {
     load8(raw[0], v);
     return 0.f;
   }
@@ -136,6 +140,7 @@ struct Fp8RowsLoader {
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = false;  // (not measured per tile yet)
   static constexpr bool kInPlace = false;
+  static constexpr bool kRowFactor = false;
   const uint8_t* q;
   const float* s;
   int64_t K, pitch;
@@ -144,7 +149,8 @@ struct Fp8RowsLoader {
     return 1;
   }
   __device__ __forceinline__ const uint8_t* row_start(int, int64_t row) const { return q + row * K; }
-  __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], int64_t row, int64_t k,
+  __device__ __forceinline__ const float* row_factor() const { return nullptr; }
+  __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], float, int64_t row, int64_t k,
                                           float (&v)[kVec]) const {
     const uint2 bytes = *reinterpret_cast<const uint2*>(raw[0]);
     const float scale = s[k / kBlock * pitch + row];
@@ -206,15 +212,26 @@ __device__ __forceinline__ int walk_expert(const int32_t* blk, int E, int64_t b,
   }
 }
 
-// Bytes of one stage of the ring: the loader's staged inputs, 128 x 128 elements each.
+// Bytes of one stage of the ring: the loader's staged inputs, 128 x 128 elements each, then (kRowFactor) the
+// tile's 128 row factors.
+template <class Loader>
+constexpr int64_t staged_input_bytes() {
+  return int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
+}
 template <class Loader>
 constexpr int64_t stage_bytes() {
-  return int64_t(Loader::kInputs) * kBlock * kBlock * sizeof(typename Loader::Raw);
+  return staged_input_bytes<Loader>() + (Loader::kRowFactor ? kBlock * 4 : 0);
+}
+// The row factors of a stage (kRowFactor), row r of the tile at [r].
+template <class Loader>
+__device__ __forceinline__ const float* staged_factors(const typename Loader::Raw* stage) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(stage) + staged_input_bytes<Loader>());
 }
 
 // Every thread's share of the loads of a tile's nr tokens from row0, the loader's columns [k0, k0 + nk), into
 // `stage` (kInputs inputs of 128 x 128): 16-byte chunk c of rows r0, r0 + kThreads / (chunks per row), ...
-// (a chunk's columns lie in at most one segment of each input).
+// (a chunk's columns lie in at most one segment of each input); with kRowFactor, thread r < nr the factor of
+// row r (4 bytes: a tile's first row is any token).
 template <int kThreads, class Loader>
 __device__ __forceinline__ void load_tile_rows(const Loader& src, typename Loader::Raw* stage, int64_t row0, int nr,
                                                int64_t k0, int nk, int tid) {
@@ -232,6 +249,12 @@ __device__ __forceinline__ void load_tile_rows(const Loader& src, typename Loade
     if (from < 0) continue;
     for (int r = r0; r < nr; r += kRowStep)
       async_copy::load16(stage + in * kBlock * kBlock + r * kBlock + cc, src.row_start(in, row0 + r) + from);
+  }
+  if constexpr (Loader::kRowFactor) {
+    static_assert(kThreads >= kBlock, "a thread per row of the tile");
+    const float* factor = src.row_factor();
+    if (factor != nullptr && tid < nr)
+      async_copy::load4(const_cast<float*>(staged_factors<Loader>(stage)) + tid, factor + row0 + tid);
   }
 }
 
@@ -387,6 +410,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
       // Values of the thread's 4 rows from the stage.
       float v[kOut][kRows][kVec];
       float extra[kRows];
+      const bool has_factor = Loader::kRowFactor && src.row_factor() != nullptr;
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
@@ -395,8 +419,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
           const Raw* raw[Loader::kInputs];
 #pragma unroll
           for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
-          if constexpr (kOut == 1) extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr]);
-          else extra[jr] = src.values(raw, tile.row0 + r, k0 + kVec * hl, v[0][jr], v[1][jr]);
+          const float factor = has_factor ? staged_factors<Loader>(staged)[r] : 1.f;
+          if constexpr (kOut == 1) extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[0][jr]);
+          else extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[0][jr], v[1][jr]);
         } else {
 #pragma unroll
           for (int c = 0; c < kVec; ++c)
@@ -820,7 +845,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
             const Raw* raw[Loader::kInputs];
 #pragma unroll
             for (int in = 0; in < Loader::kInputs; ++in) raw[in] = at + in * kStageElems;
-            src.values(raw, row0 + r, k0 + kVec * hl, v[jr].v);
+            const float factor = Loader::kRowFactor && src.row_factor() != nullptr ? staged_factors<Loader>(staged)[r] : 1.f;
+            src.values(raw, factor, row0 + r, k0 + kVec * hl, v[jr].v);
             if (kInPlace && qT != nullptr) {  // (the column pass's values)
               *reinterpret_cast<float4*>(at) = make_float4(v[jr].v[0], v[jr].v[1], v[jr].v[2], v[jr].v[3]);
               *reinterpret_cast<float4*>(at + kStageElems) = make_float4(v[jr].v[4], v[jr].v[5], v[jr].v[6], v[jr].v[7]);

@@ -20,7 +20,7 @@
 //                         between the two GEMMs of an expert MLP never goes through memory in bf16.
 // A loader has kInputs staged inputs of element type Raw; for a tile's columns [k0, k0 + nk) it names up
 // to two column segments of each input (segments) and the start of a row of it (row_start); with kRowFactor
-// it has one fp32 factor per row (row_factor(): the router probs, or null for none), staged beside the
+// it has one fp32 factor per row (its row_factor(): the router probs, or null for none), staged beside the
 // inputs so that no global load sits among the values; from the staged rows and the row's factor (1 without
 // one) it computes eight values of each of its kOut output blocks (values): with kOut = 2 a tile
 // makes output blocks kt and Kt + kt of the K = 2 Kt * 128 output columns (the two halves of a GLU
@@ -122,7 +122,6 @@ struct PlainLoader {
     return 1;
   }
   __device__ __forceinline__ const T* row_start(int, int64_t row) const { return x + row * K; }
-  __device__ __forceinline__ const float* row_factor() const { return nullptr; }
   __device__ __forceinline__ float values(const T* const (&raw)[kInputs], float, int64_t, int64_t, float (&v)[kVec]) const {
     load8(raw[0], v);
     return 0.f;
@@ -149,7 +148,6 @@ struct Fp8RowsLoader {
     return 1;
   }
   __device__ __forceinline__ const uint8_t* row_start(int, int64_t row) const { return q + row * K; }
-  __device__ __forceinline__ const float* row_factor() const { return nullptr; }
   __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], float, int64_t row, int64_t k,
                                           float (&v)[kVec]) const {
     const uint2 bytes = *reinterpret_cast<const uint2*>(raw[0]);
@@ -222,10 +220,19 @@ template <class Loader>
 constexpr int64_t stage_bytes() {
   return staged_input_bytes<Loader>() + (Loader::kRowFactor ? kBlock * 4 : 0);
 }
-// The row factors of a stage (kRowFactor), row r of the tile at [r].
+// The row factors of a stage (kRowFactor), row r of the tile at [r] (const as the stage is).
+template <class Loader, class Raw>
+__device__ __forceinline__ auto staged_factors(Raw* stage) {
+  using Float = std::conditional_t<std::is_const_v<Raw>, const float, float>;
+  return reinterpret_cast<Float*>(stage + staged_input_bytes<Loader>() / sizeof(Raw));
+}
+// The factor row r of a staged tile's values take: its staged factor, or 1 (no factor).
 template <class Loader>
-__device__ __forceinline__ const float* staged_factors(const typename Loader::Raw* stage) {
-  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(stage) + staged_input_bytes<Loader>());
+__device__ __forceinline__ float row_factor_of(const Loader& src, const typename Loader::Raw* stage, int r) {
+  if constexpr (Loader::kRowFactor) {
+    if (src.row_factor() != nullptr) return staged_factors<Loader>(stage)[r];
+  }
+  return 1.f;
 }
 
 // Every thread's share of the loads of a tile's nr tokens from row0, the loader's columns [k0, k0 + nk), into
@@ -254,7 +261,7 @@ __device__ __forceinline__ void load_tile_rows(const Loader& src, typename Loade
     static_assert(kThreads >= kBlock, "a thread per row of the tile");
     const float* factor = src.row_factor();
     if (factor != nullptr && tid < nr)
-      async_copy::load4(const_cast<float*>(staged_factors<Loader>(stage)) + tid, factor + row0 + tid);
+      async_copy::load4(staged_factors<Loader>(stage) + tid, factor + row0 + tid);
   }
 }
 
@@ -410,7 +417,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
       // Values of the thread's 4 rows from the stage.
       float v[kOut][kRows][kVec];
       float extra[kRows];
-      const bool has_factor = Loader::kRowFactor && src.row_factor() != nullptr;
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
@@ -419,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
           const Raw* raw[Loader::kInputs];
 #pragma unroll
           for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
-          const float factor = has_factor ? staged_factors<Loader>(staged)[r] : 1.f;
+          const float factor = row_factor_of(src, staged, r);
           if constexpr (kOut == 1) extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[0][jr]);
           else extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[0][jr], v[1][jr]);
         } else {
@@ -845,8 +851,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
             const Raw* raw[Loader::kInputs];
 #pragma unroll
             for (int in = 0; in < Loader::kInputs; ++in) raw[in] = at + in * kStageElems;
-            const float factor = Loader::kRowFactor && src.row_factor() != nullptr ? staged_factors<Loader>(staged)[r] : 1.f;
-            src.values(raw, factor, row0 + r, k0 + kVec * hl, v[jr].v);
+            src.values(raw, row_factor_of(src, staged, r), row0 + r, k0 + kVec * hl, v[jr].v);
             if (kInPlace && qT != nullptr) {  // (the column pass's values)
               *reinterpret_cast<float4*>(at) = make_float4(v[jr].v[0], v[jr].v[1], v[jr].v[2], v[jr].v[3]);
               *reinterpret_cast<float4*>(at + kStageElems) = make_float4(v[jr].v[4], v[jr].v[5], v[jr].v[6], v[jr].v[7]);

@@ -189,6 +189,14 @@ struct ExpertBias {
 // table (kRaggedRowsTilings). No workspace.
 int num_ragged_rows_tilings();  // the size of that table
 void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, cudaStream_t stream);
+// The same GEMM on a bf16 x [T, K] in one launch, with the tiling heuristics.h picks: its CTAs first build the plan
+// of plan.m_splits into plan.plan (make_plan's, for the kernels after it too; p.plan is the same buffer) and x's FP8
+// row copy into qa [T, K] and sa (quantize_act's rows, the same bytes), then wait for each other (a cooperative
+// launch) and run the GEMM with a = (qa, sa). Needs T >= 1 and make_plan's requirements.
+void gemm_fp8_ragged_m_quantize_a(const RaggedRows& p, const void* x, const PlanBuild& plan, uint8_t* qa, float* sa,
+                                  Fp8Operand b, ExpertBias bias, cudaStream_t stream);
+// Whether that one launch is the faster way for an x of T x K values (csrc/kernels/gemm/heuristics.h).
+bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K);
 // The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
 // moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.
 enum class GemmKernel : int { kDefault = 0, kCutlass = 1, kSm90 = 2 };

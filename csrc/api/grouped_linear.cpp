@@ -72,14 +72,21 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
       qw = std::move(run_quantize_weights({{weight_input(weight), to_dtype(weight, "weight")}}, need_dx, {splits, T, plan})[0]);
       plan_from = Tensor();
     }
-    Quantized qx = fp8_x ? run_requantize_cols(given.q, given.s, plan, need_dw, plan_from)
-                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw, plan_from);
-    y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan, -1, bias);  // the bias added in the GEMM's epilogue
+    // the bias added in the GEMM's epilogue; a bf16 x quantized in the GEMM's launch where that pays and nothing of
+    // it is saved (qx then stays empty)
+    Quantized qx;
+    if (fp8_x) {
+      qx = run_requantize_cols(given.q, given.s, plan, need_dw, plan_from);
+      y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan, -1, bias);
+    } else {
+      y = run_fprop_from_bf16(x, plan, plan_from, qw.q, qw.s, bias, need_dw, qx);
+    }
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
     const bool keep_wT = need_dx && !weight_given;
     saved.resize(saved_fp8::kCount);
-    saved[saved_fp8::kQxT] = qx.qT, saved[saved_fp8::kSxT] = qx.sT;
+    saved[saved_fp8::kQxT] = qx.qT.defined() ? qx.qT : none_like(x, at::kFloat8_e4m3fn);
+    saved[saved_fp8::kSxT] = qx.sT.defined() ? qx.sT : none_like(x, at::kFloat);
     saved[saved_fp8::kQwT] = keep_wT ? qw.qT : none_like(x, at::kFloat8_e4m3fn);
     saved[saved_fp8::kSwT] = keep_wT ? qw.sT : none_like(x, at::kFloat);
   } else {

@@ -107,9 +107,16 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
       qw1 = std::move(qw[0]), qw2 = std::move(qw[1]);
       plan_from = Tensor();
     }
-    Quantized qx = fp8_x ? run_requantize_cols(given_x.q, given_x.s, plan, need_dw1, plan_from)
-                         : run_quantize_act(x, DType::kBF16, plan, true, need_dw1, plan_from);
-    Tensor h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan, -1, b1);  // biases added in the GEMMs' epilogues
+    // biases added in the GEMMs' epilogues; a bf16 x quantized in fc1's launch where that pays and nothing of it is
+    // saved (qx then stays empty)
+    Quantized qx;
+    Tensor h;
+    if (fp8_x) {
+      qx = run_requantize_cols(given_x.q, given_x.s, plan, need_dw1, plan_from);
+      h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan, -1, b1);
+    } else {
+      h = run_fprop_from_bf16(x, plan, plan_from, qw1.q, qw1.s, b1, need_dw1, qx);
+    }
     qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
     y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2);
@@ -118,7 +125,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
       auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };
       auto none32 = [&] { return none_like(x, at::kFloat); };
       saved.resize(fp8::kCount);
-      saved[fp8::kQxT] = qx.qT, saved[fp8::kSxT] = qx.sT, saved[fp8::kH] = h;
+      saved[fp8::kQxT] = qx.qT.defined() ? qx.qT : none8(), saved[fp8::kSxT] = qx.sT.defined() ? qx.sT : none32();
+      saved[fp8::kH] = h;
       saved[fp8::kQaT] = qa.qT, saved[fp8::kSaT] = qa.sT;
       saved[fp8::kQw1T] = given ? none8() : qw1.qT, saved[fp8::kSw1T] = given ? none32() : qw1.sT;
       saved[fp8::kQw2T] = given ? none8() : qw2.qT, saved[fp8::kSw2T] = given ? none32() : qw2.sT;

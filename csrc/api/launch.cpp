@@ -165,6 +165,30 @@ Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& q
   return out;
 }
 
+Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
+                                        const Tensor& sb, const Tensor& bias) {
+  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m_quantize_a");
+  const int E = num_experts(plan);
+  const int64_t T = x.size(0), K = x.size(1), N = qb.size(1);
+  const Tensor qa = empty({T, K}, at::kFloat8_e4m3fn, x), sa = empty_row_scales(T, ceil_div(K, kBlock), x);
+  Tensor out = empty({T, N}, at::kBFloat16, x);
+  const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
+  const DeviceSplits from = device_splits(m_splits);
+  gemm_fp8_ragged_m_quantize_a({plan_ptr(plan), E, T, N, K, out.data_ptr()}, x.data_ptr(),
+                               {from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, bytes(qa), sa.data_ptr<float>(),
+                               {cbytes(qb), sb.data_ptr<float>()}, b, current_stream(x));
+  return out;
+}
+
+Tensor run_fprop_from_bf16(const Tensor& x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb, const Tensor& sb,
+                           const Tensor& bias, bool cols, Quantized& qx) {
+  const int64_t T = x.size(0), K = x.size(1);
+  if (!cols && plan_from.defined() && T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K))
+    return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias);
+  qx = run_quantize_act(x, DType::kBF16, plan, true, cols, plan_from);
+  return run_gemm_fp8_ragged_m(qx.q, qx.s, qb, sb, plan, -1, bias);
+}
+
 namespace {
 WgradOut wgrad_out(const Tensor& out, bool accumulate) {
   if (out.scalar_type() != at::kFloat) return WgradOut::kBF16;

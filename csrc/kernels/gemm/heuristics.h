@@ -50,6 +50,16 @@ inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms)
   return kRaggedRowsTilings[best];
 }
 
+// Whether an FP8 forward from a bf16 x [T, K] quantizes x inside the GEMM's launch (the fused prologue,
+// gemm_fp8_ragged_m_quantize_a: one launch) rather than in one of its own before it: for an x of up to 2^23 values
+// (16 MiB), where the host's time per call is the bound. Its prologue quantizes x at a lower rate than the quantizer's
+// own kernel and the GEMM starts after all of it (a grid barrier): measured on an H200 (bench/NOTES.md, twenty-seventh
+// session; same machine, bitwise equal) the one launch took 0 to 11 % less GPU time on the host sweep's layers
+// (T 8192, K 1024, E 8-256) and 10-20 us less host time per call, but 1-3 % more GPU time on the model shapes' fc1 and
+// fc2 (x of 34-470 MiB).
+constexpr int64_t kQuantizeAInGemmMaxValues = int64_t(1) << 23;
+inline bool quantize_a_in_gemm(int64_t T, int64_t K) { return T * K <= kQuantizeAInGemmMaxValues; }
+
 // moegemm's own ragged-reduction kernel (sm90/fp8_ragged_reduction.cuh, the FP8 wgrad): BLOCK_M = 128
 // gradient rows, BLOCK_N = 128, 256 or 160 columns. The table of tilings it is built with; a raw op may ask for
 // one by its index.

@@ -24,6 +24,15 @@ void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const v
 struct RaggedRowsTiling;  // heuristics.h
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
                           cudaStream_t stream);
+// The fused form (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): its launch builds the plan and A itself.
+struct RowsPrologue {
+  const void* x;  // [T, K] bf16
+  PlanBuild plan;
+  uint8_t* qa;  // x's FP8 row copy [T, K] and its K-major row scales: written, then read as A
+  float* sa;
+};
+void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& prologue, Fp8Operand b, ExpertBias bias,
+                                     const RaggedRowsTiling& tiling, cudaStream_t stream);
 struct RaggedReductionTiling;  // heuristics.h
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
                                cudaStream_t stream);

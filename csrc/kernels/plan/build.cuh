@@ -35,23 +35,30 @@ struct AddClamped {
   __device__ __forceinline__ uint32_t operator()(uint32_t a, uint32_t b) const { return min(a + b, T); }
 };
 
+// The shared memory of scan_plan's two block scans (warp scans: a few hundred bytes, for the kernels that
+// build the plan on the side).
+template <int kThreads>
+struct PlanScan {
+  using Tokens = cub::BlockScan<uint32_t, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using Packed = cub::BlockScan<unsigned long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  union Storage {
+    typename Tokens::TempStorage tokens;
+    typename Packed::TempStorage packed;
+  };
+};
+
 // The plan of m_splits (int32 or int64 counts) scanned by a block of kThreads threads, thread t holding
 // experts t * kItems .. t * kItems + kItems - 1: visit(entry) for each of its experts < E, and the totals to
 // every thread. Each count is clamped to [0, T] before any sum (whatever the device values) and the running
 // token total to T; columns and blocks come from the clamped counts (their sums stay within
 // col_capacity(T, E), checked on the host to fit int32). Two block scans: the tokens, then the columns and
-// blocks together (packed in 64 bits). Every thread of the block calls it.
+// blocks together (packed in 64 bits), in `storage`. Every thread of the block calls it.
 template <int kThreads, class Visit>
-__device__ __forceinline__ PlanTotals scan_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, Visit&& visit) {
-  constexpr int kItems = kMaxExperts / kThreads;
-  static_assert(kItems * kThreads == kMaxExperts, "the block's threads hold kMaxExperts counts");
-  // warp scans: a few hundred bytes of shared memory, for the kernels that build the plan on the side
-  using TokenScan = cub::BlockScan<uint32_t, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  using PackedScan = cub::BlockScan<unsigned long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  __shared__ union {
-    typename TokenScan::TempStorage tokens;
-    typename PackedScan::TempStorage packed;
-  } storage;
+__device__ __forceinline__ PlanTotals scan_plan(const void* m_splits, bool m_is_int64, int E, int64_t T,
+                                                typename PlanScan<kThreads>::Storage& storage, Visit&& visit) {
+  constexpr int kItems = (kMaxExperts + kThreads - 1) / kThreads;
+  using TokenScan = typename PlanScan<kThreads>::Tokens;
+  using PackedScan = typename PlanScan<kThreads>::Packed;
   const int first = threadIdx.x * kItems;
   const AddClamped add{static_cast<uint32_t>(T)};
   uint32_t m[kItems], tok0[kItems], tokens;
@@ -81,16 +88,28 @@ __device__ __forceinline__ PlanTotals scan_plan(const void* m_splits, bool m_is_
   return {static_cast<int>(tokens), low(packed_total), high(packed_total)};
 }
 
+// The same with its storage in static shared memory.
+template <int kThreads, class Visit>
+__device__ __forceinline__ PlanTotals scan_plan(const void* m_splits, bool m_is_int64, int E, int64_t T, Visit&& visit) {
+  __shared__ typename PlanScan<kThreads>::Storage storage;
+  return scan_plan<kThreads>(m_splits, m_is_int64, E, T, storage, visit);
+}
+
 // Writes one expert's entries into plan [3, E+1] (its end column; the plan's first column is zeros).
 __device__ __forceinline__ void write_plan_entry(const PlanEntry& x, int E, int32_t* plan) {
   plan[x.e + 1] = x.tok1, plan[(E + 1) + x.e + 1] = x.col1, plan[2 * (E + 1) + x.e + 1] = x.blk1;
   if (x.e == 0) plan[0] = plan[E + 1] = plan[2 * (E + 1)] = 0;
 }
 
-// The plan of m_splits built by a block of kThreads threads (make_plan's kernel, or one CTA of another).
+// The plan of m_splits built by a block of kThreads threads (make_plan's kernel, or one CTA of another), the
+// scans' storage static or the caller's.
 template <int kThreads>
 __device__ __forceinline__ void build_plan(const PlanBuild& p) {
   scan_plan<kThreads>(p.m_splits, p.m_is_int64, p.E, p.T, [&](const PlanEntry& x) { write_plan_entry(x, p.E, p.plan); });
+}
+template <int kThreads>
+__device__ __forceinline__ void build_plan(const PlanBuild& p, typename PlanScan<kThreads>::Storage& storage) {
+  scan_plan<kThreads>(p.m_splits, p.m_is_int64, p.E, p.T, storage, [&](const PlanEntry& x) { write_plan_entry(x, p.E, p.plan); });
 }
 
 }  // namespace moegemm

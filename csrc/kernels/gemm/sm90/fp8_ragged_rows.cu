@@ -14,8 +14,8 @@
 namespace moegemm::gemm {
 namespace {
 
-template <int kBlockN, int kCluster>
-using Config = sm90::Fp8RaggedRowsConfig<kBlockN, kCluster>;
+template <int kBlockN, int kCluster, bool kQuantizeA = false>
+using Config = sm90::Fp8RaggedRowsConfig<kBlockN, kCluster, kQuantizeA>;
 
 // Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device.
 template <class Cfg>
@@ -44,10 +44,12 @@ int max_active_clusters(const char* name) {
   return count[device];
 }
 
+// `prologue`: the fused form's (Cfg::kQuantizeA), whose `a` is the memory its prologue writes.
 template <class Cfg>
-void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cudaStream_t stream) {
+void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cudaStream_t stream,
+            const RowsPrologue* prologue = nullptr) {
   constexpr auto kKernel = sm90::fp8_ragged_rows_kernel<Cfg>;
-  const char* name = "gemm_fp8_ragged_m (sm90)";
+  const char* name = Cfg::kQuantizeA ? "gemm_fp8_ragged_m_quantize_a (sm90)" : "gemm_fp8_ragged_m (sm90)";
   if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: E * N exceeds the TMA coordinate range");
   const int64_t max_tiles = block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN);
   if (max_tiles > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 tiles or more (the scheduler's ids are 32-bit)");
@@ -66,20 +68,31 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
   k.bias = bias.data;
   k.bias_f32 = bias.f32;
   k.E = p.E, k.T = int(p.T), k.N = int(p.N), k.K = int(p.K);
+  if (prologue != nullptr) {
+    k.plan_build = prologue->plan;
+    k.x = static_cast<const __nv_bfloat16*>(prologue->x);
+    k.qa = prologue->qa;
+    k.sa_out = prologue->sa;
+  }
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   // as many clusters as fit at once, or one per group of tiles when there are fewer (an upper bound: the
-  // row blocks live on the device)
+  // row blocks live on the device); the fused form on every SM (its prologue's quantization uses them all)
   const int64_t max_groups = ceil_div(max_tiles, Cfg::kCluster);
-  const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_active_clusters<Cfg>(name), max_groups)));
+  const int clusters = Cfg::kQuantizeA ? sm_count() : int(std::max<int64_t>(1, std::min<int64_t>(max_active_clusters<Cfg>(name), max_groups)));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(clusters * Cfg::kCluster);
   config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = Cfg::kSmemBytes;
   config.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = Cfg::kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
+  cudaLaunchAttribute attrs[1]{};
+  if constexpr (Cfg::kQuantizeA) {  // one CTA per SM, all resident at once: they meet at a grid barrier
+    attrs[0].id = cudaLaunchAttributeCooperative;
+    attrs[0].val.cooperative = 1;
+  } else {
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = Cfg::kCluster, attrs[0].val.clusterDim.y = 1, attrs[0].val.clusterDim.z = 1;
+  }
+  config.attrs = attrs;
   config.numAttrs = 1;
   check_cuda(cudaLaunchKernelEx(&config, kKernel, k), name);
 }
@@ -97,6 +110,16 @@ void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, Exper
   if (is(192, 1)) return launch<Config<192, 1>>(p, a, b, bias, stream);
   if (is(192, 2)) return launch<Config<192, 2>>(p, a, b, bias, stream);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no kernel built for this tiling");
+}
+
+void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& prologue, Fp8Operand b, ExpertBias bias,
+                                     const RaggedRowsTiling& tiling, cudaStream_t stream) {
+  // the single-CTA tilings of kRaggedRowsTilings, each also built with the prologue
+  const Fp8Operand a{prologue.qa, prologue.sa};
+  if (tiling.cluster == 1 && tiling.block_n == 128) return launch<Config<128, 1, true>>(p, a, b, bias, stream, &prologue);
+  if (tiling.cluster == 1 && tiling.block_n == 192) return launch<Config<192, 1, true>>(p, a, b, bias, stream, &prologue);
+  if (tiling.cluster == 1 && tiling.block_n == 256) return launch<Config<256, 1, true>>(p, a, b, bias, stream, &prologue);
+  throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a (sm90): no kernel built for this tiling");
 }
 
 }  // namespace moegemm::gemm

@@ -37,8 +37,13 @@
 //   keeps the K loop's stage, branches and wgmma descriptors in uniform registers.
 // - A plan that does not fit T (plan_fits) is taken as the plan of no tokens; rows past the covered
 //   tokens are zeroed.
+// - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above,
+//   CTA 0 builds the plan from m_splits and every warp of the grid quantizes rows of a bf16 x into A's memory
+//   (csrc/kernels/quant/rows.cuh); a cooperative launch whose CTAs then meet at a grid barrier. The row scales
+//   written in the launch are read by plain loads, not the read-only path.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -57,6 +62,8 @@
 #include "kernels/gemm/sm90/pipeline.cuh"
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
+#include "kernels/plan/build.cuh"
+#include "kernels/quant/rows.cuh"
 
 namespace moegemm::sm90 {
 
@@ -66,12 +73,16 @@ namespace moegemm::sm90 {
 // accumulator and its promoted copy would not fit in the registers). A 192-wide tile starts at a column
 // n0 with n0 % 128 in {0, 64}, so its part straddles two weight-scale blocks at column 128 or 64.
 // kStages: as many as fit beside the epilogue buffer.
-template <int kBlockN_, int kCluster_>
+template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false>
 struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
+  // The fused prologue: the plan and A (x's FP8 row copy) made by the kernel's own CTAs first (a cooperative
+  // launch, the CTAs meeting at a grid barrier before the GEMM)
+  static constexpr bool kQuantizeA = kQuantizeA_;
   static_assert(kBlockN == 128 || kBlockN == 192 || kBlockN == 256, "BLOCK_N of 128, 192 or 256 columns");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
+  static_assert(!kQuantizeA || kCluster == 1, "the fused prologue in a grid of single CTAs");
   static constexpr int kBlockK = kBlock;
   static constexpr int kPartN = kBlockN == 256 ? 128 : kBlockN;
   static constexpr int kParts = kBlockN / kPartN;
@@ -109,9 +120,22 @@ struct Fp8RaggedRowsParams {
   const void* bias;  // [E, N] fp32 (bias_f32) or bf16, added before the rounding to bf16; null: none
   bool bias_f32;
   int E, T, N, K;
+  // Cfg::kQuantizeA: the plan built from plan_build's counts into `plan`, and x [T, K] bf16 quantized into the
+  // memory of `a` and `sa` (qa, sa_out), before the GEMM
+  PlanBuild plan_build;
+  const __nv_bfloat16* x;
+  uint8_t* qa;
+  float* sa_out;
 };
 
 namespace detail {
+
+// A row scale: through the read-only path, unless this launch wrote it (the fused prologue: kWritten).
+template <bool kWritten>
+__device__ __forceinline__ float load_scale(const float* p) {
+  if constexpr (kWritten) return *p;
+  return __ldg(p);
+}
 
 // out += scale · acc over a part's accumulator: a thread's values i of 8-column chunk i / 4, row + 8 when
 // i & 2; chunks below kLoChunks take the first weight-scale block's product (lo0 / lo1 for the two rows),
@@ -170,6 +194,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
 
+  if constexpr (Cfg::kQuantizeA) {
+    // The fused prologue: CTA 0 builds the plan, every warp of the grid quantizes rows of x into A; the generic
+    // proxy's stores made visible to the TMA's reads (async proxy), then the whole grid meets.
+    // (the scans' storage in the epilogue buffer, unused until the GEMM: no static shared memory)
+    if (blockIdx.x == 0) build_plan<Cfg::kThreads>(p.plan_build, *reinterpret_cast<typename PlanScan<Cfg::kThreads>::Storage*>(smem_d));
+    rows::quantize_bf16(p.x, p.T, p.K, p.qa, p.sa_out, int64_t(blockIdx.x) * (Cfg::kThreads / 32) + threadIdx.x / 32,
+                        int64_t(gridDim.x) * (Cfg::kThreads / 32));
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    cooperative_groups::this_grid().sync();
+  }
   // A plan that does not fit T tokens counts as the plan of no tokens.
   const bool fits = plan_fits(p.plan, p.E, token_limit(p.T));
   if (threadIdx.x == 0) {
@@ -276,7 +310,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           // loaded before the wait, so that their latency overlaps it
           float a[kRowsPerLane];
 #pragma unroll
-          for (int i = 0; i < kRowsPerLane; ++i) a[i] = 32 * i < below_t ? __ldg(sa + 32 * i) : 0.f;
+          for (int i = 0; i < kRowsPerLane; ++i) a[i] = 32 * i < below_t ? detail::load_scale<Cfg::kQuantizeA>(sa + 32 * i) : 0.f;
           const float b = has_b ? __ldg(sb + kb) : 0.f;
           Barrier::wait(&empty[stage], phase ^ 1);
 #pragma unroll

@@ -1,0 +1,147 @@
+"""The fp8_blockwise forward with given FP8 weights that saves nothing of x (no weight gradient wanted: inference,
+frozen weights) runs as one launch for an x of up to 2^23 values (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a: the
+plan, x's FP8 row copy and the ragged-row GEMM by the GEMM's own CTAs; heuristics.h quantize_a_in_gemm), on a
+Hopper GPU. Its output is bitwise the two-launch forward's (x's quantizer, then the GEMM), which the same op runs
+when the weight gradient is wanted, and its plan is make_plan's: edge counts, counts that do not sum to T (clamped,
+negative), special values, bias, int32 and int64 counts, the expert MLP's fc1, CUDA-graph replay with new
+m_splits, one kernel per call up to 2^23 values and two past them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
+
+from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, poisoned, requires_cuda, zipf_splits
+
+pytestmark = requires_cuda
+
+if HAS_HOPPER:
+    from moegemm.backends import cuda as cuda_ops
+
+DEV = "cuda"
+
+
+def forward(x, w, m, bias, given, need_dw):
+    """linear_fwd's output and plan: one launch without need_dw, x's quantizer and the GEMM with it."""
+    y, plan, _ = cuda_ops.linear_fwd(x, w, m, bias, FP8_BLOCKWISE, False, need_dw, None, given)
+    return y, plan
+
+
+def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=False, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    E = len(splits)
+    T = sum(max(0, c) for c in splits) if T is None else T
+    x = torch.randn(T, K, device=DEV, generator=gen).to(torch.bfloat16)
+    if special and T > 0:
+        flat = x.view(-1)
+        idx = torch.randint(0, flat.numel(), (64,), device=DEV, generator=gen)
+        values = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38, -1e30, 1e-39, -1e-40, 0.0],
+                              device=DEV).to(torch.bfloat16)
+        flat[idx] = values.repeat(8)
+        x[T // 2] = 0  # an all-zero row: scale 1
+        x[-1] *= 1e-35  # a tiny row: a subnormal scale
+    w = (torch.randn(E, N, K, device=DEV, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = None if bias_dtype is None else (torch.randn(E, N, device=DEV, generator=gen) * 3).to(bias_dtype)
+    m = torch.tensor(splits, dtype=m_dtype, device=DEV)
+    given = list(cuda_ops.quantize_weight(w))
+    y1, plan1 = poisoned(lambda: forward(x, w, m, bias, given, False), (T, N), torch.bfloat16)
+    y2, plan2 = forward(x, w, m, bias, given, True)
+    assert torch.equal(plan1, cuda_ops.make_plan(m, T)) and torch.equal(plan1, plan2)
+    assert torch.equal(y1.view(torch.int16), y2.view(torch.int16))  # bitwise (NaNs included)
+    covered = int(plan1[0, -1])
+    assert not y1[covered:].any()  # rows no expert covers are zeros
+    y3, _ = forward(x, w, m, bias, given, False)
+    assert torch.equal(y1.view(torch.int16), y3.view(torch.int16))  # repeatable
+
+
+@pytest.mark.parametrize("name", sorted(GEMM_EDGE_SPLITS))
+def test_edge_counts(name):
+    check(GEMM_EDGE_SPLITS[name], K=256, N=384)
+
+
+@pytest.mark.parametrize("K,N", [(16, 128), (144, 400), (1024, 192), (2048, 2816)])
+def test_shapes(K, N):
+    check(zipf_splits(8, 3000), K, N, seed=K + N)
+
+
+# the heuristic's tilings of these problems (K = 256): 128, 192 and 256 columns
+@pytest.mark.parametrize("splits,N", [([0, 17, 130, 1, 64], 272), ([1000, 0, 2000, 1096], 2816), ([1000, 0, 2000, 1096], 768)])
+def test_tilings(splits, N):
+    check(splits, K=256, N=N, seed=N)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_bias(bias_dtype):
+    check(GEMM_EDGE_SPLITS["edge_counts"], K=400, N=144, bias_dtype=bias_dtype)
+
+
+@pytest.mark.parametrize("m_dtype", [torch.int32, torch.int64])
+def test_counts_not_summing_to_T(m_dtype):
+    check([100, 50, 0, 30], K=128, N=128, T=400, m_dtype=m_dtype)  # rows 180.. covered by no expert
+    check([300, 300, 300], K=128, N=128, T=500, m_dtype=m_dtype)  # clamped to T
+    check([-5, 200, 100], K=128, N=256, T=300, m_dtype=m_dtype)  # a negative count counts as 0
+
+
+def test_special_values():
+    check(zipf_splits(16, 2000), K=384, N=256, special=True, seed=3)
+
+
+def test_many_experts_and_tiles():
+    check(zipf_splits(1024, 3000), K=128, N=128, seed=4)
+    check(zipf_splits(64, 8000), K=1024, N=1536, seed=5)
+
+
+def kernels(fn):
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("T,launches", [(8192, 1), (8193, 2)])  # K = 1024: 2^23 values, one row more
+def test_one_launch_up_to_2_23_values(T, launches):
+    E, K, N = 8, 1024, 256
+    x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    given = list(cuda_ops.quantize_weight(w))
+    assert len(kernels(lambda: forward(x, w, m, None, given, False))) == launches
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_mlp_fc1(save):
+    """The expert MLP's forward with given FP8 weights and no fc1 weight gradient: fc1 in one launch, y bitwise
+    the forward's that makes x's column copy too."""
+    E, T, H, F = 8, 3000, 256, 384
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    x = torch.randn(T, H, device=DEV, generator=gen).to(torch.bfloat16)
+    w1 = (torch.randn(E, 2 * F, H, device=DEV, generator=gen) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, device=DEV, generator=gen) * 0.05).to(torch.bfloat16)
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    probs = torch.rand(T, device=DEV, generator=gen)
+    given = [*cuda_ops.quantize_weight(w1), *cuda_ops.quantize_weight(w2)]
+    act = ACTIVATIONS["swiglu"]
+    y1, plan1, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save)
+    y2, plan2, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, True, save)
+    assert torch.equal(y1, y2) and torch.equal(plan1, plan2)
+    names = kernels(lambda: cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save))
+    assert len(names) == 3, names  # fc1 (with x's quantization and the plan), the activation, fc2
+
+
+def test_cuda_graph_replay_with_new_counts():
+    E, T, K, N = 16, 3000, 256, 384
+    x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    given = list(cuda_ops.quantize_weight(w))
+    g, (y_static, plan_static) = capture_step(lambda: forward(x, w, m, None, given, False))
+    for seed in range(3):
+        m.copy_(torch.tensor(zipf_splits(E, T - 50 * seed), device=DEV))  # the last two cover fewer than T
+        g.replay()
+        torch.cuda.synchronize()
+        y_eager, plan_eager = forward(x, w, m, None, given, True)
+        assert torch.equal(y_static, y_eager) and torch.equal(plan_static, plan_eager)

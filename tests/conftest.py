@@ -7,6 +7,7 @@
 * ``rel(out, expected)``: ‖out − expected‖ / ‖expected‖ in float64 (docs/design.md#reference's measure).
 * ``cuda_alive()``: asserts that the CUDA context still works (after an input that must not kill it).
 * ``capture_step(step)``: warms ``step`` up on a side stream and captures it in a CUDA graph.
+* ``cuda_kernels(fn)``: ``fn()``'s result and the CUDA kernels it ran (after one warm-up call).
 """
 
 from __future__ import annotations
@@ -118,3 +119,13 @@ def capture_step(step):
     with torch.cuda.graph(g):
         out = step()
     return g, out
+
+
+def cuda_kernels(fn):
+    """``(fn()'s result, the names of the CUDA kernels it ran)``: fn() once to warm up, then once profiled."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]

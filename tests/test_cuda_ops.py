@@ -12,7 +12,7 @@ import moegemm
 from moegemm import reference as ref
 from moegemm.layout import COL_ALIGN
 
-from conftest import HAS_HOPPER, capture_step, rel, requires_cuda, zipf_splits
+from conftest import HAS_HOPPER, capture_step, cuda_kernels, rel, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
@@ -120,12 +120,7 @@ def test_quantize_weights_one_launch_per_layer():
           (torch.randn(8, 256, 192, device=DEV) * 0.05).to(torch.bfloat16),
           (torch.randn(3, 144, 1040, device=DEV) * 0.05).to(torch.float16)]
     for n, want_launches in [(1, 1), (2, 1), (3, 2)]:
-        cuda_ops.quantize_weights(ws[:n])
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            got = cuda_ops.quantize_weights(ws[:n])
-            torch.cuda.synchronize()
-        names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+        got, names = cuda_kernels(lambda: cuda_ops.quantize_weights(ws[:n]))
         assert len(names) == want_launches, names
         assert len(got) == n
         for w, copies in zip(ws, got):
@@ -416,12 +411,7 @@ def count_kernels(E, recipe):
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
     m = torch.tensor(zipf_splits(E, T), device=DEV)
-    moegemm.grouped_linear(x, w, m, recipe=recipe).sum().backward()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        moegemm.grouped_linear(x, w, m, recipe=recipe).sum().backward()
-        torch.cuda.synchronize()
-    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    return len(cuda_kernels(lambda: moegemm.grouped_linear(x, w, m, recipe=recipe).sum().backward())[1])
 
 
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "bf16"])
@@ -449,12 +439,7 @@ def mlp_kernels(fp8_weights=None):
         y = cuda_ops.grouped_mlp(*args)
         y.backward(dy)
 
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    return cuda_kernels(step)[1]
 
 
 def test_fc1_forward_launches():
@@ -466,12 +451,7 @@ def test_fc1_forward_launches():
     w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
     m = torch.tensor(zipf_splits(E, T), device=DEV)
     given = [*cuda_ops.quantize_weight(w)]
-    cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, False, False, None, given)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, False, False, None, given)
-        torch.cuda.synchronize()
-    names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    _, names = cuda_kernels(lambda: cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, False, False, None, given))
     assert len(names) == 1 and "fp8_ragged_rows_kernel" in names[0], names
 
 

@@ -8,12 +8,17 @@ m_splits, one kernel per call up to 2^23 values and two past them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
 
-from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, poisoned, requires_cuda, zipf_splits
+from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, cuda_kernels, poisoned, requires_cuda, zipf_splits
 
 pytestmark = requires_cuda
 
@@ -93,15 +98,6 @@ def test_many_experts_and_tiles():
     check(zipf_splits(64, 8000), K=1024, N=1536, seed=5)
 
 
-def kernels(fn):
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.parametrize("T,launches", [(8192, 1), (8193, 2)])  # K = 1024: 2^23 values, one row more
 def test_one_launch_up_to_2_23_values(T, launches):
     E, K, N = 8, 1024, 256
@@ -109,7 +105,7 @@ def test_one_launch_up_to_2_23_values(T, launches):
     w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
     m = torch.tensor(zipf_splits(E, T), device=DEV)
     given = list(cuda_ops.quantize_weight(w))
-    assert len(kernels(lambda: forward(x, w, m, None, given, False))) == launches
+    assert len(cuda_kernels(lambda: forward(x, w, m, None, given, False))[1]) == launches
 
 
 @pytest.mark.parametrize("save", [False, True])
@@ -128,7 +124,8 @@ def test_mlp_fc1(save):
     y1, plan1, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save)
     y2, plan2, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, True, save)
     assert torch.equal(y1, y2) and torch.equal(plan1, plan2)
-    names = kernels(lambda: cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save))
+    _, names = cuda_kernels(
+        lambda: cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save))
     assert len(names) == 3, names  # fc1 (with x's quantization and the plan), the activation, fc2
 
 
@@ -145,3 +142,30 @@ def test_cuda_graph_replay_with_new_counts():
         torch.cuda.synchronize()
         y_eager, plan_eager = forward(x, w, m, None, given, True)
         assert torch.equal(y_static, y_eager) and torch.equal(plan_static, plan_eager)
+
+
+OPT_OUT_CHILD = """
+import torch
+from moegemm.backends import cuda as ops
+from moegemm.layout import FP8_BLOCKWISE
+x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+w = (torch.randn(4, 128, 256, device="cuda") * 0.05).to(torch.bfloat16)
+m = torch.tensor([100, 0, 300, 112], device="cuda")
+given = list(ops.quantize_weight(w))
+f = lambda: ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, False, False, None, given)
+f(); torch.cuda.synchronize()
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    f(); torch.cuda.synchronize()
+print(sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA))
+"""
+
+
+@pytest.mark.parametrize("value,launches", [("0", 2), ("1", 1)])
+def test_opt_out(value, launches):
+    """MOEGEMM_ONE_LAUNCH_FORWARD=0 (read once per process) keeps x's quantizer in a launch of its own."""
+    env = {**os.environ, "MOEGEMM_ONE_LAUNCH_FORWARD": value}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", OPT_OUT_CHILD], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == launches

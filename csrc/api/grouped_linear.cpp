@@ -75,12 +75,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
     // the bias added in the GEMM's epilogue; a bf16 x quantized in the GEMM's launch where that pays and nothing of
     // it is saved (qx then stays empty)
     Quantized qx;
-    if (fp8_x) {
-      qx = run_requantize_cols(given.q, given.s, plan, need_dw, plan_from);
-      y = run_gemm_fp8_ragged_m(qx.q, qx.s, qw.q, qw.s, plan, -1, bias);
-    } else {
-      y = run_fprop_from_bf16(x, plan, plan_from, qw.q, qw.s, bias, need_dw, qx);
-    }
+    y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, need_dw, qx);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
     const bool keep_wT = need_dx && !weight_given;

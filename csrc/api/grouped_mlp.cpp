@@ -110,13 +110,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     // biases added in the GEMMs' epilogues; a bf16 x quantized in fc1's launch where that pays and nothing of it is
     // saved (qx then stays empty)
     Quantized qx;
-    Tensor h;
-    if (fp8_x) {
-      qx = run_requantize_cols(given_x.q, given_x.s, plan, need_dw1, plan_from);
-      h = run_gemm_fp8_ragged_m(qx.q, qx.s, qw1.q, qw1.s, plan, -1, b1);
-    } else {
-      h = run_fprop_from_bf16(x, plan, plan_from, qw1.q, qw1.s, b1, need_dw1, qx);
-    }
+    Tensor h = run_fprop(x, fp8_x ? &given_x : nullptr, plan, plan_from, qw1.q, qw1.s, b1, need_dw1, qx);
     qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
     y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2);

@@ -180,12 +180,16 @@ Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits,
   return out;
 }
 
-Tensor run_fprop_from_bf16(const Tensor& x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb, const Tensor& sb,
-                           const Tensor& bias, bool cols, Quantized& qx) {
+Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
+                 const Tensor& sb, const Tensor& bias, bool cols, Quantized& qx) {
   const int64_t T = x.size(0), K = x.size(1);
-  if (!cols && plan_from.defined() && T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K))
+  if (fp8_x != nullptr) {
+    qx = run_requantize_cols(fp8_x->q, fp8_x->s, plan, cols, plan_from);
+  } else if (!cols && plan_from.defined() && T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
     return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias);
-  qx = run_quantize_act(x, DType::kBF16, plan, true, cols, plan_from);
+  } else {
+    qx = run_quantize_act(x, DType::kBF16, plan, true, cols, plan_from);
+  }
   return run_gemm_fp8_ragged_m(qx.q, qx.s, qb, sb, plan, -1, bias);
 }
 

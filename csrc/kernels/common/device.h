@@ -1,5 +1,5 @@
-// What the kernels' launchers and kernels share about the device: its SM count, raising a kernel's
-// dynamic shared-memory limit (once per device), and zeroing a range of output rows.
+// What the kernels' launchers and kernels share about the device: its SM count, whether it launches cooperative
+// kernels, raising a kernel's dynamic shared-memory limit (once per device), and zeroing a range of output rows.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +22,18 @@ inline int sm_count() {
     check_cuda(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
   });
   return count[device];
+}
+
+// Whether the current device launches cooperative kernels (all CTAs resident at once), queried once per device.
+inline bool cooperative_launch() {
+  static std::array<int, 64> supported{};
+  static std::array<std::once_flag, 64> once;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::call_once(once[device], [&] {
+    check_cuda(cudaDeviceGetAttribute(&supported[device], cudaDevAttrCooperativeLaunch, device), "cudaDeviceGetAttribute");
+  });
+  return supported[device] != 0;
 }
 
 // Raises `kKernel`'s dynamic shared-memory limit to `bytes`, once per device and kernel.

@@ -25,7 +25,10 @@ void gemm_fp8_ragged_m_quantize_a(const RaggedRows& p, const void* x, const Plan
   gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count()), stream);
 }
 
-bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K) { return gemm::quantize_a_in_gemm(T, K); }
+bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K) {
+  static const bool enabled = gemm::enabled_by_env("MOEGEMM_ONE_LAUNCH_FORWARD");  // read once
+  return enabled && gemm::quantize_a_in_gemm(T, K) && cooperative_launch();
+}
 
 int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }
 

@@ -106,6 +106,12 @@ inline GemmKernel kernel_from_env(const char* env) {
   return v != nullptr && std::strcmp(v, "cutlass") == 0 ? GemmKernel::kCutlass : GemmKernel::kSm90;
 }
 
+// A form that the environment variable `env` turns off with "0" (on otherwise).
+inline bool enabled_by_env(const char* env) {
+  const char* v = std::getenv(env);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // The ragged reduction's tile walk within an expert (scheduler.cuh): row-major, where the CTAs working at one
 // time share sms / n_blocks row tiles and read every column tile, or, with many column tiles, in bands of
 // kReductionBandRows row blocks walked column by column (about 16 row tiles and 8 column tiles at a time, each

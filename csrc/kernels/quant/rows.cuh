@@ -1,5 +1,6 @@
-// x's FP8 row copy (csrc/moegemm.h quantize_act's rows, the same bytes) made by the threads of a kernel whose main
-// work comes after it: the fused prologue of the ragged-row GEMM (csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh).
+// x's FP8 row copy made by the threads of a kernel whose main work comes after it: the fused prologue of the
+// ragged-row GEMM (csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh). Every row is quantized: on the rows a plan covers
+// these are quantize_act's bytes (csrc/moegemm.h), while quantize_act zeroes the rows past them.
 // Every (row, 128-column block) segment is quantized on its own amax (docs/design.md#fp8-recipe): a half-warp
 // per segment, 8 values per lane; a warp takes 2 * kUnroll rows of one K block (their scales neighbours in their
 // K-major row, csrc/moegemm.h row_scale_pitch), consecutive warps the next K blocks of the same rows (so that

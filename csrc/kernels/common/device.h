@@ -12,29 +12,24 @@
 
 namespace moegemm {
 
-// Multiprocessors of the current device, queried once per device.
-inline int sm_count() {
-  static std::array<int, 64> count{};
+// An attribute of the current device, queried once per device (and attribute).
+template <cudaDeviceAttr kAttribute>
+int device_attribute() {
+  static std::array<int, 64> value{};
   static std::array<std::once_flag, 64> once;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   std::call_once(once[device], [&] {
-    check_cuda(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&value[device], kAttribute, device), "cudaDeviceGetAttribute");
   });
-  return count[device];
+  return value[device];
 }
 
-// Whether the current device launches cooperative kernels (all CTAs resident at once), queried once per device.
-inline bool cooperative_launch() {
-  static std::array<int, 64> supported{};
-  static std::array<std::once_flag, 64> once;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  std::call_once(once[device], [&] {
-    check_cuda(cudaDeviceGetAttribute(&supported[device], cudaDevAttrCooperativeLaunch, device), "cudaDeviceGetAttribute");
-  });
-  return supported[device] != 0;
-}
+// Multiprocessors of the current device.
+inline int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+// Whether the current device launches cooperative kernels (all CTAs resident at once).
+inline bool cooperative_launch() { return device_attribute<cudaDevAttrCooperativeLaunch>() != 0; }
 
 // Raises `kKernel`'s dynamic shared-memory limit to `bytes`, once per device and kernel.
 template <auto kKernel>

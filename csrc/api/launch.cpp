@@ -174,9 +174,8 @@ Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits,
   Tensor out = empty({T, N}, at::kBFloat16, x);
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   const DeviceSplits from = device_splits(m_splits);
-  gemm_fp8_ragged_m_quantize_a({plan_ptr(plan), E, T, N, K, out.data_ptr()}, x.data_ptr(),
-                               {from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, bytes(qa), sa.data_ptr<float>(),
-                               {cbytes(qb), sb.data_ptr<float>()}, b, current_stream(x));
+  gemm_fp8_ragged_m_quantize_a({from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, x.data_ptr(), N, K, out.data_ptr(),
+                               bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, current_stream(x));
   return out;
 }
 

@@ -104,12 +104,13 @@ __device__ __forceinline__ void write_plan_entry(const PlanEntry& x, int E, int3
 // The plan of m_splits built by a block of kThreads threads (make_plan's kernel, or one CTA of another), the
 // scans' storage static or the caller's.
 template <int kThreads>
-__device__ __forceinline__ void build_plan(const PlanBuild& p) {
-  scan_plan<kThreads>(p.m_splits, p.m_is_int64, p.E, p.T, [&](const PlanEntry& x) { write_plan_entry(x, p.E, p.plan); });
-}
-template <int kThreads>
 __device__ __forceinline__ void build_plan(const PlanBuild& p, typename PlanScan<kThreads>::Storage& storage) {
   scan_plan<kThreads>(p.m_splits, p.m_is_int64, p.E, p.T, storage, [&](const PlanEntry& x) { write_plan_entry(x, p.E, p.plan); });
+}
+template <int kThreads>
+__device__ __forceinline__ void build_plan(const PlanBuild& p) {
+  __shared__ typename PlanScan<kThreads>::Storage storage;
+  build_plan<kThreads>(p, storage);
 }
 
 }  // namespace moegemm

@@ -284,7 +284,10 @@ class Runner:
                 continue
             splits = zipf_splits(E, T)
             c = Case("sweep", E, H, F, splits, DEV, seed=2)
-            for key in self.selected(aux=False):
+            # the peers, and GroupedLinear / GroupedMLP with their automatic FP8 weight cache (the layers as
+            # Megatron's micro-batches after the first call them: the fc1 forward with cached weights)
+            keys = self.selected(aux=False) + [k for k in self.selected(aux=True) if k == "moegemm_fp8_wcache"]
+            for key in keys:
                 for op in VBY[key].ops:
                     rec = {"op": op, "E": E, "hidden": H, "ffn": F, "T": T, "splits": "zipf", "variant": key,
                            "label": VBY[key].label}

@@ -105,6 +105,8 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kScalesB * 4;
   static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
+  // a stage's release: every math thread of this CTA, and one lane per math warp of the peer CTA
+  static constexpr int kEmptyArrivals = kMathWarpgroups * 128 + (kCluster - 1) * kMathWarpgroups * 4;
   static_assert(sizeof(RowTile) == 16 && kOffsetTiles % 16 == 0, "a stage's tile as one 16-byte shared-memory word");
   static_assert(kSmemBytes <= kSharedBytes, "shared memory per block on sm90");
 };
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&full[s], 1 + 32);                                    // the TMA thread (+ bytes), each scale lane
-      Barrier::init(&empty[s], kCluster * Cfg::kMathWarpgroups * 4);      // each math warp of the cluster
+      Barrier::init(&empty[s], Cfg::kEmptyArrivals);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -332,18 +334,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     zero_rows(p.out, fits ? p.plan[E] : 0, T, int64_t(N) * 2, int64_t(blockIdx.x) * Cfg::kMathWarpgroups * 128 + threadIdx.x,
               int64_t(gridDim.x) * Cfg::kMathWarpgroups * 128);
 
-    // The warp's last read of a stage is done: release it in each CTA of the cluster (with multicast the
-    // peer's producer writes into this CTA's stage too), lane r arriving on CTA r's barrier. The warp
-    // barrier orders every lane's reads (of the scales, which the scale warp overwrites next) before it.
-    // (The arriving lane is elected, not compared with %laneid: a lane index would be recomputed from %tid
-    // at every K block, on the path to the next wgmma.)
+    // A lane's last read of a stage is done: it releases the stage. Each lane arrives on its own CTA's
+    // barrier for its own reads (of the scales, which the scale warp overwrites next: one arrival per reader,
+    // the ordering stated to compute-sanitizer's racecheck too); with multicast the peer's producer writes
+    // into this CTA's stage as well, so one lane of the warp also arrives on the peer's barrier.
     auto release = [&](int s) {
-      __syncwarp();
-      if constexpr (kCluster == 1) {
-        if (cute::elect_one_sync()) Barrier::arrive(&empty[s]);
-      } else {
-        if (lane < kCluster) Barrier::arrive(&empty[s], lane, 1);
-      }
+      Barrier::arrive(&empty[s]);
+      if constexpr (kCluster > 1)
+        if (lane == 0) Barrier::arrive(&empty[s], rank ^ 1, 1);
     };
 
     float acc[Cfg::kAccum];

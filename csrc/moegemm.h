@@ -190,10 +190,11 @@ struct ExpertBias {
 int num_ragged_rows_tilings();  // the size of that table
 void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, cudaStream_t stream);
 // The same GEMM on a bf16 x [plan.T, K] in one launch, with the tiling heuristics.h picks: its CTAs first build the
-// plan of plan.m_splits into plan.plan (make_plan's, for the kernels after it too) and x's FP8 row copy into qa [T, K]
-// and sa (quantize_act's bytes on the rows the plan covers; the rows past them, which quantize_act zeroes, are
-// quantized too and never read), then wait for each other (a cooperative launch: one CTA per SM, all resident at
-// once) and run the GEMM out [T, N] with a = (qa, sa). Needs T >= 1 and make_plan's requirements.
+// plan of plan.m_splits into plan.plan (make_plan's, for the kernels after it too; m_splits null: plan.plan was built
+// by an earlier launch on the stream, e.g. quantize_weights') and x's FP8 row copy into qa [T, K] and sa
+// (quantize_act's bytes on the rows the plan covers; the rows past them, which quantize_act zeroes, are quantized
+// too and never read), then wait for each other (a cooperative launch: one CTA per SM, all resident at once) and
+// run the GEMM out [T, N] with a = (qa, sa). Needs T >= 1 and make_plan's requirements.
 void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
                                   float* sa, Fp8Operand b, ExpertBias bias, cudaStream_t stream);
 // Whether to take that one launch for an x of T x K values: where csrc/kernels/gemm/heuristics.h finds it faster,

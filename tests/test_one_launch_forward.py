@@ -1,10 +1,11 @@
-"""The fp8_blockwise forward with given FP8 weights that saves nothing of x (no weight gradient wanted: inference,
-frozen weights) runs as one launch for an x of up to 2^23 values (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a: the
-plan, x's FP8 row copy and the ragged-row GEMM by the GEMM's own CTAs; heuristics.h quantize_a_in_gemm), on a
-Hopper GPU. Its output is bitwise the two-launch forward's (x's quantizer, then the GEMM), which the same op runs
-when the weight gradient is wanted, and its plan is make_plan's: edge counts, counts that do not sum to T (clamped,
-negative), special values, bias, int32 and int64 counts, the expert MLP's fc1, CUDA-graph replay with new
-m_splits, one kernel per call up to 2^23 values and two past them."""
+"""The fp8_blockwise forward that saves nothing of x (no weight gradient wanted: inference, frozen weights)
+quantizes x inside the GEMM's launch for an x of up to 2^23 values (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a:
+the plan, x's FP8 row copy and the ragged-row GEMM by the GEMM's own CTAs; heuristics.h quantize_a_in_gemm), on a
+Hopper GPU: one launch with given FP8 weights, two when the weights are quantized in the call (their launch builds
+the plan). Its output is bitwise the forward's with x's own quantizer, which the same op runs when the weight
+gradient is wanted, and its plan is make_plan's: edge counts, counts that do not sum to T (clamped, negative),
+special values, bias, int32 and int64 counts, weights given or quantized in the call, the expert MLP's fc1,
+CUDA-graph replay with new m_splits, one kernel per call up to 2^23 values and two past them."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def forward(x, w, m, bias, given, need_dw):
     return y, plan
 
 
-def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=False, seed=0):
+def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=False, seed=0, weights_given=True):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     E = len(splits)
     T = sum(max(0, c) for c in splits) if T is None else T
@@ -50,7 +51,7 @@ def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=Fa
     w = (torch.randn(E, N, K, device=DEV, generator=gen) * 0.05).to(torch.bfloat16)
     bias = None if bias_dtype is None else (torch.randn(E, N, device=DEV, generator=gen) * 3).to(bias_dtype)
     m = torch.tensor(splits, dtype=m_dtype, device=DEV)
-    given = list(cuda_ops.quantize_weight(w))
+    given = list(cuda_ops.quantize_weight(w)) if weights_given else None  # None: quantized in the call
     y1, plan1 = poisoned(lambda: forward(x, w, m, bias, given, False), (T, N), torch.bfloat16)
     y2, plan2 = forward(x, w, m, bias, given, True)
     assert torch.equal(plan1, cuda_ops.make_plan(m, T)) and torch.equal(plan1, plan2)
@@ -98,14 +99,31 @@ def test_many_experts_and_tiles():
     check(zipf_splits(64, 8000), K=1024, N=1536, seed=5)
 
 
+@pytest.mark.parametrize("name", ["edge_counts", "one_expert_all_tokens"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32])
+def test_weights_quantized_in_the_call(name, bias_dtype):
+    """The weights' launch builds the plan; the fused GEMM reads it (and quantizes x) instead of building it."""
+    check(GEMM_EDGE_SPLITS[name], K=384, N=272, bias_dtype=bias_dtype, seed=7, weights_given=False)
+
+
+def test_weights_quantized_in_the_call_uncovered_rows():
+    check([100, 50, 0, 30], K=128, N=128, T=400, weights_given=False)
+    check([-5, 200, 100], K=128, N=256, T=300, m_dtype=torch.int32, weights_given=False)
+    check(zipf_splits(16, 2000), K=384, N=256, special=True, seed=3, weights_given=False)
+
+
 @pytest.mark.parametrize("T,launches", [(8192, 1), (8193, 2)])  # K = 1024: 2^23 values, one row more
-def test_one_launch_up_to_2_23_values(T, launches):
+@pytest.mark.parametrize("weights_given", [True, False])
+def test_one_launch_up_to_2_23_values(T, launches, weights_given):
+    """x in the GEMM's launch up to 2^23 values (its own quantizer's past them); the weights quantized in the call
+    add their launch."""
     E, K, N = 8, 1024, 256
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
     m = torch.tensor(zipf_splits(E, T), device=DEV)
-    given = list(cuda_ops.quantize_weight(w))
-    assert len(cuda_kernels(lambda: forward(x, w, m, None, given, False))[1]) == launches
+    given = list(cuda_ops.quantize_weight(w)) if weights_given else None
+    names = cuda_kernels(lambda: forward(x, w, m, None, given, False))[1]
+    assert len(names) == launches + (0 if weights_given else 1), names
 
 
 @pytest.mark.parametrize("save", [False, True])
@@ -127,14 +145,21 @@ def test_mlp_fc1(save):
     _, names = cuda_kernels(
         lambda: cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save))
     assert len(names) == 3, names  # fc1 (with x's quantization and the plan), the activation, fc2
+    # the weights quantized in the call: their launch (both weights and the plan) first, fc1 still quantizes x
+    y3, plan3, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, [], save, False, save)
+    assert torch.equal(y1, y3) and torch.equal(plan1, plan3)
+    _, names = cuda_kernels(
+        lambda: cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, [], save, False, save))
+    assert len(names) == 4, names
 
 
-def test_cuda_graph_replay_with_new_counts():
+@pytest.mark.parametrize("weights_given", [True, False])
+def test_cuda_graph_replay_with_new_counts(weights_given):
     E, T, K, N = 16, 3000, 256, 384
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
     m = torch.tensor(zipf_splits(E, T), device=DEV)
-    given = list(cuda_ops.quantize_weight(w))
+    given = list(cuda_ops.quantize_weight(w)) if weights_given else None
     g, (y_static, plan_static) = capture_step(lambda: forward(x, w, m, None, given, False))
     for seed in range(3):
         m.copy_(torch.tensor(zipf_splits(E, T - 50 * seed), device=DEV))  # the last two cover fewer than T

@@ -184,7 +184,7 @@ Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, co
   const int64_t T = x.size(0), K = x.size(1);
   if (fp8_x != nullptr) {
     qx = run_requantize_cols(fp8_x->q, fp8_x->s, plan, cols, plan_from);
-  } else if (!cols && plan_from.defined() && T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
+  } else if (!cols && T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
     return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias);
   } else {
     qx = run_quantize_act(x, DType::kBF16, plan, true, cols, plan_from);

@@ -65,7 +65,8 @@ yq, plan_q, _ = cuda_ops.linear_fwd(torch.randn(T, K, device="cuda", dtype=torch
                                     None, list(cuda_ops.quantize_weight(wq)))
 assert torch.equal(plan_q, plan) and torch.isfinite(yq).all()
 # ... and without a weight gradient, in one launch: the GEMM builds the plan and x's FP8 rows itself (the
-# heuristic's tilings of these problems: 128, 192 and 256 columns)
+# heuristic's tilings of these problems: 128, 192 and 256 columns); with the weights quantized in the call, their
+# launch builds the plan and the GEMM's reads it
 for splits_q, Kq, Nq in [(splits, 144, 272), ([1000, 0, 2000, 1096], 1024, 2816), ([1000, 0, 2000, 1096], 256, 768)]:
     mq = torch.tensor(splits_q, device="cuda")
     xq = torch.randn(sum(splits_q), Kq, device="cuda", dtype=torch.bfloat16)
@@ -73,7 +74,8 @@ for splits_q, Kq, Nq in [(splits, 144, 272), ([1000, 0, 2000, 1096], 1024, 2816)
     given_q = list(cuda_ops.quantize_weight(wq))
     y1, plan_1, _ = cuda_ops.linear_fwd(xq, wq, mq, None, 1, False, False, None, given_q)
     y2, plan_2, _ = cuda_ops.linear_fwd(xq, wq, mq, None, 1, False, True, None, given_q)
-    assert torch.equal(plan_1, plan_2) and torch.equal(y1, y2)
+    y3, plan_3, _ = cuda_ops.linear_fwd(xq, wq, mq, None, 1, False, False, None, None)
+    assert torch.equal(plan_1, plan_2) and torch.equal(y1, y2) and torch.equal(plan_1, plan_3) and torch.equal(y1, y3)
 # FP8 input (the column copy re-quantized from the rows) and the split backward (wgrad later)
 xs = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 lin = moegemm.GroupedLinear(E, K, N, bias=True, device="cuda", delay_wgrad_compute=True)

@@ -19,8 +19,8 @@ void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBi
 void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
                                   float* sa, Fp8Operand b, ExpertBias bias, cudaStream_t stream) {
   check_plan_size(plan.E, plan.T, "gemm_fp8_ragged_m_quantize_a");
-  if (plan.T < 1 || plan.m_splits == nullptr)
-    throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a: needs T >= 1 and the counts to build the plan from");
+  if (plan.T < 1 || plan.plan == nullptr)
+    throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a: needs T >= 1 and the plan");
   const RaggedRows p{plan.plan, plan.E, plan.T, N, K, out};
   gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, N, sm_count()), stream);
 }

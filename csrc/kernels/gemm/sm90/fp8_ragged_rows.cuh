@@ -197,10 +197,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
 
   if constexpr (Cfg::kQuantizeA) {
-    // The fused prologue: CTA 0 builds the plan, every warp of the grid quantizes rows of x into A; the generic
-    // proxy's stores made visible to the TMA's reads (async proxy), then the whole grid meets.
+    // The fused prologue: CTA 0 builds the plan (unless an earlier launch did: no counts given), every warp of the
+    // grid quantizes rows of x into A; the generic proxy's stores made visible to the TMA's reads (async proxy), then
+    // the whole grid meets.
     // (the scans' storage in the epilogue buffer, unused until the GEMM: no static shared memory)
-    if (blockIdx.x == 0) build_plan<Cfg::kThreads>(p.plan_build, *reinterpret_cast<typename PlanScan<Cfg::kThreads>::Storage*>(smem_d));
+    if (blockIdx.x == 0 && p.plan_build.m_splits != nullptr) build_plan<Cfg::kThreads>(p.plan_build, *reinterpret_cast<typename PlanScan<Cfg::kThreads>::Storage*>(smem_d));
     rows::quantize_bf16(p.x, p.T, p.K, p.qa, p.sa_out, int64_t(blockIdx.x) * (Cfg::kThreads / 32) + threadIdx.x / 32,
                         int64_t(gridDim.x) * (Cfg::kThreads / 32));
     asm volatile("fence.proxy.async.global;" ::: "memory");

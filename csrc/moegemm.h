@@ -52,7 +52,8 @@ struct DeviceSplits {
   bool m_is_int64 = false;
 };
 // The same plan built inside another launch (quantize_weights: one more CTA; quantize_act: by its CTAs), with
-// the same requirements; plan == nullptr: none.
+// the same requirements; plan == nullptr: none. gemm_fp8_ragged_m_quantize_a alone also takes a plan without
+// counts (m_splits null): built by an earlier launch, only read.
 struct PlanBuild {
   const void* m_splits = nullptr;
   bool m_is_int64 = false;

@@ -21,7 +21,8 @@ from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
 
 from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, cuda_kernels, poisoned, requires_cuda, zipf_splits
 
-pytestmark = requires_cuda
+pytestmark = [requires_cuda, pytest.mark.skipif(os.environ.get("MOEGEMM_ONE_LAUNCH_FORWARD") == "0",
+                                                 reason="MOEGEMM_ONE_LAUNCH_FORWARD=0 turns the fused forward off")]
 
 if HAS_HOPPER:
     from moegemm.backends import cuda as cuda_ops
@@ -33,6 +34,11 @@ def forward(x, w, m, bias, given, need_dw):
     """linear_fwd's output and plan: one launch without need_dw, x's quantizer and the GEMM with it."""
     y, plan, _ = cuda_ops.linear_fwd(x, w, m, bias, FP8_BLOCKWISE, False, need_dw, None, given)
     return y, plan
+
+
+def fused(names):
+    """Whether the kernels a call ran include the GEMM with x's quantization in its launch (Config<N, 1, true>)."""
+    return any("fp8_ragged_rows_kernel" in n and "true" in n for n in names)
 
 
 def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=False, seed=0, weights_given=True):
@@ -58,8 +64,9 @@ def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=Fa
     assert torch.equal(y1.view(torch.int16), y2.view(torch.int16))  # bitwise (NaNs included)
     covered = int(plan1[0, -1])
     assert not y1[covered:].any()  # rows no expert covers are zeros
-    y3, _ = forward(x, w, m, bias, given, False)
+    (y3, _), names = cuda_kernels(lambda: forward(x, w, m, bias, given, False))
     assert torch.equal(y1.view(torch.int16), y3.view(torch.int16))  # repeatable
+    assert fused(names) == (T > 0), names  # the path under test ran (T >= 1 and at most 2^23 values here)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM_EDGE_SPLITS))
@@ -128,8 +135,8 @@ def test_one_launch_up_to_2_23_values(T, launches, weights_given):
 
 @pytest.mark.parametrize("save", [False, True])
 def test_mlp_fc1(save):
-    """The expert MLP's forward with given FP8 weights and no fc1 weight gradient: fc1 in one launch, y bitwise
-    the forward's that makes x's column copy too."""
+    """The expert MLP's forward with no fc1 weight gradient: fc1 in one launch with given FP8 weights (after the
+    weights' launch when they are quantized in the call), y bitwise the forward's that makes x's column copy too."""
     E, T, H, F = 8, 3000, 256, 384
     gen = torch.Generator(device=DEV).manual_seed(6)
     x = torch.randn(T, H, device=DEV, generator=gen).to(torch.bfloat16)

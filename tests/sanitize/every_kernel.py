@@ -66,7 +66,7 @@ yq, plan_q, _ = cuda_ops.linear_fwd(torch.randn(T, K, device="cuda", dtype=torch
 assert torch.equal(plan_q, plan) and torch.isfinite(yq).all()
 # ... and without a weight gradient, in one launch: the GEMM builds the plan and x's FP8 rows itself (the
 # heuristic's tilings of these problems: 128, 192 and 256 columns); with the weights quantized in the call, their
-# launch builds the plan and the GEMM's reads it
+# launch builds the plan and the GEMM reads it
 for splits_q, Kq, Nq in [(splits, 144, 272), ([1000, 0, 2000, 1096], 1024, 2816), ([1000, 0, 2000, 1096], 256, 768)]:
     mq = torch.tensor(splits_q, device="cuda")
     xq = torch.randn(sum(splits_q), Kq, device="cuda", dtype=torch.bfloat16)

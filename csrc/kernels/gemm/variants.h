@@ -24,7 +24,7 @@ void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const v
 struct RaggedRowsTiling;  // heuristics.h
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
                           cudaStream_t stream);
-// The fused form (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): its launch builds the plan and A itself.
+// The fused form (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): its launch builds A (and the plan, when given counts) itself.
 struct RowsPrologue {
   const void* x;  // [T, K] bf16
   PlanBuild plan;

@@ -215,6 +215,8 @@ void quantize_weights(const WeightQuant* weights, int count, DType dtype, const 
   launch.plan = plan;
   int64_t grid = plan.plan != nullptr ? 1 : 0;
   if (plan.plan != nullptr) check_plan_size(plan.E, plan.T, "quantize_weights (plan)");
+  if (plan.plan != nullptr && plan.m_splits == nullptr)
+    throw std::runtime_error("moegemm: quantize_weights: a plan to build needs the counts (m_splits)");
   for (int i = 0; i < count; ++i) {
     const WeightQuant& w = weights[i];
     const int64_t blocks = w.E * ceil_div(w.N, kBlock) * ceil_div(w.K, kBlock);

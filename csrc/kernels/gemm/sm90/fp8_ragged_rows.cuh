@@ -12,8 +12,8 @@
 // - Clusters of two CTAs (kCluster = 2) take consecutive tiles; when both tiles need the same weight tile
 //   (one expert, same columns) or the same activation rows, each CTA loads half of it and multicasts that
 //   half into both CTAs' shared memory, halving that operand's L2 traffic. A stage is then refilled only
-//   when the consumers of both CTAs have released it (each math warp arrives on both CTAs' empty barrier
-//   after a warp barrier that orders its lanes' reads).
+//   when the consumers of both CTAs have released it (every math thread arrives on its own CTA's empty
+//   barrier, lane 0 of each math warp also on the peer's).
 // - Two math warpgroups of 64 rows each. Per K block: a wgmma chain per part of the tile (128 or 192
 //   columns) into a temporary accumulator, wait, release the stage at once and test (without blocking)
 //   whether the next stage is full (pipeline.cuh), then promote into the output accumulator with the
@@ -38,7 +38,8 @@
 // - A plan that does not fit T (plan_fits) is taken as the plan of no tokens; rows past the covered
 //   tokens are zeroed.
 // - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above,
-//   CTA 0 builds the plan from m_splits and every warp of the grid quantizes rows of a bf16 x into A's memory
+//   CTA 0 builds the plan from m_splits (unless an earlier launch built it: no counts given) and every warp of
+//   the grid quantizes rows of a bf16 x into A's memory
 //   (csrc/kernels/quant/rows.cuh); a cooperative launch whose CTAs then meet at a grid barrier. The row scales
 //   written in the launch are read by plain loads, not the read-only path.
 #pragma once
@@ -122,8 +123,8 @@ struct Fp8RaggedRowsParams {
   const void* bias;  // [E, N] fp32 (bias_f32) or bf16, added before the rounding to bf16; null: none
   bool bias_f32;
   int E, T, N, K;
-  // Cfg::kQuantizeA: the plan built from plan_build's counts into `plan`, and x [T, K] bf16 quantized into the
-  // memory of `a` and `sa` (qa, sa_out), before the GEMM
+  // Cfg::kQuantizeA: the plan built from plan_build's counts into `plan` (none given: built by an earlier launch),
+  // and x [T, K] bf16 quantized into the memory of `a` and `sa` (qa, sa_out), before the GEMM
   PlanBuild plan_build;
   const __nv_bfloat16* x;
   uint8_t* qa;
@@ -338,11 +339,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     // A lane's last read of a stage is done: it releases the stage. Each lane arrives on its own CTA's
     // barrier for its own reads (of the scales, which the scale warp overwrites next: one arrival per reader,
     // the ordering stated to compute-sanitizer's racecheck too); with multicast the peer's producer writes
-    // into this CTA's stage as well, so one lane of the warp also arrives on the peer's barrier.
+    // into this CTA's stage as well, so one lane of the warp also arrives on the peer's barrier, once the
+    // whole warp has arrived here (so that no lane's arrival can fall into the peer's next phase).
     auto release = [&](int s) {
       Barrier::arrive(&empty[s]);
-      if constexpr (kCluster > 1)
+      if constexpr (kCluster > 1) {
+        __syncwarp();
         if (lane == 0) Barrier::arrive(&empty[s], rank ^ 1, 1);
+      }
     };
 
     float acc[Cfg::kAccum];

@@ -21,10 +21,11 @@ included) and a balanced variant. Variants (each guarded: a failure is recorded,
 Metrics: fc1 forward (K=hidden, N=2*ffn) and expert MLP (SwiGLU with router probs) forward+backward:
 median ms over CUDA-event-timed back-to-back iterations after warm-up, TFLOP/s, fraction of the dense
 ceilings measured in the same run, speed-up over torch._grouped_mm bf16; host overhead per call with the
-GPU kept busy (torch.cuda._sleep), also swept over E; jitter of synchronised iterations; peak extra
-memory; accuracy of every variant against a float64 per-expert computation. Training step: GA = 1 and 4
-micro-batches of MLP fwd+bwd with fp32 main_grad accumulation and an in-place weight update (FP8 weight
-caches refreshed once per step), torch bf16 / moegemm bf16 / moegemm fp8 / DeepGEMM.
+GPU kept busy (torch.cuda._sleep), also swept over E (there the variants' batches in turn, the garbage
+collector off); jitter of synchronised iterations; peak extra memory; accuracy of every variant against a
+float64 per-expert computation. Training step: GA = 1 and 4 micro-batches of MLP fwd+bwd with fp32 main_grad
+accumulation and an in-place weight update (FP8 weight caches refreshed once per step), torch bf16 / moegemm
+bf16 / moegemm fp8 / DeepGEMM.
 
 Peers that can crash the CUDA context (device-side asserts cannot be caught) are first run on a small
 case in a child process per variant ("probe"); a variant/split kind whose probe died is reported n/a.

@@ -83,30 +83,54 @@ def host_overhead(fn, reps, target_s=2e-3, max_calls=20) -> dict:
     enqueue; the median over ``reps`` batches. 'gpu_went_idle' counts the batches during which the sleep
     ran out: a call synchronised with the device (or filled the launch queue), so the time includes GPU
     waiting."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    est = time.perf_counter() - t0
-    del out
-    torch.cuda.synchronize()
-    n = max(1, min(max_calls, int(target_s / max(est, 1e-6))))
-    sleep_ms = min(max(2.0, 3e3 * n * est + 1.0), 2000.0)
-    cyc = int(sleep_ms * cycles_per_ms())
-    times, idle = [], 0
-    for _ in range(reps):
-        torch.cuda._sleep(cyc)
-        ev = torch.cuda.Event()
-        ev.record()
-        t0 = time.perf_counter()
-        for _ in range(n):
+    return host_overhead_interleaved([fn], reps, target_s, max_calls)[0]
+
+
+def host_overhead_interleaved(fns, reps, target_s=2e-3, max_calls=20) -> list:
+    """host_overhead of each of ``fns``, their batches taken in turn (rep 1 of each, then rep 2 of each, ...), so
+    that a drift of the host's speed during the measurement falls on every callable alike and their ratios hold
+    within a run. The garbage collector is off during the batches (as in timeit). A callable that raises gets
+    {"error": message} and leaves the rotation."""
+    plans = []
+    for fn in fns:
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             out = fn()
+            est = time.perf_counter() - t0
             del out
-        t1 = time.perf_counter()
-        idle += int(ev.query())
-        times.append((t1 - t0) / n)
-        torch.cuda.synchronize()
-    return {"host_us": statistics.median(times) * 1e6, "host_gpu_went_idle": idle, "host_reps": reps,
-            "host_calls_per_rep": n}
+            torch.cuda.synchronize()
+            n = max(1, min(max_calls, int(target_s / max(est, 1e-6))))
+            sleep_ms = min(max(2.0, 3e3 * n * est + 1.0), 2000.0)
+            plans.append({"n": n, "cyc": int(sleep_ms * cycles_per_ms()), "times": [], "idle": 0})
+        except Exception as exc:  # noqa: BLE001 - recorded for the caller
+            plans.append({"error": short(exc)})
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for fn, pl in zip(fns, plans):
+                if "error" in pl:
+                    continue
+                try:
+                    torch.cuda._sleep(pl["cyc"])
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    t0 = time.perf_counter()
+                    for _ in range(pl["n"]):
+                        out = fn()
+                        del out
+                    t1 = time.perf_counter()
+                    pl["idle"] += int(ev.query())
+                    pl["times"].append((t1 - t0) / pl["n"])
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - recorded for the caller
+                    pl.clear()
+                    pl["error"] = short(exc)
+    finally:
+        gc.enable()
+    return [pl if "error" in pl else {"host_us": statistics.median(pl["times"]) * 1e6, "host_gpu_went_idle": pl["idle"],
+                                      "host_reps": reps, "host_calls_per_rep": pl["n"]} for pl in plans]
 
 
 def count_syncs(fn) -> int:

@@ -20,7 +20,8 @@ from bench.workloads import GEMM_SHAPES, SHAPES, SMALL_EXPERTS, balanced_splits,
 from bench.suite import plot
 from bench.suite.cases import Case, mlp_errors, reference, rel_err
 from bench.suite.implementations import UNAVAILABLE, build_fc1, build_mlp, jit_prewarm, load_variants, make_step
-from bench.suite.measure import count_syncs, host_overhead, jitter, measure_ceilings, peak_extra_mib, time_op
+from bench.suite.measure import (count_syncs, host_overhead, host_overhead_interleaved, jitter, measure_ceilings,
+                                 peak_extra_mib, time_op)
 from bench.suite.meta import collect_meta
 from bench.suite.probes import PROBE_SPLITS, PROBES, Prewarm, gate, run_probes
 from bench.suite.report import render_markdown
@@ -287,8 +288,11 @@ class Runner:
             # the peers, and GroupedLinear / GroupedMLP with their automatic FP8 weight cache (the layers as
             # Megatron's micro-batches after the first call them: the fc1 forward with cached weights)
             keys = self.selected(aux=False) + [k for k in self.selected(aux=True) if k == "moegemm_fp8_wcache"]
-            for key in keys:
-                for op in VBY[key].ops:
+            for op in ("fc1", "mlp"):
+                # every variant of the op built first, then their batches measured in turn (host_overhead_interleaved:
+                # the ratios to torch's hold within the run even as the host's speed drifts)
+                built = []
+                for key in [k for k in keys if op in VBY[k].ops]:
                     rec = {"op": op, "E": E, "hidden": H, "ffn": F, "T": T, "splits": "zipf", "variant": key,
                            "label": VBY[key].label}
                     self.res["host_sweep"].append(rec)
@@ -297,20 +301,27 @@ class Runner:
                         rec.update(status="n/a", reason=why)
                         continue
 
-                    def go(rec=rec, key=key, op=op):
-                        if op == "fc1":
-                            with torch.no_grad():
-                                fn = build_fc1(key, c)
-                                fn()
-                                rec["syncs"] = count_syncs(fn)
-                                rec.update(host_overhead(fn, self.cfg["sweep_reps"]))
-                        else:
-                            fn = make_step(build_mlp(key, c), c)
+                    def prepare(rec=rec, key=key):
+                        with torch.set_grad_enabled(op == "mlp"):
+                            fn = build_fc1(key, c) if op == "fc1" else make_step(build_mlp(key, c), c)
                             fn()
                             rec["syncs"] = count_syncs(fn)
-                            rec.update(host_overhead(fn, self.cfg["sweep_reps"]))
-                    self.guarded(rec, f"sweep/E={E}/{key}/{op}", go)
-                    free()
+                        built.append((rec, fn))
+                    self.guarded(rec, f"sweep/E={E}/{key}/{op}", prepare)
+                if built and not self.dead:
+                    with torch.set_grad_enabled(op == "mlp"):
+                        measured = host_overhead_interleaved([fn for _, fn in built], self.cfg["sweep_reps"])
+                    for (rec, _), m in zip(built, measured):
+                        if "error" in m:
+                            rec["status"], rec["reason"] = "error", m["error"]
+                            log(f"[bench]   sweep/E={E}/{rec['variant']}/{op}: {m['error']}")
+                        else:
+                            rec.update(m)
+                    if any("error" in m for m in measured) and not cuda_alive():
+                        self.dead = f"CUDA context lost in the host sweep at E={E} ({op})"
+                        log("[bench] " + self.dead)
+                built = None
+                free()
             log(f"[bench] host sweep E={E} done ({self.elapsed():.0f} s)")
             c = None
             free()

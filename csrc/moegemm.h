@@ -51,9 +51,10 @@ struct DeviceSplits {
   const void* m_splits = nullptr;
   bool m_is_int64 = false;
 };
-// The same plan built inside another launch (quantize_weights: one more CTA; quantize_act: by its CTAs), with
-// the same requirements; plan == nullptr: none. gemm_fp8_ragged_m_quantize_a alone also takes a plan without
-// counts (m_splits null): built by an earlier launch, only read.
+// The same plan built inside another launch (quantize_weights: one more CTA; quantize_act: by its CTAs;
+// gemm_fp8_ragged_m_quantize_a: its first CTA), with the same requirements. Built only when the counts are given:
+// without them (m_splits null) nothing is built, and a launch that reads a plan (the fused GEMM) reads plan as an
+// earlier launch on the stream left it.
 struct PlanBuild {
   const void* m_splits = nullptr;
   bool m_is_int64 = false;

@@ -82,8 +82,11 @@ def host_overhead(fn, reps, target_s=2e-3, max_calls=20) -> dict:
     back-to-back calls (about ``target_s`` of host work, at most ``max_calls``), so the calls only
     enqueue; the median over ``reps`` batches. 'gpu_went_idle' counts the batches during which the sleep
     ran out: a call synchronised with the device (or filled the launch queue), so the time includes GPU
-    waiting."""
-    return host_overhead_interleaved([fn], reps, target_s, max_calls)[0]
+    waiting. The garbage collector is off during the batches; an exception of fn propagates."""
+    out = host_overhead_interleaved([fn], reps, target_s, max_calls)[0]
+    if "error" in out:
+        raise RuntimeError(out["error"])
+    return out
 
 
 def host_overhead_interleaved(fns, reps, target_s=2e-3, max_calls=20) -> list:

@@ -70,6 +70,17 @@ __device__ __forceinline__ uint32_t pack4_by(float mul, const float (&v)[4]) {
   return uint32_t(lo) | uint32_t(hi) << 16;
 }
 
+// Eight bf16 values (16 bytes) as floats: bf16 -> fp32 is a 16-bit shift, the low half moves up, the high half
+// keeps its place (one instruction each).
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

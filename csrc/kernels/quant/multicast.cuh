@@ -65,16 +65,10 @@ struct Segment {
 // Eight consecutive values as floats (one 16-byte load for 16-bit types, two for fp32).
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&v)[kVec]);
-// bf16 -> fp32 is a 16-bit shift: the low half moves up, the high half keeps its place (one instruction each).
 template <>
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[kVec]) {
   const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
+  unpack_bf16x8(raw, v);
 }
 template <>
 __device__ __forceinline__ void load8(const __half* p, float (&v)[kVec]) {

@@ -212,11 +212,9 @@ void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int
 void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream) {
   if (count < 1 || count > kMaxWeightsPerLaunch) throw std::runtime_error("moegemm: quantize_weights: 1 or 2 weights per launch");
   WeightLaunch launch{};
-  launch.plan = plan;
-  int64_t grid = plan.plan != nullptr ? 1 : 0;
-  if (plan.plan != nullptr) check_plan_size(plan.E, plan.T, "quantize_weights (plan)");
-  if (plan.plan != nullptr && plan.m_splits == nullptr)
-    throw std::runtime_error("moegemm: quantize_weights: a plan to build needs the counts (m_splits)");
+  launch.plan = plan.m_splits != nullptr ? plan : PlanBuild{};  // no counts: nothing to build
+  int64_t grid = launch.plan.plan != nullptr ? 1 : 0;
+  if (launch.plan.plan != nullptr) check_plan_size(plan.E, plan.T, "quantize_weights (plan)");
   for (int i = 0; i < count; ++i) {
     const WeightQuant& w = weights[i];
     const int64_t blocks = w.E * ceil_div(w.N, kBlock) * ceil_div(w.K, kBlock);

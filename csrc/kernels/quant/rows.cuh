@@ -42,10 +42,8 @@ __device__ __forceinline__ void quantize_bf16(const __nv_bfloat16* x, int64_t T,
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t row = row0 + 2 * u + half;
-      const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
       float v[kVec];
-#pragma unroll
-      for (int i = 0; i < kVec / 2; ++i) v[2 * i] = __uint_as_float(w[i] << 16), v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      unpack_bf16x8(raw[u], v);
       float amax = fabsf(v[0]);
 #pragma unroll
       for (int i = 1; i < kVec; ++i) amax = nan_max(amax, fabsf(v[i]));

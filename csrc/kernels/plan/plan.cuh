@@ -43,4 +43,32 @@ __device__ __forceinline__ int find_expert(const int32_t* blk, int E, int64_t b)
   return lo;
 }
 
+// find_expert's answer found by a whole warp in a few dependent loads instead of log2(E) (every lane of the warp
+// calls these with the same arguments):
+// the owner of block b given the owner `from` of an earlier block (-1: none), the warp testing the next 32
+// experts at once.
+__device__ __forceinline__ int walk_expert(const int32_t* blk, int E, int64_t b, int from) {
+  const int lane = threadIdx.x % 32;
+  for (;;) {
+    const int c = from + 1 + lane;
+    const unsigned later = __ballot_sync(0xffffffffu, c < E && blk[c] <= b);  // a prefix: blk is sorted
+    from += __popc(later);
+    if (later != 0xffffffffu) return from;
+  }
+}
+
+// the owner of block b < blk[E] by two warp votes: over the experts at every ceil(E / 32)-th index first, then
+// over those after the last of them at or below b; E <= 1024 (kMaxExperts).
+__device__ __forceinline__ int owner_of(const int32_t* blk, int E, int b) {
+  const int lane = threadIdx.x % 32, stride = (E + 31) / 32;
+  const int c = lane * stride;
+  // (Clamped to [0, E): a foreign plan's answer is wrong but in bounds; make_plan's always has blk[0] = 0 <= b.)
+  int owner = max(0, __popc(__ballot_sync(0xffffffffu, c < E && blk[c] <= b)) - 1) * stride;
+  if (stride > 1) {
+    const int d = owner + lane;
+    owner += __popc(__ballot_sync(0xffffffffu, lane < stride && d < E && blk[d] <= b)) - 1;
+  }
+  return min(max(owner, 0), E - 1);
+}
+
 }  // namespace moegemm

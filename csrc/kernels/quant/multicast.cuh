@@ -192,18 +192,6 @@ __device__ __forceinline__ float scatter_sum4(const float (&a)[kRows], int hl) {
   return scatter_reduce4(a, hl, [](float x, float y) { return x + y; });
 }
 
-// Owner of 128-token block b (find_expert's answer) given the owner `from` of an earlier block: the
-// warp tests the next 32 experts at once. Every lane of the warp calls it with the same arguments.
-__device__ __forceinline__ int walk_expert(const int32_t* blk, int E, int64_t b, int from) {
-  const int lane = threadIdx.x % 32;
-  for (;;) {
-    const int c = from + 1 + lane;
-    const unsigned later = __ballot_sync(0xffffffffu, c < E && blk[c] <= b);  // a prefix: blk is sorted
-    from += __popc(later);
-    if (later != 0xffffffffu) return from;
-  }
-}
-
 // Bytes of one stage of the ring: the loader's staged inputs, 128 x 128 elements each, then (kRowFactor) the
 // tile's 128 row factors.
 template <class Loader>
@@ -721,21 +709,6 @@ constexpr int tile_ctas_per_sm() {
 // Where warp w's maximum of column c sits: row w, rotated by 16 columns for warps 4..7, so that a warp reading
 // 16 columns of warps 0..3 and of warps 4..7 meets 32 different banks.
 __device__ __forceinline__ int tile_partial_index(int w, int c) { return w * kBlock + (c + 16 * (w / 4)) % kBlock; }
-
-// Owner of 128-token block b < blk[E] (find_expert's answer) by two warp votes: over the experts at every
-// ceil(E / 32)-th index first, then over those after the last of them at or below b. Every lane of the warp
-// calls it with the same arguments; E <= 1024.
-__device__ __forceinline__ int owner_of(const int32_t* blk, int E, int b) {
-  const int lane = threadIdx.x % 32, stride = (E + 31) / 32;
-  const int c = lane * stride;
-  // (Clamped to [0, E): a foreign plan's answer is wrong but in bounds; make_plan's always has blk[0] = 0 <= b.)
-  int owner = max(0, __popc(__ballot_sync(0xffffffffu, c < E && blk[c] <= b)) - 1) * stride;
-  if (stride > 1) {
-    const int d = owner + lane;
-    owner += __popc(__ballot_sync(0xffffffffu, lane < stride && d < E && blk[d] <= b)) - 1;
-  }
-  return min(max(owner, 0), E - 1);
-}
 
 // Where a CTA's tile lies: its expert's rows [row0, row0 + nr) from 128-token block b, at column qt_col of the
 // column copy (has_tile false past the plan's blocks).

@@ -54,8 +54,18 @@ struct RaggedRowTiles {
 
   __device__ __forceinline__ int count() const { return blk[E] * n_blocks; }
 
-  __device__ __forceinline__ RowTile at(int id) const {
-    const int e = find_expert(blk, E, id / n_blocks);
+  // Tile `id` by a whole warp (every lane calls it with the same arguments), which walks a CTA's ids in increasing
+  // order: `from` holds the expert of the walk's previous id (-1 before the first) and is advanced to this one's.
+  // Its owner is then one or two dependent loads away (plan.cuh), not log2(E) as a binary search's.
+  __device__ __forceinline__ RowTile at_after(int id, int& from) const {
+    const int b = id / n_blocks;
+    from = from >= 0 ? walk_expert(blk, E, b, from) : E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);
+    return in_expert(id, from);
+  }
+
+ private:
+  // tile `id` of expert e
+  __device__ __forceinline__ RowTile in_expert(int id, int e) const {
     const int local = id - blk[e] * n_blocks;
     const GridTile t = banded_tile(local, blk[e + 1] - blk[e], n_blocks, kBandRows);
     const int row0 = tok[e] + t.m * kBlock;

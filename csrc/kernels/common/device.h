@@ -1,4 +1,4 @@
-// What the kernels' launchers and kernels share about the device: its SM count, whether it launches cooperative
+// What the kernels' launchers and kernels share about the device: its SM count and DRAM bandwidth, whether it launches cooperative
 // kernels, raising a kernel's dynamic shared-memory limit (once per device), and zeroing a range of output rows.
 #pragma once
 
@@ -27,6 +27,11 @@ int device_attribute() {
 
 // Multiprocessors of the current device.
 inline int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+// Peak DRAM bandwidth of the current device in GB/s: both edges of the memory clock over the whole bus.
+inline double dram_gbps() {
+  return 2.0 * device_attribute<cudaDevAttrMemoryClockRate>() * 1e3 * (device_attribute<cudaDevAttrGlobalMemoryBusWidth>() / 8) / 1e9;
+}
 
 // Whether the current device launches cooperative kernels (all CTAs resident at once).
 inline bool cooperative_launch() { return device_attribute<cudaDevAttrCooperativeLaunch>() != 0; }

@@ -12,7 +12,7 @@ int num_ragged_rows_tilings() { return gemm::kNumRaggedRowsTilings; }
 
 void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, cudaStream_t stream) {
   if (tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
-  const gemm::RaggedRowsTiling chosen = tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count());
+  const gemm::RaggedRowsTiling chosen = tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count(), dram_gbps());
   gemm::sm90_fp8_ragged_rows(p, a, b, bias, chosen, stream);
 }
 
@@ -22,7 +22,7 @@ void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t 
   if (plan.T < 1 || plan.plan == nullptr)
     throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a: needs T >= 1 and the plan");
   const RaggedRows p{plan.plan, plan.E, plan.T, N, K, out};
-  gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, N, sm_count()), stream);
+  gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, N, sm_count(), dram_gbps()), stream);
 }
 
 bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K) {

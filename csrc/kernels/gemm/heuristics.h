@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -25,29 +26,42 @@ constexpr int kNumRaggedRowsTilings = sizeof(kRaggedRowsTilings) / sizeof(kRagge
 inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock) + E / 2; }
 
 // The candidates of the choice below, each with its time per column of a tile relative to 128 columns
-// (wider tiles stream A once for more columns): the three widths without clusters. In the GEMM table
-// (bench/gemm/ragged_rows.py on an H200, bench/results/ragged_rows_h200.md) a 2-CTA form was the fastest
-// tiling on 4 of 42 problems (256 columns, by at most 3.5 %), never 128 or 192 columns in clusters; the costs
-// are the ones that picked the fastest of the three most often there (192 columns 0.80 and 256 columns 0.84
-// of 128's time per column).
+// (wider tiles stream A once for more columns): the three widths without clusters. Which width is fastest
+// depends on the device, and the costs with it, by its DRAM bandwidth (what sets the difference was not
+// established: the two devices measured differ in their DRAM, HBM3e against HBM3, not in SMs or L2):
+// - at kRaggedRowsHighDramGBps and above (H200, 4.8 TB/s): in the GEMM table (bench/gemm/ragged_rows.py,
+//   bench/results/ragged_rows_h200.md at c87f490, again at 4167bd9) a 2-CTA form was the fastest tiling on 4 of 42 problems (256 columns, by
+//   at most 3.5 %), never 128 or 192 columns in clusters; the costs are the ones that picked the fastest of the
+//   three most often there (192 columns 0.80 and 256 columns 0.84 of 128's time per column);
+// - below it (H100 SXM, 3.35 TB/s): 256 columns were the fastest single-CTA tiling on all but one of the quick
+//   table's 26 problems in two runs (within 3.4 % on that one; bench/NOTES.md twenty-ninth session), 192 columns
+//   up to 19 % slower on the large shapes (Mixtral-8x7B, DeepSeek-V3-EP8), 128 columns 10-37 % slower: 256 columns
+//   unless the columns fit in 128.
 struct RaggedRowsCandidate {
   int tiling;  // index into kRaggedRowsTilings
   double cost_per_column;
 };
+constexpr double kRaggedRowsHighDramGBps = 4000;
 constexpr RaggedRowsCandidate kRaggedRowsCandidates[] = {{4, 0.80}, {1, 0.84}, {0, 1.0}};
+constexpr RaggedRowsCandidate kRaggedRowsCandidatesLowDram[] = {{1, 0.70}, {0, 1.0}};
 
 // The candidate with the least estimated time: waves of tiles over the SMs, each as long as its tile is
 // wide times its relative cost per column.
-inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms) {
-  const int64_t blocks = expected_row_blocks(T, E);
+template <size_t kCount>
+RaggedRowsTiling least_time_tiling(const RaggedRowsCandidate (&candidates)[kCount], int64_t blocks, int64_t N, int sms) {
   int best = 0;
   double best_time = 0.0;
-  for (const RaggedRowsCandidate& c : kRaggedRowsCandidates) {
+  for (const RaggedRowsCandidate& c : candidates) {
     const int width = kRaggedRowsTilings[c.tiling].block_n;
     const double time = double(ceil_div(blocks * ceil_div(N, width), sms)) * width * c.cost_per_column;
     if (best_time == 0.0 || time < best_time) best = c.tiling, best_time = time;  // ties: the earlier candidate
   }
   return kRaggedRowsTilings[best];
+}
+inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms, double dram_gbps) {
+  const int64_t blocks = expected_row_blocks(T, E);
+  return dram_gbps >= kRaggedRowsHighDramGBps ? least_time_tiling(kRaggedRowsCandidates, blocks, N, sms)
+                                              : least_time_tiling(kRaggedRowsCandidatesLowDram, blocks, N, sms);
 }
 
 // Whether an FP8 forward from a bf16 x [T, K] quantizes x inside the GEMM's launch (the fused prologue,

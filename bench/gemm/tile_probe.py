@@ -1,0 +1,184 @@
+"""Where the FP8 ragged-row GEMM's cycles go, tile by tile (a diagnostic, not a benchmark).
+
+Builds an instrumented copy of the extension in a temporary directory: the copy's ragged-row kernel
+(csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh) gets a probe in which lane 0 of each math warpgroup records, for
+every tile, clock64 at the tile's start, when its first stage is full, after its fourth K block, at the end of
+its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers, and its rows, expert and
+SM; moegemm's own sources are not changed. Then it runs each chosen problem of the GEMM table
+(bench/gemm/ragged_rows.py) once per tiling with the copy and prints, per problem and warpgroup: the share of a
+CTA's time in the tile-start wait, the K loops of full, partial and idle tiles and the epilogue; cycles per
+128-deep K block of full tiles (first four, later) against the tensor peak (8192 FP8 FLOP per SM and cycle);
+the K loop's full-barrier waits.
+
+    python -m bench.gemm.tile_probe "Small experts E=64 zipf fc1 fprop,DeepSeek-V3-EP8 zipf fc1 fprop" [--tilings=-1,1]
+
+The probe is inserted at text anchors of the kernel source; when the kernel changes so that one is missing,
+the tool stops and names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.preflight import require_cuda_gpu
+
+PROG = "python -m bench.gemm.tile_probe"
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh"
+LAUNCHER = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cu"
+RECORD = 8  # uint64 values per tile and warpgroup
+
+# (anchor, replacement) pairs, applied in order to the copy's kernel and launcher
+KERNEL_EDITS = [
+    ("  bool bias_f32;\n  int E, T, N, K;",
+     "  bool bias_f32;\n  int E, T, N, K;\n  unsigned long long* probe;"),
+    ("        Barrier::wait(&full[stage], phase);\n        const RowTile t = smem_tile[stage];",
+     "        c_start = clock64();\n        Barrier::wait(&full[stage], phase);\n        c_ready = clock64();\n"
+     "        const RowTile t = smem_tile[stage];"),
+    ("      int rows, parts, lo_chunks, row0, n0, expert;",
+     "      int rows, parts, lo_chunks, row0, n0, expert;\n      long long c_start, c_ready, c_kb4 = 0, w_loop = 0;"),
+    ("          if (!full_next) Barrier::wait(&full[stage], phase);",
+     "          if (kb == 4) c_kb4 = clock64();\n"
+     "          if (!full_next) { const long long c0 = clock64(); Barrier::wait(&full[stage], phase); w_loop += clock64() - c0; }"),
+    ("      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one part at a time",
+     "      const long long c_loop = clock64();\n      if (c_kb4 == 0) c_kb4 = c_loop;\n"
+     "      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one part at a time"),
+    ("                  *reinterpret_cast<const uint4*>(smem_d_wg + epilogue_offset(r, col));\n          }\n        }\n      }\n",
+     "                  *reinterpret_cast<const uint4*>(smem_d_wg + epilogue_offset(r, col));\n          }\n        }\n      }\n"
+     "      if (p.probe != nullptr && tid == 0) {\n"
+     "        unsigned smid;\n"
+     "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
+     f"        unsigned long long* q = p.probe + ((int64_t(g) * kCluster + rank) * 2 + warpgroup) * {RECORD};\n"
+     "        q[0] = c_start, q[1] = c_ready, q[2] = c_kb4, q[3] = c_loop, q[4] = clock64(), q[5] = w_loop;\n"
+     "        q[6] = (unsigned long long)rows | ((unsigned long long)expert << 8) | ((unsigned long long)smid << 40);\n"
+     "        q[7] = 1;\n"
+     "      }\n"),
+]
+LAUNCHER_EDITS = [
+    ("#include <array>", "#include <array>\n#include <cstdlib>"),
+    ("  k.E = p.E, k.T = int(p.T), k.N = int(p.N), k.K = int(p.K);\n",
+     "  k.E = p.E, k.T = int(p.T), k.N = int(p.N), k.K = int(p.K);\n"
+     "  if (const char* v = std::getenv(\"MOEGEMM_TILE_PROBE\")) k.probe = reinterpret_cast<unsigned long long*>(std::strtoull(v, nullptr, 10));\n"),
+]
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("problems", help="comma-separated labels of bench.gemm.ragged_rows' problems (balanced splits included)")
+    ap.add_argument("--tilings", default="-1", help="comma-separated tilings, heuristics.h's indices, -1 the heuristic's (write --tilings=-1,1)")
+    ap.add_argument("--keep", default=None, help="build the instrumented copy in this directory and keep it")
+    return ap.parse_args()
+
+
+def patch(path: Path, edits: list) -> None:
+    text = path.read_text()
+    for anchor, replacement in edits:
+        if text.count(anchor) != 1:
+            raise SystemExit(f"{PROG}: {path.relative_to(path.parents[4])}: the probe's anchor is gone or not unique "
+                             f"(the kernel changed; update bench/gemm/tile_probe.py):\n{anchor}")
+        text = text.replace(anchor, replacement)
+    path.write_text(text)
+
+
+def instrumented_copy(dest: Path) -> None:
+    for d in ("moegemm", "csrc", "bench", "third_party"):
+        shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__", "results"), dirs_exist_ok=True)
+    patch(dest / KERNEL, KERNEL_EDITS)
+    patch(dest / LAUNCHER, LAUNCHER_EDITS)
+
+
+def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
+    kb = -(-K // 128)
+    print(f"== {label}: T {T}, N {N}, K {K}; {ms * 1e3:.1f} us with the probe")
+    for wg in (0, 1):
+        rs = [r for r in records if r[1] == wg]
+        if not rs:
+            continue
+        by_sm = {}
+        for r in rs:
+            by_sm.setdefault(r[8], []).append(r)
+        span = sum(max(x[6] for x in lst) - min(x[2] for x in lst) for lst in by_sm.values())
+        share = dict(start_wait=0, loop_full=0, loop_partial=0, loop_idle=0, epilogue=0)
+        full = []
+        for _, _, start, ready, kb4, loop, end, wait, _, rows in rs:
+            share["start_wait"] += ready - start
+            key = "loop_full" if rows == 64 else "loop_partial" if rows > 0 else "loop_idle"
+            share[key] += loop - ready
+            share["epilogue"] += end - loop
+            if rows == 64:
+                full.append((ready, kb4, loop, wait))
+        line = ", ".join(f"{k} {100 * v / span:.1f} %" for k, v in share.items())
+        print(f"  warpgroup {wg}: {len(rs)} tiles on {len(by_sm)} SMs; of a CTA's time: {line}")
+        if full and kb > 4:
+            first = sum(k4 - rd for rd, k4, _, _ in full) / len(full) / 4
+            later = sum(lp - k4 for _, k4, lp, _ in full) / len(full) / (kb - 4)
+            wait = sum(w for *_, w in full) / sum(lp - rd for rd, _, lp, _ in full)
+            print(f"    full tiles: cycles per K block {first:.0f} (first four), {later:.0f} (later); full-barrier waits "
+                  f"{100 * wait:.1f} % of their K loops")
+
+
+def child(args) -> int:
+    import torch
+
+    from bench.gemm.mlp_problems import ops  # builds or loads the instrumented extension
+    from bench.gemm.ragged_rows import problems
+
+    wanted = [p.strip() for p in args.problems.split(",")]
+    tilings = [int(t) for t in args.tilings.split(",")]
+    found = {label: (s, N, K) for label, s, N, K in problems(False) if label in wanted}
+    missing = [w for w in wanted if w not in found]
+    if missing:
+        raise SystemExit(f"{PROG}: no such problem: {missing} (see python -m bench.gemm.ragged_rows)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for label in wanted:
+        splits, N, K = found[label]
+        E, T = len(splits), sum(splits)
+        x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
+        w = (torch.randn(E, N, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+        plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
+        qx, sx, _, _ = ops.quantize_act(x, plan, cols=False)
+        qw, sw, _, _ = ops.quantize_weight(w)
+        tiles = (sum(-(-c // 128) for c in splits) * -(-N // 128) + 2) * 2  # at least the largest tiling's ids
+        for tiling in tilings:
+            probe = torch.zeros(tiles * RECORD, dtype=torch.int64, device="cuda")
+            for _ in range(3):
+                torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+            os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+            b.record()
+            b.synchronize()
+            del os.environ["MOEGEMM_TILE_PROBE"]
+            q = probe.view(-1, 2, RECORD).cpu().tolist()
+            # (id, warpgroup, start, ready, after four K blocks, K loop end, epilogue end, waits, SM, rows)
+            records = [(i, wg, *v[:6], (v[6] >> 40) & 0xFFFF, v[6] & 0xFF) for i, pair in enumerate(q)
+                       for wg, v in enumerate(pair) if v[7] == 1]
+            summarize(f"{label}, tiling {tiling}", T, N, K, records, a.elapsed_time(b))
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    if os.environ.get("MOEGEMM_TILE_PROBE_COPY"):
+        return child(args)
+    require_cuda_gpu(PROG, hopper=True)
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moegemm_tile_probe_"))
+    try:
+        instrumented_copy(work)
+        env = dict(os.environ, MOEGEMM_TILE_PROBE_COPY="1", TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),
+                   PYTHONPATH=os.pathsep.join([str(work)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        return subprocess.run([sys.executable, "-m", "bench.gemm.tile_probe", *sys.argv[1:]], cwd=work, env=env).returncode
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

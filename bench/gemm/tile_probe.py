@@ -88,7 +88,9 @@ def patch(path: Path, edits: list) -> None:
 
 def instrumented_copy(dest: Path) -> None:
     for d in ("moegemm", "csrc", "bench", "third_party"):
-        shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__", "results"), dirs_exist_ok=True)
+        # (not a prebuilt extension: the copy must build and load its own, instrumented one)
+        shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__", "results", "_C*.so", "_csrc"),
+                        dirs_exist_ok=True)
     patch(dest / KERNEL, KERNEL_EDITS)
     patch(dest / LAUNCHER, LAUNCHER_EDITS)
 
@@ -160,6 +162,8 @@ def child(args) -> int:
             # (id, warpgroup, start, ready, after four K blocks, K loop end, epilogue end, waits, SM, rows)
             records = [(i, wg, *v[:6], (v[6] >> 40) & 0xFFFF, v[6] & 0xFF) for i, pair in enumerate(q)
                        for wg, v in enumerate(pair) if v[7] == 1]
+            if not records:
+                raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")
             summarize(f"{label}, tiling {tiling}", T, N, K, records, a.elapsed_time(b))
     return 0
 
@@ -169,7 +173,7 @@ def main() -> int:
     if os.environ.get("MOEGEMM_TILE_PROBE_COPY"):
         return child(args)
     require_cuda_gpu(PROG, hopper=True)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moegemm_tile_probe_"))
+    work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="moegemm_tile_probe_"))
     try:
         instrumented_copy(work)
         env = dict(os.environ, MOEGEMM_TILE_PROBE_COPY="1", TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),

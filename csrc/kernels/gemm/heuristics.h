@@ -1,5 +1,5 @@
 // Which kernel and tiling a grouped GEMM gets: pure functions of the host-known problem (T, E, N, K and
-// the device's SM count; m_splits stay on the device, so the row blocks are estimated).
+// the device's SM count and DRAM bandwidth; m_splits stay on the device, so the row blocks are estimated).
 #pragma once
 
 #include <algorithm>
@@ -35,8 +35,9 @@ inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock
 //   three most often there (192 columns 0.80 and 256 columns 0.84 of 128's time per column);
 // - below it (H100 SXM, 3.35 TB/s): 256 columns were the fastest single-CTA tiling on all but one of the quick
 //   table's 26 problems in two runs (within 3.4 % on that one; bench/NOTES.md twenty-ninth session), 192 columns
-//   up to 19 % slower on the large shapes (Mixtral-8x7B, DeepSeek-V3-EP8), 128 columns 10-37 % slower: 256 columns
-//   unless the columns fit in 128.
+//   up to 19 % slower on the large shapes (Mixtral-8x7B, DeepSeek-V3-EP8), 128 columns 10-37 % slower: 256 columns,
+//   unless 128-column tiles take fewer waves (small problems, N of at most 128).
+// A device that reports no DRAM bandwidth (0) gets the H200's costs.
 struct RaggedRowsCandidate {
   int tiling;  // index into kRaggedRowsTilings
   double cost_per_column;
@@ -60,8 +61,8 @@ RaggedRowsTiling least_time_tiling(const RaggedRowsCandidate (&candidates)[kCoun
 }
 inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms, double dram_gbps) {
   const int64_t blocks = expected_row_blocks(T, E);
-  return dram_gbps >= kRaggedRowsHighDramGBps ? least_time_tiling(kRaggedRowsCandidates, blocks, N, sms)
-                                              : least_time_tiling(kRaggedRowsCandidatesLowDram, blocks, N, sms);
+  return dram_gbps > 0 && dram_gbps < kRaggedRowsHighDramGBps ? least_time_tiling(kRaggedRowsCandidatesLowDram, blocks, N, sms)
+                                                               : least_time_tiling(kRaggedRowsCandidates, blocks, N, sms);
 }
 
 // Whether an FP8 forward from a bf16 x [T, K] quantizes x inside the GEMM's launch (the fused prologue,

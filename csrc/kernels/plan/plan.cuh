@@ -45,8 +45,8 @@ __device__ __forceinline__ int find_expert(const int32_t* blk, int E, int64_t b)
 
 // find_expert's answer found by a whole warp in a few dependent loads instead of log2(E) (every lane of the warp
 // calls these with the same arguments):
-// the owner of block b given the owner `from` of an earlier block (-1: none), the warp testing the next 32
-// experts at once.
+// the owner of block b given the owner `from` of an earlier or the same block (-1: none), the warp testing the next
+// 32 experts at once (one load per 32 experts passed).
 __device__ __forceinline__ int walk_expert(const int32_t* blk, int E, int64_t b, int from) {
   const int lane = threadIdx.x % 32;
   for (;;) {

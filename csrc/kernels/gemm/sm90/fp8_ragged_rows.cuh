@@ -32,8 +32,8 @@
 //   is deferred to the next part or tile, so the last store overlaps the next tile's main loop; one
 //   part's buffer (not the whole tile's) leaves shared memory for another pipeline stage.
 // - The producer's TMA warp and scale warp each walk the tile list in the plan (global memory): each looks the
-//   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: one or two dependent
-//   loads, not a binary search), right after the current tile's first stage, so that the lookup's latency falls
+//   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
+//   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that the lookup's latency falls
 //   while the ring is full instead of between two tiles' stages (where it made the math warpgroups wait at 6-10 %
 //   of the time on short tiles). The scale warp hands each stage's tile to the math warpgroups beside its scales,
 //   so they start a tile without a global load. Per-tile values are broadcast from lane 0, which

@@ -54,9 +54,10 @@ struct RaggedRowTiles {
 
   __device__ __forceinline__ int count() const { return blk[E] * n_blocks; }
 
-  // Tile `id` by a whole warp (every lane calls it with the same arguments), which walks a CTA's ids in increasing
-  // order: `from` holds the expert of the walk's previous id (-1 before the first) and is advanced to this one's.
-  // Its owner is then one or two dependent loads away (plan.cuh), not log2(E) as a binary search's.
+  // Tile `id` by a whole warp (every lane calls it with the same arguments), which walks a CTA's ids in
+  // non-decreasing order: `from` holds the expert of the walk's previous id (-1 before the first) and is advanced to
+  // this one's. Its owner is then usually one warp vote's load away (one per 32 experts passed; plan.cuh), not
+  // log2(E) dependent loads as a binary search's, then one round of loads for its rows.
   __device__ __forceinline__ RowTile at_after(int id, int& from) const {
     const int b = id / n_blocks;
     from = from >= 0 ? walk_expert(blk, E, b, from) : E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);

@@ -1,16 +1,17 @@
-"""Where the FP8 ragged-row GEMM's cycles go, tile by tile (a diagnostic, not a benchmark).
+"""Where an FP8 GEMM's cycles go, tile by tile (a diagnostic, not a benchmark): the ragged-row GEMM (fprop,
+dgrad) or, with --wgrad, the ragged-reduction GEMM (wgrad).
 
-Builds an instrumented copy of the extension in a temporary directory: the copy's ragged-row kernel
-(csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh) gets a probe in which lane 0 of each math warpgroup records, for
-every tile, clock64 at the tile's start, when its first stage is full, after its fourth K block, at the end of
-its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers, and its rows, expert and
-SM; moegemm's own sources are not changed. Then it runs each chosen problem of the GEMM table
-(bench/gemm/ragged_rows.py) once per tiling with the copy and prints, per problem and warpgroup: the share of a
-CTA's time in the tile-start wait, the K loops of full, partial and idle tiles and the epilogue; cycles per
-128-deep K block of full tiles (first four, later) against the tensor peak (8192 FP8 FLOP per SM and cycle);
-the K loop's full-barrier waits.
+Builds an instrumented copy of the extension in a temporary directory: the copy's kernel
+(csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh or fp8_ragged_reduction.cuh) gets a probe in which lane 0 of each
+math warpgroup records, for every tile, clock64 at the tile's start, when its first stage is full, after its
+fourth K block (ragged rows) or when the gradient's values are in shared memory (wgrad, accumulation of short
+reductions), at the end of its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers,
+and its rows (or tokens), expert and SM; moegemm's own sources are not changed. Then it runs each chosen problem
+of the GEMM table (bench/gemm/ragged_rows.py, bench/gemm/ragged_reduction.py) once per tiling with the copy and
+prints, per problem and warpgroup, the shares of a CTA's time and the cycles per 128-deep K block.
 
     python -m bench.gemm.tile_probe "Small experts E=64 zipf fc1 fprop,DeepSeek-V3-EP8 zipf fc1 fprop" [--tilings=-1,1]
+    python -m bench.gemm.tile_probe --wgrad "DeepSeek-V2-Lite zipf fc1 wgrad" [--bf16] [--tilings=-1,2]
 
 The probe is inserted at text anchors of the kernel source; when the kernel changes so that one is missing,
 the tool stops and names it.
@@ -32,6 +33,8 @@ PROG = "python -m bench.gemm.tile_probe"
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh"
 LAUNCHER = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cu"
+WGRAD_KERNEL = "csrc/kernels/gemm/sm90/fp8_ragged_reduction.cuh"
+WGRAD_LAUNCHER = "csrc/kernels/gemm/sm90/fp8_ragged_reduction.cu"
 RECORD = 8  # uint64 values per tile and warpgroup
 
 # (anchor, replacement) pairs, applied in order to the copy's kernel and launcher
@@ -60,6 +63,38 @@ KERNEL_EDITS = [
      "        q[7] = 1;\n"
      "      }\n"),
 ]
+# The wgrad kernel's record: start, first stage full, K loop end, gradient values in shared memory (the K loop's end
+# where they are not loaded), epilogue end, K loop waits, tokens | expert << 32 | SM << 44, 1.
+WGRAD_KERNEL_EDITS = [
+    ("  int64_t cols, blocks;\n};", "  int64_t cols, blocks;\n  unsigned long long* probe;\n};"),
+    ("      const int m = __shfl_sync(0xffffffff, cur.m, 0);\n",
+     "      const int m = __shfl_sync(0xffffffff, cur.m, 0);\n      long long c_start = clock64(), c_ready = c_start, w_loop = 0;\n"),
+    ("        if (!full_next) Barrier::wait(&full[stage], phase);\n        full_next = false;",
+     "        if (!full_next) { const long long c0 = clock64(); Barrier::wait(&full[stage], phase); if (k0 > 0) w_loop += clock64() - c0; }\n"
+     "        if (k0 == 0) c_ready = clock64();\n        full_next = false;"),
+    ("      // ---- epilogue: this warpgroup's 64 rows of the tile, slab by slab\n",
+     "      const long long c_loop = clock64();\n      long long c_values = c_loop;\n"
+     "      // ---- epilogue: this warpgroup's 64 rows of the tile, slab by slab\n"),
+    ("        Barrier::wait(&c_full[warpgroup], c_phase);\n        c_phase ^= 1;\n",
+     "        Barrier::wait(&c_full[warpgroup], c_phase);\n        c_phase ^= 1;\n        c_values = clock64();\n"),
+    ("            cute::tma_store_arrive();\n          }\n        }\n      }\n    }\n    if (Cfg::kPingPong && warpgroup == 0)",
+     "            cute::tma_store_arrive();\n          }\n        }\n      }\n"
+     "      if (p.probe != nullptr && tid == 0) {\n"
+     "        unsigned smid;\n"
+     "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
+     f"        unsigned long long* q = p.probe + (int64_t(id) * 2 + warpgroup) * {RECORD};\n"
+     "        q[0] = c_start, q[1] = c_ready, q[2] = c_loop, q[3] = c_values, q[4] = clock64(), q[5] = w_loop;\n"
+     "        q[6] = (unsigned long long)m | ((unsigned long long)t.expert << 32) | ((unsigned long long)smid << 44);\n"
+     "        q[7] = 1;\n"
+     "      }\n"
+     "    }\n    if (Cfg::kPingPong && warpgroup == 0)"),
+]
+WGRAD_LAUNCHER_EDITS = [
+    ("#include <algorithm>", "#include <algorithm>\n#include <cstdlib>"),
+    ("  k.cols = p.cols, k.blocks = p.blocks;\n",
+     "  k.cols = p.cols, k.blocks = p.blocks;\n"
+     "  if (const char* v = std::getenv(\"MOEGEMM_TILE_PROBE\")) k.probe = reinterpret_cast<unsigned long long*>(std::strtoull(v, nullptr, 10));\n"),
+]
 LAUNCHER_EDITS = [
     ("#include <array>", "#include <array>\n#include <cstdlib>"),
     ("  k.E = p.E, k.T = int(p.T), k.N = int(p.N), k.K = int(p.K);\n",
@@ -70,7 +105,10 @@ LAUNCHER_EDITS = [
 
 def parse_args():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("problems", help="comma-separated labels of bench.gemm.ragged_rows' problems (balanced splits included)")
+    ap.add_argument("problems", help="comma-separated labels of bench.gemm.ragged_rows' problems (with --wgrad, "
+                    "bench.gemm.ragged_reduction's; balanced splits included)")
+    ap.add_argument("--wgrad", action="store_true", help="the ragged-reduction (wgrad) kernel, accumulating into fp32")
+    ap.add_argument("--bf16", action="store_true", help="with --wgrad: bf16 output instead of the fp32 accumulation")
     ap.add_argument("--tilings", default="-1", help="comma-separated tilings, heuristics.h's indices, -1 the heuristic's (write --tilings=-1,1)")
     ap.add_argument("--keep", default=None, help="build the instrumented copy in this directory and keep it")
     return ap.parse_args()
@@ -93,6 +131,8 @@ def instrumented_copy(dest: Path) -> None:
                         dirs_exist_ok=True)
     patch(dest / KERNEL, KERNEL_EDITS)
     patch(dest / LAUNCHER, LAUNCHER_EDITS)
+    patch(dest / WGRAD_KERNEL, WGRAD_KERNEL_EDITS)
+    patch(dest / WGRAD_LAUNCHER, WGRAD_LAUNCHER_EDITS)
 
 
 def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
@@ -125,7 +165,88 @@ def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
                   f"{100 * wait:.1f} % of their K loops")
 
 
+def summarize_wgrad(label: str, T: int, N: int, K: int, records, ms: float) -> None:
+    """records: (id, warpgroup, start, ready, loop end, values in shared memory, end, K loop waits, SM, tokens)."""
+    print(f"== {label}: T {T}, gradient {N} x {K} per expert; {ms * 1e3:.1f} us with the probe")
+    for wg in (0, 1):
+        rs = [r for r in records if r[1] == wg]
+        if not rs:
+            continue
+        by_sm = {}
+        for r in rs:
+            by_sm.setdefault(r[8], []).append(r)
+        span = sum(max(x[6] for x in lst) - min(x[2] for x in lst) for lst in by_sm.values())
+        share = dict(start_wait=0, loop=0, values_wait=0, epilogue=0)
+        boxes = loop = wait = 0
+        for _, _, start, ready, end_loop, values, end, w, _, tokens in rs:
+            share["start_wait"] += ready - start
+            share["loop"] += end_loop - ready
+            share["values_wait"] += values - end_loop
+            share["epilogue"] += end - values
+            boxes += -(-tokens // 128)
+            loop += end_loop - ready
+            wait += w
+        line = ", ".join(f"{k} {100 * v / span:.1f} %" for k, v in share.items())
+        print(f"  warpgroup {wg}: {len(rs)} tiles on {len(by_sm)} SMs; of a CTA's time: {line}")
+        if boxes:
+            print(f"    K loop: {loop / boxes:.0f} cycles per 128-token box, full-barrier waits {100 * wait / max(loop, 1):.1f} % of it; "
+                  f"epilogue {share['epilogue'] / len(rs):.0f} cycles per tile")
+
+
+def child_wgrad(args) -> int:
+    import torch
+
+    from bench.gemm.mlp_problems import ops  # builds or loads the instrumented extension
+    from bench.gemm.ragged_reduction import problems
+    from moegemm.layout import GEMM_SM90
+
+    wanted = [p.strip() for p in args.problems.split(",")]
+    tilings = [int(t) for t in args.tilings.split(",")]
+    found = {label: (s, N, K) for label, s, N, K in problems(False, None) if label in wanted}
+    missing = [w for w in wanted if w not in found]
+    if missing:
+        raise SystemExit(f"{PROG}: no such problem: {missing} (see python -m bench.gemm.ragged_reduction)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for label in wanted:
+        splits, N, K = found[label]
+        E, T = len(splits), sum(splits)
+        dy = torch.randn(T, N, device="cuda", generator=gen).to(torch.bfloat16)
+        x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
+        plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
+        _, _, qa, sa = ops.quantize_act(dy, plan, rows=False)
+        _, _, qb, sb = ops.quantize_act(x, plan, rows=False)
+        out = torch.zeros(E, N, K, device="cuda")
+        tiles = E * -(-N // 128) * -(-K // 128) + 2  # at least the narrowest tiling's ids
+
+        def call(tiling):
+            if args.bf16:
+                return torch.ops.moegemm.gemm_fp8_ragged_k(qa, sa, qb, sb, plan, torch.bfloat16, GEMM_SM90, tiling)
+            return torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qa, sa, qb, sb, plan, out, GEMM_SM90, tiling)
+
+        for tiling in tilings:
+            probe = torch.zeros(tiles * 2 * RECORD, dtype=torch.int64, device="cuda")
+            for _ in range(3):
+                call(tiling)
+            os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            call(tiling)
+            b.record()
+            b.synchronize()
+            del os.environ["MOEGEMM_TILE_PROBE"]
+            q = probe.view(-1, 2, RECORD).cpu().tolist()
+            records = [(i, wg, *v[:6], (v[6] >> 44) & 0xFFFF, v[6] & 0xFFFFFFFF) for i, pair in enumerate(q)
+                       for wg, v in enumerate(pair) if v[7] == 1]
+            if not records:
+                raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")
+            mode = "bf16 out" if args.bf16 else "fp32 accumulated"
+            summarize_wgrad(f"{label}, {mode}, tiling {tiling}", T, N, K, records, a.elapsed_time(b))
+    return 0
+
+
 def child(args) -> int:
+    if args.wgrad:
+        return child_wgrad(args)
     import torch
 
     from bench.gemm.mlp_problems import ops  # builds or loads the instrumented extension

@@ -135,17 +135,28 @@ def instrumented_copy(dest: Path) -> None:
     patch(dest / WGRAD_LAUNCHER, WGRAD_LAUNCHER_EDITS)
 
 
+def per_sm(rs):
+    """A warpgroup's records grouped by SM, and the sum over SMs of first start to last end (records' fields 2, 6, 8)."""
+    by_sm = {}
+    for r in rs:
+        by_sm.setdefault(r[8], []).append(r)
+    return by_sm, sum(max(x[6] for x in lst) - min(x[2] for x in lst) for lst in by_sm.values())
+
+
+def print_shares(wg: int, rs, by_sm, span: int, share: dict) -> None:
+    line = ", ".join(f"{k} {100 * v / span:.1f} %" for k, v in share.items())
+    print(f"  warpgroup {wg}: {len(rs)} tiles on {len(by_sm)} SMs; of a CTA's time: {line}")
+
+
 def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
+    """records: (id, warpgroup, start, ready, after four K blocks, K loop end, end, K loop waits, SM, rows)."""
     kb = -(-K // 128)
     print(f"== {label}: T {T}, N {N}, K {K}; {ms * 1e3:.1f} us with the probe")
     for wg in (0, 1):
         rs = [r for r in records if r[1] == wg]
         if not rs:
             continue
-        by_sm = {}
-        for r in rs:
-            by_sm.setdefault(r[8], []).append(r)
-        span = sum(max(x[6] for x in lst) - min(x[2] for x in lst) for lst in by_sm.values())
+        by_sm, span = per_sm(rs)
         share = dict(start_wait=0, loop_full=0, loop_partial=0, loop_idle=0, epilogue=0)
         full = []
         for _, _, start, ready, kb4, loop, end, wait, _, rows in rs:
@@ -155,8 +166,7 @@ def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
             share["epilogue"] += end - loop
             if rows == 64:
                 full.append((ready, kb4, loop, wait))
-        line = ", ".join(f"{k} {100 * v / span:.1f} %" for k, v in share.items())
-        print(f"  warpgroup {wg}: {len(rs)} tiles on {len(by_sm)} SMs; of a CTA's time: {line}")
+        print_shares(wg, rs, by_sm, span, share)
         if full and kb > 4:
             first = sum(k4 - rd for rd, k4, _, _ in full) / len(full) / 4
             later = sum(lp - k4 for _, k4, lp, _ in full) / len(full) / (kb - 4)
@@ -172,120 +182,96 @@ def summarize_wgrad(label: str, T: int, N: int, K: int, records, ms: float) -> N
         rs = [r for r in records if r[1] == wg]
         if not rs:
             continue
-        by_sm = {}
-        for r in rs:
-            by_sm.setdefault(r[8], []).append(r)
-        span = sum(max(x[6] for x in lst) - min(x[2] for x in lst) for lst in by_sm.values())
+        by_sm, span = per_sm(rs)
         share = dict(start_wait=0, loop=0, values_wait=0, epilogue=0)
-        boxes = loop = wait = 0
+        boxes = wait = 0
         for _, _, start, ready, end_loop, values, end, w, _, tokens in rs:
             share["start_wait"] += ready - start
             share["loop"] += end_loop - ready
             share["values_wait"] += values - end_loop
             share["epilogue"] += end - values
             boxes += -(-tokens // 128)
-            loop += end_loop - ready
             wait += w
-        line = ", ".join(f"{k} {100 * v / span:.1f} %" for k, v in share.items())
-        print(f"  warpgroup {wg}: {len(rs)} tiles on {len(by_sm)} SMs; of a CTA's time: {line}")
+        print_shares(wg, rs, by_sm, span, share)
         if boxes:
-            print(f"    K loop: {loop / boxes:.0f} cycles per 128-token box, full-barrier waits {100 * wait / max(loop, 1):.1f} % of it; "
-                  f"epilogue {share['epilogue'] / len(rs):.0f} cycles per tile")
+            print(f"    K loop: {share['loop'] / boxes:.0f} cycles per 128-token box, full-barrier waits "
+                  f"{100 * wait / max(share['loop'], 1):.1f} % of it; epilogue {share['epilogue'] / len(rs):.0f} cycles per tile")
 
 
-def child_wgrad(args) -> int:
-    import torch
-
-    from bench.gemm.mlp_problems import ops  # builds or loads the instrumented extension
-    from bench.gemm.ragged_reduction import problems
-    from moegemm.layout import GEMM_SM90
-
+def chosen_problems(args, table: list, tool: str) -> list:
+    """(label, splits, N, K) of the requested labels of a GEMM table, in the order asked."""
+    found = {label: (label, s, N, K) for label, s, N, K in table}
     wanted = [p.strip() for p in args.problems.split(",")]
-    tilings = [int(t) for t in args.tilings.split(",")]
-    found = {label: (s, N, K) for label, s, N, K in problems(False, None) if label in wanted}
     missing = [w for w in wanted if w not in found]
     if missing:
-        raise SystemExit(f"{PROG}: no such problem: {missing} (see python -m bench.gemm.ragged_reduction)")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for label in wanted:
-        splits, N, K = found[label]
-        E, T = len(splits), sum(splits)
-        dy = torch.randn(T, N, device="cuda", generator=gen).to(torch.bfloat16)
-        x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
-        plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
-        _, _, qa, sa = ops.quantize_act(dy, plan, rows=False)
-        _, _, qb, sb = ops.quantize_act(x, plan, rows=False)
-        out = torch.zeros(E, N, K, device="cuda")
-        tiles = E * -(-N // 128) * -(-K // 128) + 2  # at least the narrowest tiling's ids
+        raise SystemExit(f"{PROG}: no such problem: {missing} (see python -m {tool})")
+    return [found[w] for w in wanted]
 
-        def call(tiling):
-            if args.bf16:
-                return torch.ops.moegemm.gemm_fp8_ragged_k(qa, sa, qb, sb, plan, torch.bfloat16, GEMM_SM90, tiling)
-            return torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qa, sa, qb, sb, plan, out, GEMM_SM90, tiling)
 
-        for tiling in tilings:
-            probe = torch.zeros(tiles * 2 * RECORD, dtype=torch.int64, device="cuda")
-            for _ in range(3):
-                call(tiling)
-            os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            call(tiling)
-            b.record()
-            b.synchronize()
-            del os.environ["MOEGEMM_TILE_PROBE"]
-            q = probe.view(-1, 2, RECORD).cpu().tolist()
-            records = [(i, wg, *v[:6], (v[6] >> 44) & 0xFFFF, v[6] & 0xFFFFFFFF) for i, pair in enumerate(q)
-                       for wg, v in enumerate(pair) if v[7] == 1]
-            if not records:
-                raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")
-            mode = "bf16 out" if args.bf16 else "fp32 accumulated"
-            summarize_wgrad(f"{label}, {mode}, tiling {tiling}", T, N, K, records, a.elapsed_time(b))
-    return 0
+def probe_call(call, ids: int, unpack) -> tuple:
+    """Runs `call` three times, then once with the probe's buffer for `ids` tile ids; the records (id, warpgroup,
+    the six clocks, then unpack(meta)...) of the tiles that wrote one, and the milliseconds of the probed call."""
+    import torch
+
+    probe = torch.zeros(ids * 2 * RECORD, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        call()
+    os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    call()
+    b.record()
+    b.synchronize()
+    del os.environ["MOEGEMM_TILE_PROBE"]
+    records = [(i, wg, *v[:6], *unpack(v[6])) for i, pair in enumerate(probe.view(-1, 2, RECORD).cpu().tolist())
+               for wg, v in enumerate(pair) if v[7] == 1]
+    if not records:
+        raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")
+    return records, a.elapsed_time(b)
 
 
 def child(args) -> int:
-    if args.wgrad:
-        return child_wgrad(args)
     import torch
 
     from bench.gemm.mlp_problems import ops  # builds or loads the instrumented extension
+
+    tilings = [int(t) for t in args.tilings.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.wgrad:
+        from bench.gemm.ragged_reduction import problems
+        from moegemm.layout import GEMM_SM90
+
+        for label, splits, N, K in chosen_problems(args, problems(False, None), "bench.gemm.ragged_reduction"):
+            E, T = len(splits), sum(splits)
+            plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
+            _, _, qa, sa = ops.quantize_act(torch.randn(T, N, device="cuda", generator=gen).to(torch.bfloat16), plan, rows=False)
+            _, _, qb, sb = ops.quantize_act(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16), plan, rows=False)
+            out = torch.zeros(E, N, K, device="cuda")
+            for tiling in tilings:
+                if args.bf16:
+                    call = lambda: torch.ops.moegemm.gemm_fp8_ragged_k(qa, sa, qb, sb, plan, torch.bfloat16, GEMM_SM90, tiling)
+                else:
+                    call = lambda: torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qa, sa, qb, sb, plan, out, GEMM_SM90, tiling)
+                # ids: at least the narrowest tiling's; meta: tokens | expert << 32 | SM << 44
+                records, ms = probe_call(call, E * -(-N // 128) * -(-K // 128) + 2,
+                                         lambda m: ((m >> 44) & 0xFFFF, m & 0xFFFFFFFF))
+                mode = "bf16 out" if args.bf16 else "fp32 accumulated"
+                summarize_wgrad(f"{label}, {mode}, tiling {tiling}", T, N, K, records, ms)
+        return 0
+
     from bench.gemm.ragged_rows import problems
 
-    wanted = [p.strip() for p in args.problems.split(",")]
-    tilings = [int(t) for t in args.tilings.split(",")]
-    found = {label: (s, N, K) for label, s, N, K in problems(False) if label in wanted}
-    missing = [w for w in wanted if w not in found]
-    if missing:
-        raise SystemExit(f"{PROG}: no such problem: {missing} (see python -m bench.gemm.ragged_rows)")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for label in wanted:
-        splits, N, K = found[label]
+    for label, splits, N, K in chosen_problems(args, problems(False), "bench.gemm.ragged_rows"):
         E, T = len(splits), sum(splits)
-        x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
-        w = (torch.randn(E, N, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
         plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
-        qx, sx, _, _ = ops.quantize_act(x, plan, cols=False)
-        qw, sw, _, _ = ops.quantize_weight(w)
-        tiles = (sum(-(-c // 128) for c in splits) * -(-N // 128) + 2) * 2  # at least the largest tiling's ids
+        qx, sx, _, _ = ops.quantize_act(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16), plan, cols=False)
+        qw, sw, _, _ = ops.quantize_weight((torch.randn(E, N, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
         for tiling in tilings:
-            probe = torch.zeros(tiles * RECORD, dtype=torch.int64, device="cuda")
-            for _ in range(3):
-                torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
-            os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
-            b.record()
-            b.synchronize()
-            del os.environ["MOEGEMM_TILE_PROBE"]
-            q = probe.view(-1, 2, RECORD).cpu().tolist()
-            # (id, warpgroup, start, ready, after four K blocks, K loop end, epilogue end, waits, SM, rows)
-            records = [(i, wg, *v[:6], (v[6] >> 40) & 0xFFFF, v[6] & 0xFF) for i, pair in enumerate(q)
-                       for wg, v in enumerate(pair) if v[7] == 1]
-            if not records:
-                raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")
-            summarize(f"{label}, tiling {tiling}", T, N, K, records, a.elapsed_time(b))
+            call = lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+            # ids: at least the narrowest tiling's (and a cluster's repeated last one); meta: rows | expert << 8 | SM << 40
+            records, ms = probe_call(call, sum(-(-c // 128) for c in splits) * -(-N // 128) + 2,
+                                     lambda m: ((m >> 40) & 0xFFFF, m & 0xFF))
+            summarize(f"{label}, tiling {tiling}", T, N, K, records, ms)
     return 0
 
 

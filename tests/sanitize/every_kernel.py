@@ -65,9 +65,9 @@ yq, plan_q, _ = cuda_ops.linear_fwd(torch.randn(T, K, device="cuda", dtype=torch
                                     None, list(cuda_ops.quantize_weight(wq)))
 assert torch.equal(plan_q, plan) and torch.isfinite(yq).all()
 # ... and without a weight gradient, in one launch: the GEMM builds the plan and x's FP8 rows itself (the
-# heuristic's tilings of these problems: 128, 192 and 256 columns on an H200; 128 and 256 on a device with less DRAM
-# bandwidth, such as the H100 SXM, where the fused 192-column form is not reached); with the weights quantized in the call, their
-# launch builds the plan and the GEMM reads it
+# heuristic's tilings of these problems: 128, 192 and 256 columns on an H200; 128 and 256 on a device with less
+# DRAM bandwidth, such as the H100 SXM, where the fused 192-column form is not reached); with the weights quantized
+# in the call, their launch builds the plan and the GEMM reads it
 for splits_q, Kq, Nq in [(splits, 144, 272), ([1000, 0, 2000, 1096], 1024, 2816), ([1000, 0, 2000, 1096], 256, 768)]:
     mq = torch.tensor(splits_q, device="cuda")
     xq = torch.randn(sum(splits_q), Kq, device="cuda", dtype=torch.bfloat16)

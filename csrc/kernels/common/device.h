@@ -1,5 +1,6 @@
-// What the kernels' launchers and kernels share about the device: its SM count and DRAM bandwidth, whether it launches cooperative
-// kernels, raising a kernel's dynamic shared-memory limit (once per device), and zeroing a range of output rows.
+// What the kernels' launchers and kernels share about the device: its SM count and DRAM bandwidth, whether it
+// launches cooperative kernels, raising a kernel's dynamic shared-memory limit (once per device), and zeroing a range
+// of output rows.
 #pragma once
 
 #include <cuda_runtime.h>

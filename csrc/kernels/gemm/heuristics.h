@@ -30,9 +30,10 @@ inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock
 // depends on the device, and the costs with it, by its DRAM bandwidth (what sets the difference was not
 // established: the two devices measured differ in their DRAM, HBM3e against HBM3, not in SMs or L2):
 // - at kRaggedRowsHighDramGBps and above (H200, 4.8 TB/s): in the GEMM table (bench/gemm/ragged_rows.py,
-//   bench/results/ragged_rows_h200.md at c87f490, again at 4167bd9) a 2-CTA form was the fastest tiling on 4 of 42 problems (256 columns, by
-//   at most 3.5 %), never 128 or 192 columns in clusters; the costs are the ones that picked the fastest of the
-//   three most often there (192 columns 0.80 and 256 columns 0.84 of 128's time per column);
+//   bench/results/ragged_rows_h200.md at c87f490, again at 4167bd9) a 2-CTA form was the fastest tiling on 4 of
+//   42 problems (256 columns, by at most 3.5 %), never 128 or 192 columns in clusters; the costs are the ones that
+//   picked the fastest of the three most often there (192 columns 0.80 and 256 columns 0.84 of 128's time per
+//   column);
 // - below it (H100 SXM, 3.35 TB/s): 256 columns were the fastest single-CTA tiling on all but one of the quick
 //   table's 26 problems in two runs (within 3.4 % on that one; bench/NOTES.md twenty-ninth session), 192 columns
 //   up to 19 % slower on the large shapes (Mixtral-8x7B, DeepSeek-V3-EP8), 128 columns 10-37 % slower: 256 columns,
@@ -61,8 +62,8 @@ RaggedRowsTiling least_time_tiling(const RaggedRowsCandidate (&candidates)[kCoun
 }
 inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms, double dram_gbps) {
   const int64_t blocks = expected_row_blocks(T, E);
-  return dram_gbps > 0 && dram_gbps < kRaggedRowsHighDramGBps ? least_time_tiling(kRaggedRowsCandidatesLowDram, blocks, N, sms)
-                                                               : least_time_tiling(kRaggedRowsCandidates, blocks, N, sms);
+  if (dram_gbps > 0 && dram_gbps < kRaggedRowsHighDramGBps) return least_time_tiling(kRaggedRowsCandidatesLowDram, blocks, N, sms);
+  return least_time_tiling(kRaggedRowsCandidates, blocks, N, sms);
 }
 
 // Whether an FP8 forward from a bf16 x [T, K] quantizes x inside the GEMM's launch (the fused prologue,

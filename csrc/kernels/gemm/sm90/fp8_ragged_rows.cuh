@@ -33,17 +33,16 @@
 //   part's buffer (not the whole tile's) leaves shared memory for another pipeline stage.
 // - The producer's TMA warp and scale warp each walk the tile list in the plan (global memory): each looks the
 //   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
-//   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that the lookup's latency falls
-//   while the ring is full instead of between two tiles' stages (where it made the math warpgroups wait at 6-10 %
-//   of the time on short tiles). The scale warp hands each stage's tile to the math warpgroups beside its scales,
-//   so they start a tile without a global load. Per-tile values are broadcast from lane 0, which
-//   keeps the K loop's stage, branches and wgmma descriptors in uniform registers.
+//   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that
+//   the lookup's latency falls while the ring is full instead of between two tiles' stages (where it made the
+//   math warpgroups wait 6-10 % of the time on short tiles). The scale warp hands each stage's tile to the math
+//   warpgroups beside its scales, so they start a tile without a global load. Per-tile values are broadcast from
+//   lane 0, which keeps the K loop's stage, branches and wgmma descriptors in uniform registers.
 // - A plan that does not fit T (plan_fits) is taken as the plan of no tokens; rows past the covered
 //   tokens are zeroed.
 // - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above,
 //   CTA 0 builds the plan from m_splits (unless an earlier launch built it: no counts given) and every warp of
-//   the grid quantizes rows of a bf16 x into A's memory
-//   (csrc/kernels/quant/rows.cuh); a cooperative launch whose CTAs then meet at a grid barrier. The row scales
+//   the grid quantizes rows of a bf16 x into A's memory (csrc/kernels/quant/rows.cuh); a cooperative launch whose CTAs then meet at a grid barrier. The row scales
 //   written in the launch are read by plain loads, not the read-only path.
 #pragma once
 

@@ -71,4 +71,10 @@ __device__ __forceinline__ int owner_of(const int32_t* blk, int E, int b) {
   return min(max(owner, 0), E - 1);
 }
 
+// The owner of block b < blk[E] for a warp that knows no earlier owner: owner_of's two votes within kMaxExperts
+// (every plan the API makes), else find_expert's binary search.
+__device__ __forceinline__ int expert_of(const int32_t* blk, int E, int b) {
+  return E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);
+}
+
 }  // namespace moegemm

@@ -777,7 +777,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     const int32_t* col = plan + (E + 1);
     const int32_t* blk = plan + 2 * (E + 1);
     if (Kb > 0 && b < blk[E]) {
-      const int e = E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);
+      const int e = expert_of(blk, E, b);
       spot = tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
     }
     if (spot.has_tile) load_tile_rows<kTileThreads>(src, staged, spot.row0, spot.nr, k0, nk, tid);

@@ -60,7 +60,7 @@ struct RaggedRowTiles {
   // log2(E) dependent loads as a binary search's, then one round of loads for its rows.
   __device__ __forceinline__ RowTile at_after(int id, int& from) const {
     const int b = id / n_blocks;
-    from = from >= 0 ? walk_expert(blk, E, b, from) : E <= kMaxExperts ? owner_of(blk, E, b) : find_expert(blk, E, b);
+    from = from >= 0 ? walk_expert(blk, E, b, from) : expert_of(blk, E, b);
     return in_expert(id, from);
   }
 

@@ -8,7 +8,9 @@ fourth K block (ragged rows) or when the gradient's values are in shared memory 
 reductions), at the end of its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers,
 and its rows (or tokens), expert and SM; moegemm's own sources are not changed. Then it runs each chosen problem
 of the GEMM table (bench/gemm/ragged_rows.py, bench/gemm/ragged_reduction.py) once per tiling with the copy and
-prints, per problem and warpgroup, the shares of a CTA's time and the cycles per 128-deep K block.
+prints, per problem and warpgroup, the shares of a CTA's time and the cycles per 128-deep K block. Cycles, not
+time: the FP8 GEMMs run at the board's power cap, where a kernel that saves cycles gets a lower clock back
+(python -m bench.gemm.power shows both).
 
     python -m bench.gemm.tile_probe "Small experts E=64 zipf fc1 fprop,DeepSeek-V3-EP8 zipf fc1 fprop" [--tilings=-1,1]
     python -m bench.gemm.tile_probe --wgrad "DeepSeek-V2-Lite zipf fc1 wgrad" [--bf16] [--tilings=-1,2]

@@ -6,9 +6,12 @@ Builds an instrumented copy of the extension in a temporary directory: the copy'
 math warpgroup records, for every tile, clock64 at the tile's start, when its first stage is full, after its
 fourth K block (ragged rows) or when the gradient's values are in shared memory (wgrad, accumulation of short
 reductions), at the end of its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers,
-and its rows (or tokens), expert and SM; moegemm's own sources are not changed. Then it runs each chosen problem
+and its rows (or tokens), expert and SM, and (ragged rows) the global timer when its first stage is full;
+moegemm's own sources are not changed. Then it runs each chosen problem
 of the GEMM table (bench/gemm/ragged_rows.py, bench/gemm/ragged_reduction.py) once per tiling with the copy and
-prints, per problem and warpgroup, the shares of a CTA's time and the cycles per 128-deep K block. Cycles, not
+prints, per problem and warpgroup, the shares of a CTA's time and the cycles per 128-deep K block, and (ragged
+rows) how far apart in time the tiles that read the same weight tile or the same activation rows got their first
+stage (the global timer is common to all SMs; L2 can serve identical reads once only when they come close together). Cycles, not
 time: the FP8 GEMMs run at the board's power cap, where a kernel that saves cycles gets a lower clock back
 (python -m bench.gemm.power shows both).
 
@@ -37,7 +40,7 @@ KERNEL = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh"
 LAUNCHER = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cu"
 WGRAD_KERNEL = "csrc/kernels/gemm/sm90/fp8_ragged_reduction.cuh"
 WGRAD_LAUNCHER = "csrc/kernels/gemm/sm90/fp8_ragged_reduction.cu"
-RECORD = 8  # uint64 values per tile and warpgroup
+RECORD = 8  # uint64 values per tile and warpgroup; the last one non-zero for a tile that wrote its record
 
 # (anchor, replacement) pairs, applied in order to the copy's kernel and launcher
 KERNEL_EDITS = [
@@ -45,9 +48,11 @@ KERNEL_EDITS = [
      "  bool bias_f32;\n  int E, T, N, K;\n  unsigned long long* probe;"),
     ("        Barrier::wait(&full[stage], phase);\n        const RowTile t = smem_tile[stage];",
      "        c_start = clock64();\n        Barrier::wait(&full[stage], phase);\n        c_ready = clock64();\n"
+     "        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(g_ready));\n"
      "        const RowTile t = smem_tile[stage];"),
     ("      int rows, parts, lo_chunks, row0, n0, expert;",
-     "      int rows, parts, lo_chunks, row0, n0, expert;\n      long long c_start, c_ready, c_kb4 = 0, w_loop = 0;"),
+     "      int rows, parts, lo_chunks, row0, n0, expert;\n      long long c_start, c_ready, c_kb4 = 0, w_loop = 0;\n"
+     "      unsigned long long g_ready;"),
     ("          if (!full_next) Barrier::wait(&full[stage], phase);",
      "          if (kb == 4) c_kb4 = clock64();\n"
      "          if (!full_next) { const long long c0 = clock64(); Barrier::wait(&full[stage], phase); w_loop += clock64() - c0; }"),
@@ -62,7 +67,7 @@ KERNEL_EDITS = [
      f"        unsigned long long* q = p.probe + ((int64_t(g) * kCluster + rank) * 2 + warpgroup) * {RECORD};\n"
      "        q[0] = c_start, q[1] = c_ready, q[2] = c_kb4, q[3] = c_loop, q[4] = clock64(), q[5] = w_loop;\n"
      "        q[6] = (unsigned long long)rows | ((unsigned long long)expert << 8) | ((unsigned long long)smid << 40);\n"
-     "        q[7] = 1;\n"
+     "        q[7] = g_ready;\n"
      "      }\n"),
 ]
 # The wgrad kernel's record: start, first stage full, K loop end, gradient values in shared memory (the K loop's end
@@ -151,7 +156,8 @@ def print_shares(wg: int, rs, by_sm, span: int, share: dict) -> None:
 
 
 def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
-    """records: (id, warpgroup, start, ready, after four K blocks, K loop end, end, K loop waits, SM, rows)."""
+    """records: (id, warpgroup, start, ready, after four K blocks, K loop end, end, K loop waits, SM, rows, first
+    stage's arrival on the global timer)."""
     kb = -(-K // 128)
     print(f"== {label}: T {T}, N {N}, K {K}; {ms * 1e3:.1f} us with the probe")
     for wg in (0, 1):
@@ -161,7 +167,7 @@ def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
         by_sm, span = per_sm(rs)
         share = dict(start_wait=0, loop_full=0, loop_partial=0, loop_idle=0, epilogue=0)
         full = []
-        for _, _, start, ready, kb4, loop, end, wait, _, rows in rs:
+        for _, _, start, ready, kb4, loop, end, wait, _, rows, _ in rs:
             share["start_wait"] += ready - start
             key = "loop_full" if rows == 64 else "loop_partial" if rows > 0 else "loop_idle"
             share[key] += loop - ready
@@ -177,8 +183,56 @@ def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
                   f"{100 * wait:.1f} % of their K loops")
 
 
+def tile_coordinates(splits: list, n_blocks: int, band: int) -> list:
+    """(expert, row block, column tile, band) of every tile id of the ragged-row walk (scheduler.cuh: experts in
+    turn, each in bands of `band` row blocks walked column by column)."""
+    out = []
+    for e, m in enumerate(splits):
+        blocks = -(-m // 128)
+        for local in range(blocks * n_blocks):
+            b = local // (band * n_blocks)
+            band_rows = min(band, blocks - b * band)
+            in_band = local - b * band * n_blocks
+            out.append((e, b * band + in_band % band_rows, in_band // band_rows, b))
+    return out
+
+
+def print_skew(splits: list, N: int, records) -> None:
+    """How far apart in time the tiles that read the same weight tile (an expert's column tile, within one band) or
+    the same activation rows (a row block at two neighbouring column tiles) got their first stage: the spread of
+    the global timer over each such group, against a tile's time on its SM."""
+    import statistics
+
+    rs = {r[0]: r for r in records if r[1] == 0}  # warpgroup 0: every tile has its record
+    row_blocks = sum(-(-m // 128) for m in splits)
+    # the tiling's width: the one whose tile count the ids fill (a cluster's repeated last tile may add one id)
+    widths = [w for w in (128, 192, 256) if sum(1 for i in rs if i < row_blocks * -(-N // w)) == row_blocks * -(-N // w)
+              and max(rs) <= row_blocks * -(-N // w)]
+    if not widths:
+        return
+    coords = tile_coordinates(splits, -(-N // widths[0]), 16)  # scheduler.cuh kBandRows
+    groups_b, groups_a = {}, {}
+    for i, (e, m, n, b) in enumerate(coords):
+        if i in rs:  # (all are)
+            groups_b.setdefault((e, n, b), []).append(rs[i][10])
+            groups_a.setdefault((e, m, n // 2), []).append(rs[i][10])
+    by_sm = {}
+    for i, r in rs.items():
+        if i < len(coords):
+            by_sm.setdefault(r[8], []).append(r[10])
+    gaps = [b - a for ts in by_sm.values() for a, b in zip(sorted(ts), sorted(ts)[1:])]
+
+    def spread(groups):
+        s = sorted(max(ts) - min(ts) for ts in groups.values() if len(ts) > 1)
+        return (statistics.median(s), s[int(0.9 * (len(s) - 1))]) if s else (0, 0)
+
+    (bm, b90), (am, a90) = spread(groups_b), spread(groups_a)
+    print(f"    first-stage skew (global timer): tiles sharing a weight tile {bm / 1e3:.1f} us median, {b90 / 1e3:.1f} p90; "
+          f"sharing activation rows {am / 1e3:.1f} / {a90 / 1e3:.1f}; a tile on its SM takes {statistics.median(gaps) / 1e3:.1f} us")
+
+
 def summarize_wgrad(label: str, T: int, N: int, K: int, records, ms: float) -> None:
-    """records: (id, warpgroup, start, ready, loop end, values in shared memory, end, K loop waits, SM, tokens)."""
+    """records: (id, warpgroup, start, ready, loop end, values in shared memory, end, K loop waits, SM, tokens, 1)."""
     print(f"== {label}: T {T}, gradient {N} x {K} per expert; {ms * 1e3:.1f} us with the probe")
     for wg in (0, 1):
         rs = [r for r in records if r[1] == wg]
@@ -187,7 +241,7 @@ def summarize_wgrad(label: str, T: int, N: int, K: int, records, ms: float) -> N
         by_sm, span = per_sm(rs)
         share = dict(start_wait=0, loop=0, values_wait=0, epilogue=0)
         boxes = wait = 0
-        for _, _, start, ready, end_loop, values, end, w, _, tokens in rs:
+        for _, _, start, ready, end_loop, values, end, w, _, tokens, _ in rs:
             share["start_wait"] += ready - start
             share["loop"] += end_loop - ready
             share["values_wait"] += values - end_loop
@@ -212,7 +266,8 @@ def chosen_problems(args, table: list, tool: str) -> list:
 
 def probe_call(call, ids: int, unpack) -> tuple:
     """Runs `call` three times, then once with the probe's buffer for `ids` tile ids; the records (id, warpgroup,
-    the six clocks, then unpack(meta)...) of the tiles that wrote one, and the milliseconds of the probed call."""
+    the six clocks, then unpack(meta)..., the last slot) of the tiles that wrote one, and the milliseconds of the
+    probed call."""
     import torch
 
     probe = torch.zeros(ids * 2 * RECORD, dtype=torch.int64, device="cuda")
@@ -225,8 +280,8 @@ def probe_call(call, ids: int, unpack) -> tuple:
     b.record()
     b.synchronize()
     del os.environ["MOEGEMM_TILE_PROBE"]
-    records = [(i, wg, *v[:6], *unpack(v[6])) for i, pair in enumerate(probe.view(-1, 2, RECORD).cpu().tolist())
-               for wg, v in enumerate(pair) if v[7] == 1]
+    records = [(i, wg, *v[:6], *unpack(v[6]), v[7]) for i, pair in enumerate(probe.view(-1, 2, RECORD).cpu().tolist())
+               for wg, v in enumerate(pair) if v[7] != 0]
     if not records:
         raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")
     return records, a.elapsed_time(b)
@@ -274,6 +329,7 @@ def child(args) -> int:
             records, ms = probe_call(call, sum(-(-c // 128) for c in splits) * -(-N // 128) + 2,
                                      lambda m: ((m >> 40) & 0xFFFF, m & 0xFF))
             summarize(f"{label}, tiling {tiling}", T, N, K, records, ms)
+            print_skew(splits, N, records)
     return 0
 
 

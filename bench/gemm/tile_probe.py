@@ -2,18 +2,17 @@
 dgrad) or, with --wgrad, the ragged-reduction GEMM (wgrad).
 
 Builds an instrumented copy of the extension in a temporary directory: the copy's kernel
-(csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh or fp8_ragged_reduction.cuh) gets a probe in which lane 0 of each
-math warpgroup records, for every tile, clock64 at the tile's start, when its first stage is full, after its
-fourth K block (ragged rows) or when the gradient's values are in shared memory (wgrad, accumulation of short
-reductions), at the end of its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers,
-and its rows (or tokens), expert and SM, and (ragged rows) the global timer when its first stage is full;
-moegemm's own sources are not changed. Then it runs each chosen problem
-of the GEMM table (bench/gemm/ragged_rows.py, bench/gemm/ragged_reduction.py) once per tiling with the copy and
-prints, per problem and warpgroup, the shares of a CTA's time and the cycles per 128-deep K block, and (ragged
-rows) how far apart in time the tiles that read the same weight tile or the same activation rows got their first
-stage (the global timer is common to all SMs; L2 can serve identical reads once only when they come close together). Cycles, not
-time: the FP8 GEMMs run at the board's power cap, where a kernel that saves cycles gets a lower clock back
-(python -m bench.gemm.power shows both).
+(csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh or fp8_ragged_reduction.cuh) gets a probe in which lane 0 of each math
+warpgroup records, for every tile, clock64 at the tile's start, when its first stage is full, after its fourth K
+block (ragged rows) or when the gradient's values are in shared memory (wgrad, accumulation of short reductions), at
+the end of its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers, and its rows (or
+tokens), expert and SM, and (ragged rows) the global timer when its first stage is full; moegemm's own sources are
+not changed. Then it runs each chosen problem of the GEMM table (bench/gemm/ragged_rows.py,
+bench/gemm/ragged_reduction.py) once per tiling with the copy and prints, per problem and warpgroup, the shares of a
+CTA's time and the cycles per 128-deep K block, and (ragged rows) how far apart in time the tiles that read the same
+weight tile or the same activation rows got their first stage (the global timer is common to all SMs; identical
+reads that arrive close together can be merged in L2). Cycles, not time: the FP8 GEMMs run at the board's power cap,
+where a kernel that saves cycles gets a lower clock back (python -m bench.gemm.power shows both).
 
     python -m bench.gemm.tile_probe "Small experts E=64 zipf fc1 fprop,DeepSeek-V3-EP8 zipf fc1 fprop" [--tilings=-1,1]
     python -m bench.gemm.tile_probe --wgrad "DeepSeek-V2-Lite zipf fc1 wgrad" [--bf16] [--tilings=-1,2]

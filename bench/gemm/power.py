@@ -158,15 +158,9 @@ def main() -> int:
                 run(f"{label}, moegemm tiling {tiling}",
                     lambda tiling=tiling: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling), 2.0 * T * N * K)
             if dg:
-                xp, padded = dg_peer.pad_groups(x, splits)
-                xq, xs = dg_peer.quantize_rows(xp)
-                wq = torch.empty(E, N, K, device=dev, dtype=torch.float8_e4m3fn)
-                ws = torch.empty(E, -(-N // 128), K // 128, device=dev)
-                for e in range(E):
-                    wq[e], ws[e] = dg_peer.quantize_blocks(w[e])
-                fn, _ = dg_peer.fprop(dg, xq, xs, wq, ws, padded)
+                fn, _ = dg_peer.fprop_from_bf16(dg, x, w, splits)
                 run(f"{label}, DeepGEMM", fn, 2.0 * T * N * K)
-                del xp, xq, xs, wq, ws, fn
+                del fn
             del x, w, qx, sx, qw, sw
             torch.cuda.empty_cache()
         for label, splits, N, K in chosen(reduction_problems(False, None), args.wgrad, "bench.gemm.ragged_reduction"):
@@ -183,13 +177,9 @@ def main() -> int:
             run(f"{label}, moegemm bf16",
                 lambda: torch.ops.moegemm.gemm_fp8_ragged_k(qa, sa_, qb, sb_, plan, torch.bfloat16, GEMM_SM90, -1), flops)
             if dg:
-                dyp, padded = dg_peer.pad_groups(dy, splits)
-                xp, _ = dg_peer.pad_groups(x, splits)
-                aq, sa2 = dg_peer.quantize_cols(dyp)
-                bq, sb2 = dg_peer.quantize_cols(xp)
-                fn, _ = dg_peer.wgrad(dg, aq, sa2, bq, sb2, padded)
+                fn, _ = dg_peer.wgrad_from_bf16(dg, dy, x, splits)
                 run(f"{label}, DeepGEMM fp32 +=", fn, flops)
-                del dyp, xp, aq, bq, fn
+                del fn
             del dy, x, qa, qb, out
             torch.cuda.empty_cache()
         src = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)

@@ -117,12 +117,7 @@ def main() -> int:
                 calls[f"{k} {m}"] = call(operands, plan, kernel, mode, out)
             del base, res
         if dg:  # each group's tokens padded to 128 with zeros, as DeepGEMM requires; its host sizes
-            dyp, padded = dg_peer.pad_groups(dy, splits)
-            xp, _ = dg_peer.pad_groups(x, splits)
-            aq, sa = dg_peer.quantize_cols(dyp)
-            bq, sb = dg_peer.quantize_cols(xp)
-            calls["DeepGEMM f32+="], _ = dg_peer.wgrad(dg, aq, sa, bq, sb, padded)
-            del dyp, xp
+            calls["DeepGEMM f32+="], _ = dg_peer.wgrad_from_bf16(dg, dy, x, splits)
         times = time_interleaved(calls, rounds, iters)
         for c, ms in times.items():
             rec["tflops"][c] = flops / ms / 1e9

@@ -104,13 +104,7 @@ def main() -> int:
             calls[v] = lambda tiling=tiling: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
         del expect, out
         if dg:  # each group padded to 128 rows, as DeepGEMM requires
-            xp, padded = dg_peer.pad_groups(x, splits)
-            xq, xs = dg_peer.quantize_rows(xp)
-            wq = torch.empty(E, N, K, device=dev, dtype=torch.float8_e4m3fn)
-            ws = torch.empty(E, -(-N // 128), K // 128, device=dev)
-            for e in range(E):
-                wq[e], ws[e] = dg_peer.quantize_blocks(w[e])
-            calls["DeepGEMM"], _ = dg_peer.fprop(dg, xq, xs, wq, ws, padded)
+            calls["DeepGEMM"], _ = dg_peer.fprop_from_bf16(dg, x, w, splits)
         rec["tflops"] = {v: flops / ms / 1e9 for v, ms in time_interleaved(calls, rounds, iters).items()}
         del calls
         rows.append(rec)
@@ -118,8 +112,6 @@ def main() -> int:
         print(f"{label:44s} {T:6d}" + "".join(f" {rec['tflops'][c]:9.0f}" for c in cols) + (f"  DIFF {bad}" if bad else ""),
               flush=True)
         del x, w, qx, sx, qw, sw
-        if dg:
-            del xp, xq, xs, wq, ws
         torch.cuda.empty_cache()
 
     from bench.suite.meta import collect_meta

@@ -211,10 +211,9 @@ def print_skew(splits: list, N: int, records) -> None:
         return
     coords = tile_coordinates(splits, -(-N // widths[0]), 16)  # scheduler.cuh kBandRows
     groups_b, groups_a = {}, {}
-    for i, (e, m, n, b) in enumerate(coords):
-        if i in rs:  # (all are)
-            groups_b.setdefault((e, n, b), []).append(rs[i][10])
-            groups_a.setdefault((e, m, n // 2), []).append(rs[i][10])
+    for i, (e, m, n, b) in enumerate(coords):  # (the width check above: every id of the walk has its record)
+        groups_b.setdefault((e, n, b), []).append(rs[i][10])
+        groups_a.setdefault((e, m, n // 2), []).append(rs[i][10])
     by_sm = {}
     for i, r in rs.items():
         if i < len(coords):

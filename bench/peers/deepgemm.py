@@ -258,6 +258,32 @@ def wgrad(dg, aq, sa, bq, sb, counts):
     return (lambda: dg.k_grouped_fp8_gemm_nt_contiguous((a_flat, sa_t), (b_flat, sb_t), d, ks, ks_t, d)), d
 
 
+def fprop_from_bf16(dg, x, w, counts):
+    """fprop on bf16 operands as DeepGEMM's users prepare them: x [sum(counts), K] with each group's rows padded to
+    ALIGN (pad_groups) in 1x128 blocks, W [E, N, K] in 128x128 blocks (one expert at a time: a stack's fp32 copy
+    would not fit beside the largest problems). Returns fprop's (call, out); out has the padded rows."""
+    import torch
+
+    xp, padded = pad_groups(x, counts)
+    xq, sx = quantize_rows(xp)
+    E, N, K = w.shape
+    wq = torch.empty(E, N, K, device=w.device, dtype=torch.float8_e4m3fn)
+    sw = torch.empty(E, -(-N // 128), K // 128, device=w.device)
+    for e in range(E):
+        wq[e], sw[e] = quantize_blocks(w[e])
+    return fprop(dg, xq, sx, wq, sw, padded)
+
+
+def wgrad_from_bf16(dg, a, b, counts):
+    """wgrad on bf16 operands as DeepGEMM's users prepare them: a [sum(counts), M] and b [sum(counts), N] with each
+    group's tokens padded to ALIGN (pad_groups), in 128x1 blocks along the tokens. Returns wgrad's (call, d)."""
+    ap, padded = pad_groups(a, counts)
+    bp, _ = pad_groups(b, counts)
+    aq, sa = quantize_cols(ap)
+    bq, sb = quantize_cols(bp)
+    return wgrad(dg, aq, sa, bq, sb, padded)
+
+
 # ------------------------------------------------------------------------------------ the timing run
 def _rel_err(out, ref) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))

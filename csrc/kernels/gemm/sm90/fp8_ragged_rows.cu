@@ -51,6 +51,8 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
   constexpr auto kKernel = sm90::fp8_ragged_rows_kernel<Cfg>;
   const char* name = Cfg::kQuantizeA ? "gemm_fp8_ragged_m_quantize_a (sm90)" : "gemm_fp8_ragged_m (sm90)";
   if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: E * N exceeds the TMA coordinate range");
+  if (p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, kBlock) > INT32_MAX)  // the kernel indexes them in 32 bits
+    throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 weight scales or more");
   const int64_t max_tiles = block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN);
   if (max_tiles > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 tiles or more (the scheduler's ids are 32-bit)");
   sm90::Fp8RaggedRowsParams k{};

@@ -24,7 +24,8 @@
 // - A scale warp of the producer warpgroup loads each stage's scales into shared memory beside the
 //   operands (sa of the tile's 128 rows, sb of its weight blocks) and arrives on the stage's full barrier
 //   with the TMA bytes; the math threads read them from shared memory, so no global load sits between a
-//   stage's wgmma and its promotion.
+//   stage's wgmma and its promotion. Its loads run a stage ahead of its stores, so that its pace is not one
+//   global load's latency per stage.
 // - Epilogue per warpgroup and part: the expert's bias added when given (fp32 or bf16, read from global
 //   memory, before the rounding), bf16 into 128B-swizzled shared memory, then one TMA store
 //   per 64 columns when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the
@@ -35,8 +36,8 @@
 //   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
 //   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that
 //   the lookup's latency falls while the ring is full instead of between two tiles' stages (where it made the
-//   math warpgroups wait 6-10 % of the time on short tiles). The scale warp hands each stage's tile to the math
-//   warpgroups beside its scales, so they start a tile without a global load. Per-tile values are broadcast from
+//   math warpgroups wait 6-10 % of the time on short tiles). The TMA warp hands each stage's tile to the math
+//   warpgroups in the stage, so they start a tile without a global load. Per-tile values are broadcast from
 //   lane 0, which keeps the K loop's stage, branches and wgmma descriptors in uniform registers.
 // - A plan that does not fit T (plan_fits) is taken as the plan of no tokens; rows past the covered
 //   tokens are zeroed.
@@ -272,6 +273,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         for (int kb = 0; kb < Kb; ++kb) {
           Barrier::wait(&empty[stage], phase ^ 1);
           if (lane == 0) {
+            smem_tile[stage] = t;  // the math warpgroups read the tile here, not in global memory
             TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB);
             uint8_t* a = smem_a + stage * Cfg::kBytesA;
             uint8_t* b = smem_b + stage * Cfg::kBytesB;
@@ -301,38 +303,54 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         }
       }
     } else if (warp == 1) {
+      // The scale warp. Each stage's scales are loaded one stage before the warp stores them (a ring of two stages'
+      // values, the loop unrolled over it so that no value is copied between slots: a copy would wait for its
+      // loads). Loaded just before the stage's wait, the warp's pace was one global load's latency per stage, slower
+      // than a K block of the 192-column tilings, whose math warpgroups then waited for it on most stages
+      // (bench/NOTES.md, thirty-first session). Two stages ahead would not fit the producer's registers.
       constexpr int kRowsPerLane = Cfg::kBlockM / 32;
+      constexpr int kRing = 2;
+      struct StageScales {
+        float a[kRowsPerLane];  // rows lane + 32 i of the tile's K block
+        float b;                // lane < kScalesB: the tile's weight-scale block n0 / 128 + lane
+      };
       const int64_t sa_pitch = row_scale_pitch(T);
+      // The loads' cursor: tile `lt` of group lg, K block lkb. The tile after it (`lnext`) is looked up once the
+      // cursor's first stage is loaded, a tile ahead of its use.
+      int from = -1, lg = cluster, lkb = 0;
+      RowTile lt{}, lnext{};
+      if (lg < num_groups) lt = tiles.at_after(tile_id(lg, rank), from);
+      auto load_next = [&](StageScales& s) {
+        if (lg >= num_groups) return;  // past this CTA's last stage: never stored
+        // the weight-scale blocks the tile's columns inside N touch, from n0's
+        const int n0 = lt.n_block * Cfg::kBlockN;
+        const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
+        // (32-bit: the launcher refuses weight scales of 2^31 values or more)
+        s.b = lane < scale_blocks ? __ldg(p.sb + ((lt.expert * Nb + n0 / kBlock + lane) * Kb + lkb)) : 0.f;
+        // this lane's rows lt.row0 + lane + 32 i, those below T; the scales are K-major (a K block's 128 rows
+        // contiguous), so each of the warp's loads reads 128 contiguous bytes
+        const int below_t = T - lt.row0 - lane;
+        const float* sa = p.sa + lkb * sa_pitch + lt.row0 + lane;
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) s.a[i] = 32 * i < below_t ? detail::load_scale<Cfg::kQuantizeA>(sa + 32 * i) : 0.f;
+        if (lkb == 0 && lg + clusters < num_groups) lnext = tiles.at_after(tile_id(lg + clusters, rank), from);
+        if (++lkb == Kb) lkb = 0, lg += clusters, lt = lnext;
+      };
+      StageScales ring[kRing];
+      load_next(ring[0]);
+      const int64_t stages = cluster < num_groups ? int64_t((num_groups - 1 - cluster) / clusters + 1) * Kb : 0;
       int stage = 0;
       uint32_t phase = 0;
-      // the tiles as the TMA warp finds them, each a tile ahead (looked up after the current tile's first stage)
-      int from = -1;
-      RowTile next{};
-      if (cluster < num_groups) next = tiles.at_after(tile_id(cluster, rank), from);
-      for (int g = cluster; g < num_groups; g += clusters) {
-        const RowTile t = next;
-        // the weight-scale blocks the tile's columns inside N touch, from n0's
-        const int n0 = t.n_block * Cfg::kBlockN;
-        const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
-        const bool has_b = lane < scale_blocks;
-        const float* sb = p.sb + (int64_t(t.expert) * Nb + n0 / kBlock + (has_b ? lane : 0)) * Kb;
-        // this lane's rows t.row0 + lane + 32 i, those below T; the scales are K-major (a K block's 128 rows
-        // contiguous), so each of the warp's loads reads 128 contiguous bytes
-        const int below_t = T - t.row0 - lane;
-        const float* sa = p.sa + t.row0 + lane;
-        for (int kb = 0; kb < Kb; ++kb, sa += sa_pitch) {
-          // loaded before the wait, so that their latency overlaps it
-          float a[kRowsPerLane];
+      for (int64_t j = 0; j < stages; j += kRing) {
 #pragma unroll
-          for (int i = 0; i < kRowsPerLane; ++i) a[i] = 32 * i < below_t ? detail::load_scale<Cfg::kQuantizeA>(sa + 32 * i) : 0.f;
-          const float b = has_b ? __ldg(sb + kb) : 0.f;
+        for (int r = 0; r < kRing; ++r) {
+          if (j + r >= stages) break;
+          load_next(ring[(r + 1) % kRing]);
           Barrier::wait(&empty[stage], phase ^ 1);
 #pragma unroll
-          for (int i = 0; i < kRowsPerLane; ++i) smem_sa[stage * Cfg::kBlockM + lane + 32 * i] = a[i];
-          if (lane < Cfg::kScalesB) smem_sb[stage * Cfg::kScalesB + lane] = b;
-          if (lane == 0) smem_tile[stage] = t;  // the math warpgroups read the tile here, not in global memory
+          for (int i = 0; i < kRowsPerLane; ++i) smem_sa[stage * Cfg::kBlockM + lane + 32 * i] = ring[r].a[i];
+          if (lane < Cfg::kScalesB) smem_sb[stage * Cfg::kScalesB + lane] = ring[r].b;
           Barrier::arrive(&full[stage]);  // each lane releases its own stores
-          if (kb == 0 && g + clusters < num_groups) next = tiles.at_after(tile_id(g + clusters, rank), from);
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       }
@@ -380,7 +398,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     const float* smem_sa_row = smem_sa + sa_row;
 
     for (int g = cluster; g < num_groups; g += clusters) {
-      // The tile, from its first stage (K has at least one block), where the scale warp wrote it: no
+      // The tile, from its first stage (K has at least one block), where the TMA warp wrote it: no
       // global loads at a tile's start. Broadcast from lane 0, so that the compiler knows it warp-uniform
       // and keeps the K loop's branches, stage and descriptors in uniform registers.
       int rows, parts, lo_chunks, row0, n0, expert;

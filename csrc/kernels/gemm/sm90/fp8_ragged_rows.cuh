@@ -5,10 +5,12 @@
 //
 // The design (one CTA per SM, warp-specialized):
 // - One TMA descriptor per operand over the whole tensor: A = qa [T, K], B = qb viewed as [E·N, K],
-//   D = out [T, N]. No per-expert descriptors, no tensormap writes, no padding: an M tile starts at a
-//   row of its expert (scheduler.cuh) and TMA fills rows past T (and K past the end) with zeros.
-// - A producer warpgroup: one thread issues the TMA copies of A and B for each 128-wide K block into a
-//   ring of kStages shared-memory stages (full/empty mbarriers), running ahead across tiles.
+//   D = out [T, N], SA = sa [Kb, pitch]. No per-expert descriptors, no tensormap writes, no padding: an M tile
+//   starts at a row of its expert (scheduler.cuh) and TMA fills rows past T (and K past the end) with zeros.
+// - A producer warpgroup: one thread issues the TMA copies of A, B and A's row scales for each 128-wide K block
+//   into a ring of kStages shared-memory stages (full/empty mbarriers), running ahead across tiles. The row scales'
+//   box starts at the 16-byte aligned row at or below the tile's first row (kSaBox = 132 rows; a box starting at
+//   any row stopped the kernel with an illegal instruction), and the math threads read them at that offset.
 // - Clusters of two CTAs (kCluster = 2) take consecutive tiles; when both tiles need the same weight tile
 //   (one expert, same columns) or the same activation rows, each CTA loads half of it and multicasts that
 //   half into both CTAs' shared memory, halving that operand's L2 traffic. A stage is then refilled only
@@ -21,11 +23,10 @@
 //   straddles two, at a column fixed per tile) — the promotion of one
 //   warpgroup runs while the other's wgmma occupies the tensor cores. A warpgroup whose 64 rows all lie
 //   past its expert's end (the last tile of an expert) skips its MMAs.
-// - A scale warp of the producer warpgroup loads each stage's scales into shared memory beside the
-//   operands (sa of the tile's 128 rows, sb of its weight blocks) and arrives on the stage's full barrier
-//   with the TMA bytes; the math threads read them from shared memory, so no global load sits between a
-//   stage's wgmma and its promotion. Its loads run a stage ahead of its stores, so that its pace is not one
-//   global load's latency per stage.
+// - A scale warp of the producer warpgroup loads each stage's weight scales (sb of the tile's weight blocks)
+//   into shared memory beside the operands and arrives on the stage's full barrier with the TMA bytes; the math
+//   threads read both kinds of scales from shared memory, so no global load sits between a stage's wgmma and
+//   its promotion. Its loads run stages ahead of its stores, so that its pace is not one load's latency a stage.
 // - Epilogue per warpgroup and part: the expert's bias added when given (fp32 or bf16, read from global
 //   memory, before the rounding), bf16 into 128B-swizzled shared memory, then one TMA store
 //   per 64 columns when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the
@@ -43,8 +44,8 @@
 //   tokens are zeroed.
 // - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above,
 //   CTA 0 builds the plan from m_splits (unless an earlier launch built it: no counts given) and every warp of
-//   the grid quantizes rows of a bf16 x into A's memory (csrc/kernels/quant/rows.cuh); a cooperative launch whose CTAs then meet at a grid barrier. The row scales
-//   written in the launch are read by plain loads, not the read-only path.
+//   the grid quantizes rows of a bf16 x into A's memory (csrc/kernels/quant/rows.cuh); a cooperative launch whose CTAs then meet at a grid barrier, after
+//   each thread's proxy fence (the TMA copies of A and its row scales read what the generic proxy wrote).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -93,18 +94,21 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
   static constexpr int kScalesB = 2;     // weight-scale blocks per stage: a tile's columns touch at most two
+  // A stage's row scales: a TMA box of kSaBox fp32 from the 16-byte aligned row at or below the tile's first row,
+  // in a slot of kSaStride (TMA destinations 128-byte aligned)
+  static constexpr int kSaBox = kBlockM + 4, kSaStride = 160;
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
   static constexpr int kBytesB = kBlockN * kBlockK;
   static constexpr int kBoxRowsA = kBlockM / kCluster, kBoxRowsB = kBlockN / kCluster;  // a TMA box: one CTA's share
   static constexpr int kBytesD = kBlockM * kPartN * 2;  // bf16 epilogue tile: one part at a time
-  static constexpr int kBytesStage = kBytesA + kBytesB + kBlockM * 4 + kScalesB * 4 + 16 + 2 * 8;
+  static constexpr int kBytesStage = kBytesA + kBytesB + kSaStride * 4 + kScalesB * 4 + 16 + 2 * 8;
   static constexpr int kStages = (kSharedBytes - kBytesD) / kBytesStage;
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
-  static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;                   // fp32 [kStages][kBlockM]
-  static constexpr int kOffsetTiles = kOffsetScalesA + kStages * kBlockM * 4;           // RowTile [kStages]
+  static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;                   // fp32 [kStages][kSaStride]
+  static constexpr int kOffsetTiles = kOffsetScalesA + kStages * kSaStride * 4;           // RowTile [kStages]
   static constexpr int kOffsetScalesB = kOffsetTiles + kStages * 16;                     // fp32 [kStages][kScalesB]
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kScalesB * 4;
   static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
@@ -119,7 +123,7 @@ struct Fp8RaggedRowsParams {
   CUtensorMap a;  // qa [T, K], box kBoxRowsA x 128, 128B swizzle
   CUtensorMap b;  // qb as [E*N, K], box kBoxRowsB x 128
   CUtensorMap d;  // out [T, N] bf16, box 64 x 64
-  const float* sa;
+  CUtensorMap sa;  // sa as [Kb, pitch] fp32, box 1 x kSaBox
   const float* sb;
   const int32_t* plan;
   __nv_bfloat16* out;
@@ -135,13 +139,6 @@ struct Fp8RaggedRowsParams {
 };
 
 namespace detail {
-
-// A row scale: through the read-only path, unless this launch wrote it (the fused prologue: kWritten).
-template <bool kWritten>
-__device__ __forceinline__ float load_scale(const float* p) {
-  if constexpr (kWritten) return *p;
-  return __ldg(p);
-}
 
 // out += scale · acc over a part's accumulator: a thread's values i of 8-column chunk i / 4, row + 8 when
 // i & 2; chunks below kLoChunks take the first weight-scale block's product (lo0 / lo1 for the two rows),
@@ -215,7 +212,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   const bool fits = plan_fits(p.plan, p.E, token_limit(p.T));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], 1 + 32);                                    // the TMA thread (+ bytes), each scale lane
+      Barrier::init(&full[s], 1 + Cfg::kScalesB);                         // the TMA thread (+ bytes), each weight-scale lane
       Barrier::init(&empty[s], Cfg::kEmptyArrivals);
     }
     cutlass::arch::fence_barrier_init();
@@ -224,6 +221,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.a));
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.b));
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.d));
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.sa));
   }
   if constexpr (kCluster > 1) cute::cluster_sync();  // the peer's barriers exist before any remote arrive
   else __syncthreads();
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           Barrier::wait(&empty[stage], phase ^ 1);
           if (lane == 0) {
             smem_tile[stage] = t;  // the math warpgroups read the tile here, not in global memory
-            TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB);
+            TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB + Cfg::kSaBox * 4);
             uint8_t* a = smem_a + stage * Cfg::kBytesA;
             uint8_t* b = smem_b + stage * Cfg::kBytesB;
             const int k0 = kb * kBlock;
@@ -296,6 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
                 cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, b + h * Cfg::kBoxRowsB * kBlock, k0,
                                              b_row + h * Cfg::kBoxRowsB);
             }
+            cute::SM90_TMA_LOAD_2D::copy(&p.sa, &full[stage], kHint, smem_sa + stage * Cfg::kSaStride, t.row0 & ~3, kb);
           }
           __syncwarp();
           if (kb == 0) walk(g + clusters, next, next_shared);
@@ -303,41 +302,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         }
       }
     } else if (warp == 1) {
-      // The scale warp. Each stage's scales are loaded one stage before the warp stores them (a ring of two stages'
-      // values, the loop unrolled over it so that no value is copied between slots: a copy would wait for its
-      // loads). Loaded just before the stage's wait, the warp's pace was one global load's latency per stage, slower
-      // than a K block of the 192-column tilings, whose math warpgroups then waited for it on most stages
-      // (bench/NOTES.md, thirty-first session). Two stages ahead would not fit the producer's registers.
-      constexpr int kRowsPerLane = Cfg::kBlockM / 32;
-      constexpr int kRing = 2;
-      struct StageScales {
-        float a[kRowsPerLane];  // rows lane + 32 i of the tile's K block
-        float b;                // lane < kScalesB: the tile's weight-scale block n0 / 128 + lane
-      };
-      const int64_t sa_pitch = row_scale_pitch(T);
+      // The scale warp: each stage's weight scales (the row scales come with the TMA copies). Its loads run
+      // kRing - 1 stages ahead of its stores (a ring of registers, the loop unrolled over it so that no value is
+      // copied between slots: a copy would wait for its loads); loaded just before each stage's wait, its pace
+      // would be one global load's latency per stage, slower than a K block of the narrower tilings
+      // (bench/NOTES.md, thirty-first session).
+      constexpr int kRing = 4;
       // The loads' cursor: tile `lt` of group lg, K block lkb. The tile after it (`lnext`) is looked up once the
       // cursor's first stage is loaded, a tile ahead of its use.
       int from = -1, lg = cluster, lkb = 0;
       RowTile lt{}, lnext{};
       if (lg < num_groups) lt = tiles.at_after(tile_id(lg, rank), from);
-      auto load_next = [&](StageScales& s) {
+      // lane < kScalesB: the weight-scale block n0 / 128 + lane of the cursor's tile, at its K block
+      auto load_next = [&](float& b) {
         if (lg >= num_groups) return;  // past this CTA's last stage: never stored
         // the weight-scale blocks the tile's columns inside N touch, from n0's
         const int n0 = lt.n_block * Cfg::kBlockN;
         const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
         // (32-bit: the launcher refuses weight scales of 2^31 values or more)
-        s.b = lane < scale_blocks ? __ldg(p.sb + ((lt.expert * Nb + n0 / kBlock + lane) * Kb + lkb)) : 0.f;
-        // this lane's rows lt.row0 + lane + 32 i, those below T; the scales are K-major (a K block's 128 rows
-        // contiguous), so each of the warp's loads reads 128 contiguous bytes
-        const int below_t = T - lt.row0 - lane;
-        const float* sa = p.sa + lkb * sa_pitch + lt.row0 + lane;
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) s.a[i] = 32 * i < below_t ? detail::load_scale<Cfg::kQuantizeA>(sa + 32 * i) : 0.f;
+        b = lane < scale_blocks ? __ldg(p.sb + ((lt.expert * Nb + n0 / kBlock + lane) * Kb + lkb)) : 0.f;
         if (lkb == 0 && lg + clusters < num_groups) lnext = tiles.at_after(tile_id(lg + clusters, rank), from);
         if (++lkb == Kb) lkb = 0, lg += clusters, lt = lnext;
       };
-      StageScales ring[kRing];
-      load_next(ring[0]);
+      float ring[kRing];
+#pragma unroll
+      for (int i = 0; i < kRing - 1; ++i) load_next(ring[i]);
       const int64_t stages = cluster < num_groups ? int64_t((num_groups - 1 - cluster) / clusters + 1) * Kb : 0;
       int stage = 0;
       uint32_t phase = 0;
@@ -345,12 +334,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 #pragma unroll
         for (int r = 0; r < kRing; ++r) {
           if (j + r >= stages) break;
-          load_next(ring[(r + 1) % kRing]);
+          load_next(ring[(r + kRing - 1) % kRing]);
           Barrier::wait(&empty[stage], phase ^ 1);
-#pragma unroll
-          for (int i = 0; i < kRowsPerLane; ++i) smem_sa[stage * Cfg::kBlockM + lane + 32 * i] = ring[r].a[i];
-          if (lane < Cfg::kScalesB) smem_sb[stage * Cfg::kScalesB + lane] = ring[r].b;
-          Barrier::arrive(&full[stage]);  // each lane releases its own stores
+          if (lane < Cfg::kScalesB) {
+            smem_sb[stage * Cfg::kScalesB + lane] = ring[r];
+            Barrier::arrive(&full[stage]);  // each storing lane releases its own store
+          }
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       }
@@ -366,7 +355,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
               int64_t(gridDim.x) * Cfg::kMathWarpgroups * 128);
 
     // A lane's last read of a stage is done: it releases the stage. Each lane arrives on its own CTA's
-    // barrier for its own reads (of the scales, which the scale warp overwrites next: one arrival per reader,
+    // barrier for its own reads (of the scales, which the producer overwrites next: one arrival per reader,
     // the ordering stated to compute-sanitizer's racecheck too); with multicast the peer's producer writes
     // into this CTA's stage as well, so one lane of the warp also arrives on the peer's barrier, once the
     // whole warp has arrived here (so that no lane's arrival can fall into the peer's next phase).
@@ -414,6 +403,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         // a 192-wide part's first weight-scale block covers its first 128 - n0 % 128 columns (8-column chunks)
         lo_chunks = min(Cfg::kPartN, kBlock - n0 % kBlock) / 8;
       }
+      const float* sa_tile = smem_sa_row + (row0 & 3);  // the tile's rows in its row-scale box
 
 #pragma unroll
       for (int h = 0; h < Cfg::kParts; ++h)
@@ -427,8 +417,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         for (int kb = 0; kb < Kb; ++kb) {
           const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
           if (!full_next) Barrier::wait(&full[stage], phase);
-          // the scales, read before the stage can be released (the scale warp then overwrites them)
-          const float a0 = smem_sa_row[stage * Cfg::kBlockM], a1 = smem_sa_row[stage * Cfg::kBlockM + 8];
+          // the scales, read before the stage can be released (the producer then overwrites them)
+          const float a0 = sa_tile[stage * Cfg::kSaStride], a1 = sa_tile[stage * Cfg::kSaStride + 8];
           float b[Cfg::kScalesB];
 #pragma unroll
           for (int j = 0; j < Cfg::kScalesB; ++j) b[j] = smem_sb[stage * Cfg::kScalesB + j];

@@ -14,7 +14,15 @@ weight tile or the same activation rows got their first stage (the global timer 
 reads that arrive close together can be merged in L2). Cycles, not time: the FP8 GEMMs run at the board's power cap,
 where a kernel that saves cycles gets a lower clock back (python -m bench.gemm.power shows both).
 
+With --stages (ragged rows), the probe instead follows each CTA's first STAGES pipeline stages through the roles
+that fill and drain them: when the TMA warp waited for the stage to be empty and issued its copies, when the scale warp
+stored its weight scales and arrived, when math warpgroup 0 started the K block, saw the stage full and released it, and
+when warpgroup 1 saw it full; it prints how often and how long the math waited for a stage, and how far ahead of the
+math the copies and the scales were (a stage the math waits for, whose copies went out long before while the scales
+arrived just in time, waits on the scale warp).
+
     python -m bench.gemm.tile_probe "Small experts E=64 zipf fc1 fprop,DeepSeek-V3-EP8 zipf fc1 fprop" [--tilings=-1,1]
+    python -m bench.gemm.tile_probe --stages "DeepSeek-V3-EP8 zipf fc1 fprop" [--tilings=4,1]
     python -m bench.gemm.tile_probe --wgrad "DeepSeek-V2-Lite zipf fc1 wgrad" [--bf16] [--tilings=-1,2]
 
 The probe is inserted at text anchors of the kernel source; when the kernel changes so that one is missing,
@@ -69,6 +77,44 @@ KERNEL_EDITS = [
      "        q[7] = g_ready;\n"
      "      }\n"),
 ]
+# --stages: per CTA (blockIdx.x) and stage (the order every role walks the same), STAGE_RECORD values: the TMA warp
+# before its empty wait and at its issue, the scale warp before its empty wait and at its arrival, math warpgroup 0 at
+# the K block's start, when the stage is full and after its release, warpgroup 1 when the stage is full.
+STAGES = 512  # stages recorded per CTA
+STAGE_RECORD = 8
+
+
+def _stage_store(slots: str) -> str:
+    return (f"if (p.probe != nullptr && si < {STAGES}) {{ unsigned long long* q = p.probe + (int64_t(blockIdx.x) * {STAGES} + si) "
+            f"* {STAGE_RECORD}; {slots} }}")
+
+
+STAGE_KERNEL_EDITS = [
+    KERNEL_EDITS[0],
+    ("      walk(cluster, next, next_shared);\n", "      walk(cluster, next, next_shared);\n      int si = 0;\n"),
+    ("          Barrier::wait(&empty[stage], phase ^ 1);\n          if (lane == 0) {\n            smem_tile[stage] = t;",
+     "          const long long q0 = clock64();\n          Barrier::wait(&empty[stage], phase ^ 1);\n"
+     f"          if (lane == 0) {_stage_store('q[0] = q0; q[1] = clock64();')}\n"
+     "          if (lane == 0) {\n            smem_tile[stage] = t;"),
+    ("          if (kb == 0) walk(g + clusters, next, next_shared);\n", "          if (kb == 0) walk(g + clusters, next, next_shared);\n          ++si;\n"),
+    ("      for (int i = 0; i < kRing - 1; ++i) load_next(ring[i]);\n",
+     "      for (int i = 0; i < kRing - 1; ++i) load_next(ring[i]);\n      int si = 0;\n"),
+    ("          load_next(ring[(r + kRing - 1) % kRing]);\n          Barrier::wait(&empty[stage], phase ^ 1);\n",
+     "          load_next(ring[(r + kRing - 1) % kRing]);\n          const long long q2 = clock64();\n          Barrier::wait(&empty[stage], phase ^ 1);\n"),
+    ("            Barrier::arrive(&full[stage]);  // each storing lane releases its own store\n          }\n",
+     f"            if (lane == 0) {_stage_store('q[2] = q2; q[3] = clock64();')}\n"
+     "            Barrier::arrive(&full[stage]);  // each storing lane releases its own store\n          }\n          ++si;\n"),
+    ("    int stage = 0;\n    uint32_t phase = 0;\n    uint8_t* smem_d_wg", "    int si = 0;\n    int stage = 0;\n    uint32_t phase = 0;\n    uint8_t* smem_d_wg"),
+    ("          if (!full_next) Barrier::wait(&full[stage], phase);\n",
+     "          const long long m0 = clock64();\n          if (!full_next) Barrier::wait(&full[stage], phase);\n          const long long m1 = clock64();\n"),
+    ("              release(stage);\n              full_next = next_stage_full<kStages>(full, stage, phase);\n",
+     "              release(stage);\n              full_next = next_stage_full<kStages>(full, stage, phase);\n"
+     f"              if (tid == 0) {_stage_store('if (warpgroup == 0) q[4] = m0, q[5] = m1, q[6] = clock64(); else q[7] = m1;')}\n"),
+    ("          if (++stage == kStages) stage = 0, phase ^= 1;\n        }\n      } else {",
+     "          if (++stage == kStages) stage = 0, phase ^= 1;\n          ++si;\n        }\n      } else {"),
+    ("          release(stage);\n          if (++stage == kStages) stage = 0, phase ^= 1;\n        }\n",
+     "          release(stage);\n          if (++stage == kStages) stage = 0, phase ^= 1;\n          ++si;\n        }\n"),
+]
 # The wgrad kernel's record: start, first stage full, K loop end, gradient values in shared memory (the K loop's end
 # where they are not loaded), epilogue end, K loop waits, tokens | expert << 32 | SM << 44, 1.
 WGRAD_KERNEL_EDITS = [
@@ -114,10 +160,15 @@ def parse_args():
     ap.add_argument("problems", help="comma-separated labels of bench.gemm.ragged_rows' problems (with --wgrad, "
                     "bench.gemm.ragged_reduction's; balanced splits included)")
     ap.add_argument("--wgrad", action="store_true", help="the ragged-reduction (wgrad) kernel, accumulating into fp32")
+    ap.add_argument("--stages", action="store_true", help="ragged rows: follow each CTA's first stages through the producer's "
+                    "warps and the math warpgroups instead of timing tiles")
     ap.add_argument("--bf16", action="store_true", help="with --wgrad: bf16 output instead of the fp32 accumulation")
     ap.add_argument("--tilings", default="-1", help="comma-separated tilings, heuristics.h's indices, -1 the heuristic's (write --tilings=-1,1)")
     ap.add_argument("--keep", default=None, help="build the instrumented copy in this directory and keep it")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.stages and args.wgrad:
+        ap.error("--stages follows the ragged-row kernel's stages; it does not go with --wgrad")
+    return args
 
 
 def patch(path: Path, edits: list) -> None:
@@ -130,12 +181,12 @@ def patch(path: Path, edits: list) -> None:
     path.write_text(text)
 
 
-def instrumented_copy(dest: Path) -> None:
+def instrumented_copy(dest: Path, stages: bool) -> None:
     for d in ("moegemm", "csrc", "bench", "third_party"):
         # (not a prebuilt extension: the copy must build and load its own, instrumented one)
         shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__", "results", "_C*.so", "_csrc"),
                         dirs_exist_ok=True)
-    patch(dest / KERNEL, KERNEL_EDITS)
+    patch(dest / KERNEL, STAGE_KERNEL_EDITS if stages else KERNEL_EDITS)
     patch(dest / LAUNCHER, LAUNCHER_EDITS)
     patch(dest / WGRAD_KERNEL, WGRAD_KERNEL_EDITS)
     patch(dest / WGRAD_LAUNCHER, WGRAD_LAUNCHER_EDITS)
@@ -229,6 +280,33 @@ def print_skew(splits: list, N: int, records) -> None:
           f"sharing activation rows {am / 1e3:.1f} / {a90 / 1e3:.1f}; a tile on its SM takes {statistics.median(gaps) / 1e3:.1f} us")
 
 
+def summarize_stages(label: str, records) -> None:
+    """records: per stage (STAGE_RECORD values, see STAGE_KERNEL_EDITS) of every CTA, each CTA's first 8 (the launch's
+    fill) left out, and only stages that every role recorded."""
+
+    def pct(xs, ps=(50, 90, 99)):
+        xs = sorted(xs)
+        return " / ".join(str(xs[int(p / 100 * (len(xs) - 1))]) for p in ps) if xs else "-"
+
+    rows = [r for r in records if r[1] and r[3] and r[5] and r[7]]
+    if not rows:
+        print(f"== {label}: no stage recorded")
+        return
+    waited = [r for r in rows if r[5] - r[4] > 60]  # (a wait that found the stage full takes ~60 cycles)
+    span = sum(r[6] - r[4] for r in rows)
+    print(f"== {label}: {len(rows)} stages; warpgroup 0 waited for {len(waited)} ({100 * len(waited) / len(rows):.1f} %), "
+          f"{100 * sum(max(r[5] - r[4], 0) for r in rows) / max(span, 1):.1f} % of its K blocks' time")
+    print(f"    cycles p50 / p90 / p99: copies issued before the math needed the stage {pct([r[4] - r[1] for r in rows])}; "
+          f"weight scales stored before {pct([r[4] - r[3] for r in rows])}")
+    print(f"    the TMA warp's empty wait {pct([r[1] - r[0] for r in rows])}; the scale warp's {pct([r[3] - r[2] for r in rows])}; "
+          f"a K block from its start to its release {pct([r[6] - r[4] for r in rows])}; warpgroup 1 saw the stage full "
+          f"{pct([r[7] - r[5] for r in rows], (10, 50, 90))} (p10 / p50 / p90) after warpgroup 0")
+    if waited:
+        print(f"    stages waited for: the wait {pct([r[5] - r[4] for r in waited])}; copies issued "
+              f"{pct([r[5] - r[1] for r in waited])} and scales stored {pct([r[5] - r[3] for r in waited])} before the "
+              f"stage was seen full; scales stored within 300 cycles of it on {sum(1 for r in waited if r[5] - r[3] < 300)}")
+
+
 def summarize_wgrad(label: str, T: int, N: int, K: int, records, ms: float) -> None:
     """records: (id, warpgroup, start, ready, loop end, values in shared memory, end, K loop waits, SM, tokens, 1)."""
     print(f"== {label}: T {T}, gradient {N} x {K} per expert; {ms * 1e3:.1f} us with the probe")
@@ -316,6 +394,26 @@ def child(args) -> int:
 
     from bench.gemm.ragged_rows import problems
 
+    if args.stages:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count  # the grid: at most one CTA per SM
+        for label, splits, N, K in chosen_problems(args, problems(False), "bench.gemm.ragged_rows"):
+            E, T = len(splits), sum(splits)
+            plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
+            qx, sx, _, _ = ops.quantize_act(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16), plan, cols=False)
+            qw, sw, _, _ = ops.quantize_weight((torch.randn(E, N, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
+            for tiling in tilings:
+                probe = torch.zeros(sms * STAGES * STAGE_RECORD, dtype=torch.int64, device="cuda")
+                call = lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+                for _ in range(3):
+                    call()
+                os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
+                call()
+                torch.cuda.synchronize()
+                del os.environ["MOEGEMM_TILE_PROBE"]
+                records = [r for cta in probe.view(sms, STAGES, STAGE_RECORD).cpu().tolist() for r in cta[8:]]
+                summarize_stages(f"{label}, tiling {tiling}", records)
+        return 0
+
     for label, splits, N, K in chosen_problems(args, problems(False), "bench.gemm.ragged_rows"):
         E, T = len(splits), sum(splits)
         plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
@@ -338,7 +436,7 @@ def main() -> int:
     require_cuda_gpu(PROG, hopper=True)
     work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="moegemm_tile_probe_"))
     try:
-        instrumented_copy(work)
+        instrumented_copy(work, args.stages)
         env = dict(os.environ, MOEGEMM_TILE_PROBE_COPY="1", TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),
                    PYTHONPATH=os.pathsep.join([str(work)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         return subprocess.run([sys.executable, "-m", "bench.gemm.tile_probe", *sys.argv[1:]], cwd=work, env=env).returncode

@@ -63,8 +63,7 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
                                CU_TENSOR_MAP_SWIZZLE_128B}, name);
   k.d = sm90::make_tensor_map({p.out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, T, N, N * 2, Cfg::kWarpgroupRows, Cfg::kStoreCols,
                                CU_TENSOR_MAP_SWIZZLE_128B}, name);
-  // (T of at least one: a map's dimensions are positive; an empty problem has no tiles)
-  k.sa = sm90::make_tensor_map({a.s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(ceil_div(p.K, kBlock)), std::max<uint64_t>(T, 1),
+  k.sa = sm90::make_tensor_map({a.s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(ceil_div(p.K, kBlock)), T,
                                 uint64_t(row_scale_pitch(p.T)) * 4, 1, Cfg::kSaBox, CU_TENSOR_MAP_SWIZZLE_NONE}, name);
   k.sb = b.s;
   k.plan = p.plan;

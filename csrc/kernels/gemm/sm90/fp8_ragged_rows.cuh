@@ -5,7 +5,7 @@
 //
 // The design (one CTA per SM, warp-specialized):
 // - One TMA descriptor per operand over the whole tensor: A = qa [T, K], B = qb viewed as [E·N, K],
-//   D = out [T, N], SA = sa [Kb, pitch]. No per-expert descriptors, no tensormap writes, no padding: an M tile
+//   D = out [T, N], SA = sa as [Kb, T] (rows pitch apart). No per-expert descriptors, no tensormap writes, no padding: an M tile
 //   starts at a row of its expert (scheduler.cuh) and TMA fills rows past T (and K past the end) with zeros.
 // - A producer warpgroup: one thread issues the TMA copies of A, B and A's row scales for each 128-wide K block
 //   into a ring of kStages shared-memory stages (full/empty mbarriers), running ahead across tiles. The row scales'
@@ -113,6 +113,11 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kScalesB * 4;
   static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
+  // (the 256-column tiling has 88 bytes per stage to spare before it drops to three stages)
+  static_assert(kBlockN != 256 || kStages >= 4, "the 256-column tiling's four stages");
+  // TMA: shared-memory destinations 128-byte aligned, a box's row a multiple of 16 bytes and at most 256 values
+  static_assert(kOffsetScalesA % 128 == 0 && kSaStride * 4 % 128 == 0, "row-scale slots for TMA");
+  static_assert(kSaBox * 4 % 16 == 0 && kSaBox <= 256 && kSaBox <= kSaStride, "the row-scale box");
   // a stage's release: every math thread of this CTA, and one lane per math warp of the peer CTA
   static constexpr int kEmptyArrivals = kMathWarpgroups * 128 + (kCluster - 1) * kMathWarpgroups * 4;
   static_assert(sizeof(RowTile) == 16 && kOffsetTiles % 16 == 0, "a stage's tile as one 16-byte shared-memory word");
@@ -123,7 +128,7 @@ struct Fp8RaggedRowsParams {
   CUtensorMap a;  // qa [T, K], box kBoxRowsA x 128, 128B swizzle
   CUtensorMap b;  // qb as [E*N, K], box kBoxRowsB x 128
   CUtensorMap d;  // out [T, N] bf16, box 64 x 64
-  CUtensorMap sa;  // sa as [Kb, pitch] fp32, box 1 x kSaBox
+  CUtensorMap sa;  // sa as [Kb, T] fp32, rows row_scale_pitch(T) apart, box 1 x kSaBox
   const float* sb;
   const int32_t* plan;
   __nv_bfloat16* out;
@@ -243,7 +248,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   auto tile_id = [&](int g, int r) { return min(g * kCluster + r, num_tiles - 1); };
 
   if (warpgroup == Cfg::kMathWarpgroups) {
-    // ---- producer: one thread issues every TMA copy, one warp loads the scales
+    // ---- producer: one thread issues every TMA copy, one warp loads the weight scales
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
     set_up();
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -313,7 +318,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       int from = -1, lg = cluster, lkb = 0;
       RowTile lt{}, lnext{};
       if (lg < num_groups) lt = tiles.at_after(tile_id(lg, rank), from);
-      // lane < kScalesB: the weight-scale block n0 / 128 + lane of the cursor's tile, at its K block
+      // lane < scale_blocks: the weight-scale block n0 / 128 + lane of the cursor's tile, at its K block (0 for the others)
       auto load_next = [&](float& b) {
         if (lg >= num_groups) return;  // past this CTA's last stage: never stored
         // the weight-scale blocks the tile's columns inside N touch, from n0's

@@ -340,13 +340,11 @@ def chosen_problems(args, table: list, tool: str) -> list:
     return [found[w] for w in wanted]
 
 
-def probe_call(call, ids: int, unpack) -> tuple:
-    """Runs `call` three times, then once with the probe's buffer for `ids` tile ids; the records (id, warpgroup,
-    the six clocks, then unpack(meta)..., the last slot) of the tiles that wrote one, and the milliseconds of the
-    probed call."""
+def probed_run(call, probe) -> float:
+    """Runs `call` three times, then once writing its records into `probe` (the instrumented launchers read its
+    address from MOEGEMM_TILE_PROBE); the milliseconds of the probed call."""
     import torch
 
-    probe = torch.zeros(ids * 2 * RECORD, dtype=torch.int64, device="cuda")
     for _ in range(3):
         call()
     os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
@@ -356,11 +354,21 @@ def probe_call(call, ids: int, unpack) -> tuple:
     b.record()
     b.synchronize()
     del os.environ["MOEGEMM_TILE_PROBE"]
+    return a.elapsed_time(b)
+
+
+def probe_call(call, ids: int, unpack) -> tuple:
+    """The records (id, warpgroup, the six clocks, then unpack(meta)..., the last slot) of the tiles that wrote one
+    in a probed run of `call` with a buffer for `ids` tile ids, and the milliseconds of that run."""
+    import torch
+
+    probe = torch.zeros(ids * 2 * RECORD, dtype=torch.int64, device="cuda")
+    ms = probed_run(call, probe)
     records = [(i, wg, *v[:6], *unpack(v[6]), v[7]) for i, pair in enumerate(probe.view(-1, 2, RECORD).cpu().tolist())
                for wg, v in enumerate(pair) if v[7] != 0]
     if not records:
         raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")
-    return records, a.elapsed_time(b)
+    return records, ms
 
 
 def child(args) -> int:
@@ -394,26 +402,7 @@ def child(args) -> int:
 
     from bench.gemm.ragged_rows import problems
 
-    if args.stages:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count  # the grid: at most one CTA per SM
-        for label, splits, N, K in chosen_problems(args, problems(False), "bench.gemm.ragged_rows"):
-            E, T = len(splits), sum(splits)
-            plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
-            qx, sx, _, _ = ops.quantize_act(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16), plan, cols=False)
-            qw, sw, _, _ = ops.quantize_weight((torch.randn(E, N, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
-            for tiling in tilings:
-                probe = torch.zeros(sms * STAGES * STAGE_RECORD, dtype=torch.int64, device="cuda")
-                call = lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
-                for _ in range(3):
-                    call()
-                os.environ["MOEGEMM_TILE_PROBE"] = str(probe.data_ptr())
-                call()
-                torch.cuda.synchronize()
-                del os.environ["MOEGEMM_TILE_PROBE"]
-                records = [r for cta in probe.view(sms, STAGES, STAGE_RECORD).cpu().tolist() for r in cta[8:]]
-                summarize_stages(f"{label}, tiling {tiling}", records)
-        return 0
-
+    sms = torch.cuda.get_device_properties(0).multi_processor_count  # --stages: the grid has at most one CTA per SM
     for label, splits, N, K in chosen_problems(args, problems(False), "bench.gemm.ragged_rows"):
         E, T = len(splits), sum(splits)
         plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
@@ -421,6 +410,13 @@ def child(args) -> int:
         qw, sw, _, _ = ops.quantize_weight((torch.randn(E, N, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
         for tiling in tilings:
             call = lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+            if args.stages:
+                probe = torch.zeros(sms * STAGES * STAGE_RECORD, dtype=torch.int64, device="cuda")
+                probed_run(call, probe)
+                # (each CTA's first 8 stages left out: the launch's fill)
+                records = [r for cta in probe.view(sms, STAGES, STAGE_RECORD).cpu().tolist() for r in cta[8:]]
+                summarize_stages(f"{label}, tiling {tiling}", records)
+                continue
             # ids: at least the narrowest tiling's (and a cluster's repeated last one); meta: rows | expert << 8 | SM << 40
             records, ms = probe_call(call, sum(-(-c // 128) for c in splits) * -(-N // 128) + 2,
                                      lambda m: ((m >> 40) & 0xFFFF, m & 0xFF))

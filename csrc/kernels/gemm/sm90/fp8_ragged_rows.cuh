@@ -10,7 +10,7 @@
 // - A producer warpgroup: one thread issues the TMA copies of A, B and A's row scales for each 128-wide K block
 //   into a ring of kStages shared-memory stages (full/empty mbarriers), running ahead across tiles. The row scales'
 //   box starts at the 16-byte aligned row at or below the tile's first row (kSaBox = 132 rows; a box starting at
-//   any row stopped the kernel with an illegal instruction), and the math threads read them at that offset.
+//   any row stopped the kernel with an illegal instruction), and the math threads read them from that offset.
 // - Clusters of two CTAs (kCluster = 2) take consecutive tiles; when both tiles need the same weight tile
 //   (one expert, same columns) or the same activation rows, each CTA loads half of it and multicasts that
 //   half into both CTAs' shared memory, halving that operand's L2 traffic. A stage is then refilled only
@@ -94,9 +94,10 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
   static constexpr int kScalesB = 2;     // weight-scale blocks per stage: a tile's columns touch at most two
-  // A stage's row scales: a TMA box of kSaBox fp32 from the 16-byte aligned row at or below the tile's first row,
-  // in a slot of kSaStride (TMA destinations 128-byte aligned)
-  static constexpr int kSaBox = kBlockM + 4, kSaStride = 160;
+  // A stage's row scales: a TMA box of kSaBox fp32 from the 16-byte aligned row at or below the tile's first row
+  // (rows kRowScaleAlign apart: csrc/moegemm.h), in a slot of kSaStride values (TMA destinations 128-byte aligned)
+  static constexpr int kSaBox = kBlockM + kRowScaleAlign;
+  static constexpr int kSaStride = (kSaBox * 4 + 127) / 128 * 128 / 4;
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
@@ -118,6 +119,7 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   // TMA: shared-memory destinations 128-byte aligned, a box's row a multiple of 16 bytes and at most 256 values
   static_assert(kOffsetScalesA % 128 == 0 && kSaStride * 4 % 128 == 0, "row-scale slots for TMA");
   static_assert(kSaBox * 4 % 16 == 0 && kSaBox <= 256 && kSaBox <= kSaStride, "the row-scale box");
+  static_assert((kRowScaleAlign & (kRowScaleAlign - 1)) == 0, "a box start masked from a tile's first row");
   // a stage's release: every math thread of this CTA, and one lane per math warp of the peer CTA
   static constexpr int kEmptyArrivals = kMathWarpgroups * 128 + (kCluster - 1) * kMathWarpgroups * 4;
   static_assert(sizeof(RowTile) == 16 && kOffsetTiles % 16 == 0, "a stage's tile as one 16-byte shared-memory word");
@@ -299,7 +301,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
                 cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, b + h * Cfg::kBoxRowsB * kBlock, k0,
                                              b_row + h * Cfg::kBoxRowsB);
             }
-            cute::SM90_TMA_LOAD_2D::copy(&p.sa, &full[stage], kHint, smem_sa + stage * Cfg::kSaStride, t.row0 & ~3, kb);
+            cute::SM90_TMA_LOAD_2D::copy(&p.sa, &full[stage], kHint, smem_sa + stage * Cfg::kSaStride,
+                                         t.row0 & ~(kRowScaleAlign - 1), kb);
           }
           __syncwarp();
           if (kb == 0) walk(g + clusters, next, next_shared);
@@ -408,7 +411,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         // a 192-wide part's first weight-scale block covers its first 128 - n0 % 128 columns (8-column chunks)
         lo_chunks = min(Cfg::kPartN, kBlock - n0 % kBlock) / 8;
       }
-      const float* sa_tile = smem_sa_row + (row0 & 3);  // the tile's rows in its row-scale box
+      const float* sa_tile = smem_sa_row + (row0 & (kRowScaleAlign - 1));  // the tile's rows in its row-scale box
 
 #pragma unroll
       for (int h = 0; h < Cfg::kParts; ++h)

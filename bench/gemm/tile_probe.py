@@ -82,6 +82,7 @@ KERNEL_EDITS = [
 # the K block's start, when the stage is full and after its release, warpgroup 1 when the stage is full.
 STAGES = 512  # stages recorded per CTA
 STAGE_RECORD = 8
+FILL_STAGES = 8  # each CTA's first stages, the launch's fill: left out of the summary
 
 
 def _stage_store(slots: str) -> str:
@@ -281,8 +282,8 @@ def print_skew(splits: list, N: int, records) -> None:
 
 
 def summarize_stages(label: str, records) -> None:
-    """records: per stage (STAGE_RECORD values, see STAGE_KERNEL_EDITS) of every CTA, each CTA's first 8 (the launch's
-    fill) left out, and only stages that every role recorded."""
+    """records: per stage (STAGE_RECORD values, see STAGE_KERNEL_EDITS) of every CTA past its first FILL_STAGES; only
+    the stages that every role recorded count."""
 
     def pct(xs, ps=(50, 90, 99)):
         xs = sorted(xs)
@@ -413,8 +414,7 @@ def child(args) -> int:
             if args.stages:
                 probe = torch.zeros(sms * STAGES * STAGE_RECORD, dtype=torch.int64, device="cuda")
                 probed_run(call, probe)
-                # (each CTA's first 8 stages left out: the launch's fill)
-                records = [r for cta in probe.view(sms, STAGES, STAGE_RECORD).cpu().tolist() for r in cta[8:]]
+                records = [r for cta in probe.view(sms, STAGES, STAGE_RECORD).cpu().tolist() for r in cta[FILL_STAGES:]]
                 summarize_stages(f"{label}, tiling {tiling}", records)
                 continue
             # ids: at least the narrowest tiling's (and a cluster's repeated last one); meta: rows | expert << 8 | SM << 40

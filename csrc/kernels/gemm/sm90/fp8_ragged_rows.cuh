@@ -5,8 +5,9 @@
 //
 // The design (one CTA per SM, warp-specialized):
 // - One TMA descriptor per operand over the whole tensor: A = qa [T, K], B = qb viewed as [E·N, K],
-//   D = out [T, N], SA = sa as [Kb, T] (rows pitch apart). No per-expert descriptors, no tensormap writes, no padding: an M tile
-//   starts at a row of its expert (scheduler.cuh) and TMA fills rows past T (and K past the end) with zeros.
+//   D = out [T, N], SA = sa as [Kb, T] (rows pitch apart). No per-expert descriptors, no tensormap writes, no
+//   padding: an M tile starts at a row of its expert (scheduler.cuh) and TMA fills rows past T (and K past the
+//   end) with zeros.
 // - A producer warpgroup: one thread issues the TMA copies of A, B and A's row scales for each 128-wide K block
 //   into a ring of kStages shared-memory stages (full/empty mbarriers), running ahead across tiles. The row scales'
 //   box starts at the 16-byte aligned row at or below the tile's first row (kSaBox = 132 rows; a box starting at
@@ -44,8 +45,9 @@
 //   tokens are zeroed.
 // - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above,
 //   CTA 0 builds the plan from m_splits (unless an earlier launch built it: no counts given) and every warp of
-//   the grid quantizes rows of a bf16 x into A's memory (csrc/kernels/quant/rows.cuh); a cooperative launch whose CTAs then meet at a grid barrier, after
-//   each thread's proxy fence (the TMA copies of A and its row scales read what the generic proxy wrote).
+//   the grid quantizes rows of a bf16 x into A's memory (csrc/kernels/quant/rows.cuh); a cooperative launch whose
+//   CTAs then meet at a grid barrier, after each thread's proxy fence (the TMA copies of A and its row scales read
+//   what the generic proxy wrote).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -109,7 +111,7 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
   static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;                   // fp32 [kStages][kSaStride]
-  static constexpr int kOffsetTiles = kOffsetScalesA + kStages * kSaStride * 4;           // RowTile [kStages]
+  static constexpr int kOffsetTiles = kOffsetScalesA + kStages * kSaStride * 4;         // RowTile [kStages]
   static constexpr int kOffsetScalesB = kOffsetTiles + kStages * 16;                     // fp32 [kStages][kScalesB]
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kScalesB * 4;
   static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;

@@ -323,8 +323,9 @@ def act_quantize(h, probs, activation: str, plan, rows: bool = True, cols: bool 
 
 
 def act_backward_quantize(da, h, probs, activation: str, plan, rows: bool = True, cols: bool = True):
-    """``(q, s, qT, sT, dprobs)``: the multi-cast quantization of dh, and dprobs (None without probs)."""
+    """``(q, s, qT, sT, dprobs)``: the multi-cast quantization of dh rounded to bf16 (as TransformerEngine
+    quantizes its bf16 activation gradient), and dprobs from the fp32 values (None without probs)."""
     dh, dprobs = act_backward(da, h, probs, activation)
     if dprobs is not None:
         dprobs[covered_tokens(plan):] = 0  # tokens of no expert
-    return (*quantize_act(dh, plan, rows, cols), dprobs)
+    return (*quantize_act(dh.to(torch.bfloat16), plan, rows, cols), dprobs)

@@ -61,8 +61,8 @@ def test_fused_activation_kernels_match_reference(activation, with_probs, F):
 
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 def test_fused_activation_backward_max_experts(activation):
-    # E = 1024: the plan fills so much shared memory that the paired GLU gradient (three staged inputs) runs
-    # with a single stage (each tile loaded, then used); ReLU: the unpaired form with two inputs
+    # E = 1024: SwiGLU's per-tile kernel finds each tile's expert among 1024; ReLU: the persistent multi-cast
+    # kernel, whose copy of the plan takes a large part of its shared memory
     E, T, F = 1024, 3000, 128
     F1 = 2 * F if activation in ref.GLU_ACTIVATIONS else F
     plan, plan_ref = plans(zipf_splits(E, T), T)

@@ -1,10 +1,12 @@
 // The fused kernels between an expert MLP's two GEMMs: activation x router probs -> FP8 multi-cast,
-// and its backward (activation gradient -> FP8 multi-cast, plus the probs gradient). They are the
-// multi-cast kernel of multicast.cuh with loaders that compute their values on the fly in fp32.
+// and its backward (activation gradient, rounded to bf16 -> FP8 multi-cast, plus the probs gradient). They are
+// the multi-cast kernel of multicast.cuh with loaders that compute their values on the fly in fp32, and for a
+// GLU's backward with F a multiple of 128 the per-tile kernel of glu_backward.cuh.
 // For the bf16 recipe, the same activations written in bf16 (act_bf16_kernel).
 #include <algorithm>
 
 #include "moegemm.h"
+#include "kernels/quant/glu_backward.cuh"
 #include "kernels/quant/multicast.cuh"
 
 namespace moegemm {
@@ -42,7 +44,7 @@ struct Silu {
 };
 struct Gelu {  // exact (erf) GELU, as torch.nn.functional.gelu
   __device__ static float f(float x) { return 0.5f * x * (1.f + erff(x * kInvSqrt2)); }
-  __device__ static void fdf(float x, float& f, float& df) {  // f rounded as f(x) is (a paired backward uses it)
+  __device__ static void fdf(float x, float& f, float& df) {  // f rounded as f(x) is (a GLU backward's up half uses it)
     const float e = erff(x * kInvSqrt2);
     f = 0.5f * x * (1.f + e);
     df = 0.5f * (1.f + e) + x * kInvSqrt2Pi * exp_approx(-0.5f * x * x);
@@ -68,6 +70,9 @@ struct SquaredRelu {
 
 __device__ __forceinline__ float prob(const float* probs, int64_t row) { return probs != nullptr ? probs[row] : 1.f; }
 
+// dh as the FP8 copies quantize it: rounded to bf16 (docs/design.md#fp8-recipe).
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
 // One element of an activation's gradient, with the probs weight p and up (the GLU's up value, 1 without
 // one): the gate-side value da * p * up * act'(gate) and the up-side value da * p * act(gate); returns
 // da * act(gate) * up, the element's share of dprobs.
@@ -86,7 +91,6 @@ template <class Act, bool kGlu>
 struct ActForward {
   using Raw = __nv_bfloat16;
   static constexpr int kInputs = kGlu ? 2 : 1;
-  static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = kGlu;  // (the GLU's values in place of gate and up: multicast.cuh, per_tile)
   static constexpr bool kInPlace = kGlu;
@@ -119,7 +123,6 @@ template <class Act, bool kGlu>
 struct ActBackward {
   using Raw = __nv_bfloat16;
   static constexpr int kInputs = kGlu ? 3 : 2;  // da, gate, up
-  static constexpr int kOut = 1;
   static constexpr bool kExtra = true;
   static constexpr bool kPerTile = false;  // (several staged inputs)
   static constexpr bool kInPlace = false;
@@ -155,49 +158,14 @@ struct ActBackward {
     float extra = 0.f, unused;
     if (up_half) {  // (act_grad's up-side value, without the derivative)
 #pragma unroll
-      for (int i = 0; i < n; ++i) v[i] = d[i] * p * Act::f(g[i]);
+      for (int i = 0; i < n; ++i) v[i] = round_bf16(d[i] * p * Act::f(g[i]));
       return 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < n; ++i) extra += act_grad<Act>(d[i], g[i], kGlu ? u[i] : 1.f, p, v[i], unused);
-    return extra;
-  }
-};
-
-// The GLU gradient with both halves from one tile (F a multiple of 128): tile column block kt stages da,
-// gate and up once, evaluates the activation once and makes dh's output blocks kt (gate half: da * p * up
-// * act'(gate)) and F / 128 + kt (up half: da * p * act(gate)): act_grad's values, as ActBackward's.
-template <class Act>
-struct ActBackwardPaired {
-  using Raw = __nv_bfloat16;
-  static constexpr int kInputs = 3;  // da, gate, up
-  static constexpr int kOut = 2;
-  static constexpr bool kExtra = true;
-  static constexpr bool kPerTile = false;  // (several staged inputs)
-  static constexpr bool kInPlace = false;
-  static constexpr bool kRowFactor = true;  // probs
-  const __nv_bfloat16* da;
-  const __nv_bfloat16* h;
-  const float* probs;
-  int64_t F;
-  __device__ __forceinline__ const float* row_factor() const { return probs; }
-  __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
-    seg[0] = {in == 2 ? F + k0 : k0, 0, nk};
-    return 1;
-  }
-  __device__ __forceinline__ const __nv_bfloat16* row_start(int in, int64_t row) const {
-    return in == 0 ? da + row * F : h + row * 2 * F;
-  }
-  __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], float p, int64_t, int64_t,
-                                          float (&gate_grad)[multicast::kVec], float (&up_grad)[multicast::kVec]) const {
-    constexpr int n = multicast::kVec;
-    float d[n], g[n], u[n];
-    multicast::load8(raw[0], d);
-    multicast::load8(raw[1], g);
-    multicast::load8(raw[2], u);
-    float extra = 0.f;
-#pragma unroll
-    for (int i = 0; i < n; ++i) extra += act_grad<Act>(d[i], g[i], u[i], p, gate_grad[i], up_grad[i]);
+    for (int i = 0; i < n; ++i) {
+      extra += act_grad<Act>(d[i], g[i], kGlu ? u[i] : 1.f, p, v[i], unused);
+      v[i] = round_bf16(v[i]);
+    }
     return extra;
   }
 };
@@ -310,8 +278,12 @@ void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float*
     const int64_t F1 = is_glu(act) ? 2 * F : F;
     multicast::launch(loader, T, F1, E, plan, q, s, qT, sT, dprobs_partial, PlanBuild{}, stream, "act_backward_quantize");
   };
-  if (F % kBlock == 0 && act == Activation::kSwiglu) return run(ActBackwardPaired<Silu>{});
-  if (F % kBlock == 0 && act == Activation::kGeglu) return run(ActBackwardPaired<Gelu>{});
+  // A GLU with F a multiple of 128: both halves of a tile from one read of da, gate and up (glu_backward.cuh).
+  const char* name = "act_backward_quantize";
+  if (F % kBlock == 0 && act == Activation::kSwiglu)
+    return glu_backward::launch<Silu>(da_bf16, h_bf16, probs, T, F, E, plan, q, s, qT, sT, dprobs_partial, stream, name);
+  if (F % kBlock == 0 && act == Activation::kGeglu)
+    return glu_backward::launch<Gelu>(da_bf16, h_bf16, probs, T, F, E, plan, q, s, qT, sT, dprobs_partial, stream, name);
   dispatch<ActBackward>(act, run);
 }
 

@@ -22,11 +22,9 @@
 // to two column segments of each input (segments) and the start of a row of it (row_start); with kRowFactor
 // it has one fp32 factor per row (its row_factor(): the router probs, or null for none), staged beside the
 // inputs so that no global load sits among the values; from the staged rows and the row's factor (1 without
-// one) it computes eight values of each of its kOut output blocks (values): with kOut = 2 a tile
-// makes output blocks kt and Kt + kt of the K = 2 Kt * 128 output columns (the two halves of a GLU
-// gradient from one read of its inputs). It may also return a per-element "extra" whose per-row sums
-// over each tile are written to row_extra [T, Kb] at the first output block (zeros at the second): the
-// probs gradient of the activation backward.
+// one) it computes eight values (values). It may also return a per-element "extra" whose per-row sums over
+// each tile are written to row_extra [T, Kb]: the probs gradient of the activation backward (the GLU's with
+// F % 128 == 0 has a kernel of its own: glu_backward.cuh).
 #pragma once
 
 #include <algorithm>
@@ -104,7 +102,6 @@ template <typename T>
 struct PlainLoader {
   using Raw = T;
   static constexpr int kInputs = 1;
-  static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = sizeof(T) == 2;  // (fp32: slower per tile on the small-experts shape)
   static constexpr bool kInPlace = false;
@@ -129,7 +126,6 @@ struct PlainLoader {
 struct Fp8RowsLoader {
   using Raw = uint8_t;
   static constexpr int kInputs = 1;
-  static constexpr int kOut = 1;
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = false;  // (not measured per tile yet)
   static constexpr bool kInPlace = false;
@@ -309,7 +305,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
     const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT,
     float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra, int n_stages) {
   using Raw = typename Loader::Raw;
-  constexpr int kOut = Loader::kOut;
   constexpr int kStageElems = kBlock * kBlock;  // per input
   constexpr int64_t kStageBytes = stage_bytes<Loader>();
   extern __shared__ __align__(128) unsigned char smem[];
@@ -335,10 +330,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   const int32_t* blk = plan_s + 2 * (E + 1);
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // output column blocks
   const int64_t s_pitch = row_scale_pitch(T);    // of the row scales (K-major)
-  const int64_t Kt = Kb / kOut;                  // tile columns
   const bool fits = plan_fits(plan_s, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
   const int64_t covered = fits ? tok[E] : 0;
-  const int64_t n_tiles = fits ? int64_t(blk[E]) * Kt : 0;
+  const int64_t n_tiles = fits ? int64_t(blk[E]) * Kb : 0;
   const int n_mine = n_tiles > blockIdx.x ? static_cast<int>((n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x) : 0;
   const int ring = 2 * n_stages;  // info slots
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -349,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   // block and column block by adding the grid's (no division per tile), the block's owner from the
   // previous tile's.
   int owner = 0;
-  const int kt = static_cast<int>(Kt > 0 ? Kt : 1), grid_blocks = gridDim.x / kt, grid_kb = gridDim.x % kt;  // (Kt < 2^31)
+  const int kt = static_cast<int>(Kb > 0 ? Kb : 1), grid_blocks = gridDim.x / kt, grid_kb = gridDim.x % kt;  // (Kb < 2^31)
   int next_b = blockIdx.x / kt, next_kb = blockIdx.x % kt;  // (blocks < 2^31: plan values are int32)
   auto find_tile = [&](int slot) {
     const int b = next_b, kb = next_kb;
@@ -366,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
     const TileInfo tile = infos[slot];
     const int64_t k0 = int64_t(tile.kb) * kBlock;
     load_tile_rows<kThreads>(src, stages + int64_t(stage) * (kStageBytes / sizeof(Raw)), tile.row0, tile.nr, k0,
-                             static_cast<int>(imin64(kBlock, K / kOut - k0)), threadIdx.x);
+                             static_cast<int>(imin64(kBlock, K - k0)), threadIdx.x);
     async_copy::arrive_when_loaded(&full[stage]);
   };
 
@@ -388,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
     async_copy::wait(&full[stage], parity);
     const TileInfo tile = infos[slot];
     const int64_t k0 = int64_t(tile.kb) * kBlock;  // of the tile, in the loader's columns
-    const int nk = static_cast<int>(imin64(kBlock, K / kOut - k0));
+    const int nk = static_cast<int>(imin64(kBlock, K - k0));
     const Raw* staged = stages + int64_t(stage) * (kStageBytes / sizeof(Raw));
 
     auto compute = [&](auto whole) {
@@ -397,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
       auto row_in = [&](int r) { return kWhole || r < tile.nr; };
 
       // Values of the thread's 4 rows from the stage.
-      float v[kOut][kRows][kVec];
+      float v[kRows][kVec];
       float extra[kRows];
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
@@ -408,13 +402,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 #pragma unroll
           for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
           const float factor = row_factor_of(src, staged, r);
-          if constexpr (kOut == 1) extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[0][jr]);
-          else extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[0][jr], v[1][jr]);
+          extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[jr]);
         } else {
 #pragma unroll
-          for (int c = 0; c < kVec; ++c)
-#pragma unroll
-            for (int ob = 0; ob < kOut; ++ob) v[ob][jr][c] = 0.f;
+          for (int c = 0; c < kVec; ++c) v[jr][c] = 0.f;
         }
       }
 
@@ -423,17 +414,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         const float sum = scatter_sum4(extra, hl);
         const int r = kRows * g + hl / 4;
         if (row_extra != nullptr && hl % 4 == 0 && row_in(r)) {
-          float* at = row_extra + (tile.row0 + r) * Kb + tile.kb;
-          at[0] = sum;
-          if (kOut == 2) at[Kt] = 0.f;  // (the second output block's share)
+          row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
         }
       }
-#pragma unroll
-      for (int ob = 0; ob < kOut; ++ob) {
-        const float (&vo)[kRows][kVec] = v[ob];
-        const int64_t kb_out = tile.kb + ob * Kt, k0_out = kb_out * kBlock;
-        // The maxima of each row over the thread's 8 columns and of each column over its 4 rows: in one pass
-        // for one output block (registers to spare); for two, the column maxima after the row copy.
+      {
+        const float (&vo)[kRows][kVec] = v;
+        const int64_t kb_out = tile.kb, k0_out = k0;
+        // The maxima of each row over the thread's 8 columns and of each column over its 4 rows, in one pass.
         float a[kRows], cmax[kVec];
         auto column_maxima = [&] {
 #pragma unroll
@@ -449,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 #pragma unroll
           for (int c = 0; c < kVec; ++c) a[jr] = nan_max(a[jr], fabsf(vo[jr][c]));
         }
-        if (kOut == 1 && qT != nullptr) column_maxima();
+        if (qT != nullptr) column_maxima();
         // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the
         // half-warp (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the
         // multipliers go back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
@@ -484,7 +471,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         // Column maxima over the warp's 8 rows: half 0 keeps columns 0-3 of its eight, half 1 columns 4-7,
         // each taking the other half's rows by one shuffle; one 16-byte store per lane.
         if (qT != nullptr) {
-          if (kOut == 2) column_maxima();
           float kept[4];
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
@@ -494,11 +480,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
           *reinterpret_cast<float4*>(partial + partial_index(warp, kVec * hl) + 4 * half) =
               make_float4(kept[0], kept[1], kept[2], kept[3]);
         }
-        // Barrier A. Every thread has read its values: at the last output block's (when the others' values
-        // no longer hold registers), the stage takes the loads of tile j + n_stages.
-        if (ob == kOut - 1 || qT != nullptr) async_copy::sync_threads(1, kThreads);
-        if (ob == kOut - 1 && j + n_stages < n_mine) load_tile(slot_ahead, stage);
-        if (qT == nullptr) continue;  // uniform (the same for every output block)
+        // Barrier A. Every thread has read its values: the stage takes the loads of tile j + n_stages.
+        async_copy::sync_threads(1, kThreads);
+        if (j + n_stages < n_mine) load_tile(slot_ahead, stage);
+        if (qT == nullptr) return;  // uniform
 
         // Column scales: warp w reduces columns 8w .. 8w + 7, lane (quarter qd, column c8) the maxima of
         // warps 4qd .. 4qd + 3, then the four quarters by shuffles.
@@ -551,9 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         }
       }
     };
-    // (Two output blocks take the checked path only: the second path's code would push the paired GLU
-    // gradient, 64 values per thread, into spills.)
-    if (kOut == 1 && tile.nr == kBlock && nk == kBlock) compute(std::true_type{});
+    if (tile.nr == kBlock && nk == kBlock) compute(std::true_type{});
     else compute(std::false_type{});
     if (++stage == n_stages) stage = 0, parity ^= 1;
     if (++slot == ring) slot = 0;
@@ -585,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 template <class Loader>
 constexpr bool per_tile() {
   constexpr bool staged_fits = Loader::kInPlace ? Loader::kInputs == 2 && sizeof(typename Loader::Raw) == 2 : Loader::kInputs == 1;
-  return Loader::kPerTile && Loader::kOut == 1 && !Loader::kExtra && staged_fits;
+  return Loader::kPerTile && !Loader::kExtra && staged_fits;
 }
 
 constexpr int kTileWarps = 8;
@@ -729,7 +712,7 @@ __device__ __forceinline__ TileSpot tile_spot(int b, int tok0, int tok1, int col
 }
 
 // Tile blockIdx.x = (128-token block b, column block kb), kb fastest; CTAs past the plan's blocks only zero
-// their share of the uncovered rows. One output block per tile (kOut = 1). With build.plan set, each CTA
+// their share of the uncovered rows. With build.plan set, each CTA
 // derives the plan from m_splits itself (a scan of the counts instead of the given plan's check) and CTA 0
 // writes it to build.plan for the kernels after this one: the plan needs no launch of its own.
 template <class Loader>

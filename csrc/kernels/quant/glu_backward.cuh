@@ -1,0 +1,257 @@
+// The GLU activation's backward with its FP8 multi-cast quantization, one CTA per tile (F a multiple of 128): dh's
+// gate half (da * p * up * act'(gate)) and up half (da * p * act(gate)) of a tile of 128 tokens x 128 gate columns,
+// rounded to bf16 (the values the FP8 copies quantize: docs/design.md#fp8-recipe), as the 1x128 row copy and the
+// per-expert 128x1 column copy of each half, plus each row's share of dprobs (da * act(gate) * up summed).
+//
+// One CTA of 8 warps per tile, two per SM. The CTA stages da, gate and up by 16-byte cp.async (the 16-byte chunks
+// of a row swizzled: chunk_at), then
+//   row pass     8 lanes a row, 16 columns a lane: both halves' values, rounded to bf16 and written over the
+//                row's da and gate (in place: each lane rewrites what it read), each half's row scale by an
+//                8-lane reduction and its 16 FP8 bytes as one 16-byte store (8 lanes = a 128-byte line);
+//                rows past the tile's tokens get zeros                                            | barrier
+//   column pass  8 lanes a column pair, 16 rows a lane: the pair's column scales by an 8-lane reduction on the
+//                packed bf16 values, each column's 16 FP8 bytes as one 16-byte store (8 lanes = a 128-byte line
+//                of the column copy).
+// No value is held across the barrier, no shared tile transposes the column copy, and the column maxima need no
+// shared memory. (TransformerEngine's blockwise cast-transpose reads its tile in the same two passes.)
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "moegemm.h"
+#include "kernels/common/async_copy.cuh"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device.h"
+#include "kernels/plan/plan.cuh"
+#include "kernels/quant/fp8_block.cuh"
+#include "kernels/quant/multicast.cuh"
+
+namespace moegemm::glu_backward {
+
+constexpr int kThreads = 256;
+constexpr int kRowLanes = 8;                              // lanes per row in the row pass
+constexpr int kLaneCols = kBlock / kRowLanes;             // 16 columns a lane
+constexpr int kRowsPerPass = kThreads / kRowLanes;        // 32 rows at a time
+constexpr int kSegRows = kBlock / 8;                      // 16 rows a lane in the column pass
+constexpr int kChunks = kBlock * 2 / 16;                  // 16-byte chunks of a staged row (128 bf16)
+constexpr int kInputBytes = kBlock * kBlock * 2;          // one staged input, 32 KB
+constexpr int kSmemBytes = 3 * kInputBytes + kBlock * 4;  // da, gate, up, the probs
+constexpr int kCtasPerSm = 2;
+
+// Where chunk c of staged row r lies (in chunks from the input's start): c ^ (c >> 3) puts a row pass lane's
+// chunks 2l and 2l + 1 (l = 0..7) in 8 different bank groups each, and the XOR with the row's 16-row band puts
+// the column pass's 8 lanes of a pair (rows 16 apart) in 8 different ones: every access meets 32 banks.
+__device__ __forceinline__ int chunk_at(int r, int c) { return r * kChunks + (c ^ (c >> 3) ^ ((r / kSegRows) % 8)); }
+
+// Two floats as a bf16 pair, each rounded to nearest even (a -> the low half).
+__device__ __forceinline__ uint32_t bf16x2_rn(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// The larger magnitude of a bf16 pair, as a float (NaN if either is).
+__device__ __forceinline__ float abs_max_of(uint32_t w) {
+  return nan_max(fabsf(multicast::bf16_lo(w)), fabsf(multicast::bf16_hi(w)));
+}
+
+// 16 bf16 values (8 words) -> 16 e4m3 bytes with the block's multipliers; with `simple` (mul_lo == 1, a normal
+// scale) the pairs are scaled in bf16 first (exact: multicast.cuh, mul_bf16x2) and then converted.
+__device__ __forceinline__ uint4 quantize16(const uint32_t (&w)[8], float hi, float lo, bool simple) {
+  uint32_t out[4];
+  if (simple) {
+    const uint32_t m = multicast::bf16x2_of(hi, hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t x0 = multicast::mul_bf16x2(w[2 * i], m), x1 = multicast::mul_bf16x2(w[2 * i + 1], m);
+      out[i] = multicast::e4m3x2_of(multicast::bf16_lo(x0), multicast::bf16_hi(x0)) |
+               multicast::e4m3x2_of(multicast::bf16_lo(x1), multicast::bf16_hi(x1)) << 16;
+    }
+  } else {
+    const BlockQuant quant(hi, lo);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      out[i] = quant.pack4({multicast::bf16_lo(w[2 * i]), multicast::bf16_hi(w[2 * i]), multicast::bf16_lo(w[2 * i + 1]),
+                            multicast::bf16_hi(w[2 * i + 1])});
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+template <class Act>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat16* __restrict__ da,
+    const __nv_bfloat16* __restrict__ h, const float* __restrict__ probs, int64_t T, int64_t F, int E,
+    const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT,
+    float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint4* staged = reinterpret_cast<uint4*>(smem);  // [3][128 rows][16 chunks], swizzled
+  float* p_s = reinterpret_cast<float*>(smem + 3 * kInputBytes);
+  const int64_t Kt = F / kBlock, K = 2 * F, Kb = 2 * Kt;  // tile columns; dh's columns and column blocks
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int b = static_cast<int>(blockIdx.x / Kt), kt = static_cast<int>(blockIdx.x % Kt);  // (blocks < 2^31)
+  const int64_t k0 = int64_t(kt) * kBlock;
+
+  // The tile: its loads are issued before the plan is checked (values clamped into the tensors, so a foreign
+  // plan's loads stay inside them; such a plan writes nothing but zeros).
+  const int32_t* tok = plan;
+  const int32_t* col = plan + (E + 1);
+  const int32_t* blk = plan + 2 * (E + 1);
+  multicast::TileSpot spot;
+  if (b < blk[E]) {
+    const int e = expert_of(blk, E, b);
+    spot = multicast::tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
+  }
+  const int64_t row0 = spot.row0;
+  const int nr = spot.nr;
+  if (spot.has_tile) {
+    const int c = tid % kChunks;
+    for (int r = tid / kChunks; r < nr; r += kThreads / kChunks) {
+      const int64_t t = row0 + r;
+      async_copy::load16(staged + chunk_at(r, c), da + t * F + k0 + 8 * c);
+      async_copy::load16(staged + kInputBytes / 16 + chunk_at(r, c), h + t * K + k0 + 8 * c);
+      async_copy::load16(staged + 2 * kInputBytes / 16 + chunk_at(r, c), h + t * K + F + k0 + 8 * c);
+    }
+    if (probs != nullptr && tid < nr) async_copy::load4(p_s + tid, probs + row0 + tid);
+  }
+  const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
+  const int64_t covered = fits ? tok[E] : 0;
+  if (covered < T)
+    multicast::zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + tid,
+                                   int64_t(gridDim.x) * kThreads);
+  async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
+  if (!fits || !spot.has_tile) return;
+  __syncthreads();
+
+  // ---- Row pass: lane l of a row's 8 takes columns 16 l .. 16 l + 15 (chunks 2 l, 2 l + 1).
+  const int64_t s_pitch = row_scale_pitch(T);
+  const int ql = tid % kRowLanes;
+#pragma unroll 1
+  for (int r = tid / kRowLanes; r < kBlock; r += kRowsPerPass) {
+    const int at0 = chunk_at(r, 2 * ql), at1 = chunk_at(r, 2 * ql + 1);
+    uint4* in_da = staged;
+    uint4* in_gate = staged + kInputBytes / 16;
+    const uint4* in_up = staged + 2 * kInputBytes / 16;
+    uint32_t gw[8], uw[8];  // the row's 16 values of each half, bf16 pairs
+    float extra[2] = {0.f, 0.f};  // the dprobs share of each 8-column chunk
+    if (r < nr) {
+      const float p = probs != nullptr ? p_s[r] : 1.f;
+      const uint4 raw_d[2] = {in_da[at0], in_da[at1]}, raw_g[2] = {in_gate[at0], in_gate[at1]},
+                  raw_u[2] = {in_up[at0], in_up[at1]};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float d[8], g[8], u[8];
+        unpack_bf16x8(raw_d[half], d);
+        unpack_bf16x8(raw_g[half], g);
+        unpack_bf16x8(raw_u[half], u);
+        float gg[8], ug[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // as activation.cu's act_grad: the same fp32 operations in the same order
+          float f, df;
+          Act::fdf(g[i], f, df);
+          gg[i] = d[i] * p * u[i] * df;
+          ug[i] = d[i] * p * f;
+          extra[half] += d[i] * f * u[i];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          gw[4 * half + i] = bf16x2_rn(gg[2 * i], gg[2 * i + 1]);
+          uw[4 * half + i] = bf16x2_rn(ug[2 * i], ug[2 * i + 1]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gw[i] = uw[i] = 0u;  // (the column copy's rows past the tokens: zeros)
+    }
+    // In place: the gate half over da, the up half over gate.
+    in_da[at0] = make_uint4(gw[0], gw[1], gw[2], gw[3]);
+    in_da[at1] = make_uint4(gw[4], gw[5], gw[6], gw[7]);
+    in_gate[at0] = make_uint4(uw[0], uw[1], uw[2], uw[3]);
+    in_gate[at1] = make_uint4(uw[4], uw[5], uw[6], uw[7]);
+
+    // The row's dprobs share over the tile's columns (the row's 8 lanes are lanes 8 k .. 8 k + 7 of the warp), added
+    // in the order of the multi-cast kernel's row sums (multicast.cuh, scatter_sum4: chunk c with c ^ 8, ^ 4, ^ 2,
+    // then ^ 1).
+#pragma unroll
+    for (int o = kRowLanes / 2; o >= 1; o >>= 1) {
+      extra[0] += __shfl_xor_sync(0xffffffffu, extra[0], o);
+      extra[1] += __shfl_xor_sync(0xffffffffu, extra[1], o);
+    }
+    if (row_extra != nullptr && ql == 0 && r < nr) {
+      float* at = row_extra + (row0 + r) * Kb + kt;
+      at[0] = extra[0] + extra[1];
+      at[Kt] = 0.f;  // (the up half's share)
+    }
+    if (q == nullptr) continue;  // uniform
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // gate half: output block kt; up half: Kt + kt
+      const uint32_t(&w)[8] = half == 0 ? gw : uw;
+      uint32_t m = multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[0], w[1]), multicast::abs_max_bf16x2(w[2], w[3]));
+      m = multicast::abs_max_bf16x2(m, multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[4], w[5]),
+                                                                 multicast::abs_max_bf16x2(w[6], w[7])));
+      float amax = abs_max_of(m);
+#pragma unroll
+      for (int o = 1; o < kRowLanes; o <<= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const BlockQuant quant(amax);
+      const int64_t kb_out = kt + half * Kt;
+      if (ql == 0 && r < nr) s[kb_out * s_pitch + row0 + r] = quant.scale;
+      const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
+      const uint4 bytes = quantize16(w, quant.mul_hi, quant.mul_lo, simple);
+      if (r < nr) *reinterpret_cast<uint4*>(q + (row0 + r) * K + kb_out * kBlock + kLaneCols * ql) = bytes;
+    }
+  }
+  if (qT == nullptr) return;  // uniform
+  __syncthreads();
+
+  // ---- Column pass: 128 column pairs (64 per half); warp w takes pairs 4 k .. 4 k + 3 of half k / 16 for
+  // k = w, w + 8, ...; lane (pair l / 8, segment l % 8) rows 16 (l % 8) .. + 15 of its pair.
+  const int seg = lane % 8, pair_in = lane / 8;
+  const int chunks = multicast::column_chunks(nr);  // 16-byte chunks of a column line: the tokens rounded up to kColAlign
+#pragma unroll 1
+  for (int k = warp; k < 2 * kBlock / 8; k += kThreads / 32) {
+    const int half = k / 16, cp = 4 * (k % 16) + pair_in;  // columns 2 cp, 2 cp + 1 of the half
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(staged + half * kInputBytes / 16);
+    uint32_t w[kSegRows];
+#pragma unroll
+    for (int i = 0; i < kSegRows; ++i) {
+      const int r = kSegRows * seg + i;
+      w[i] = src[chunk_at(r, cp / 4) * 4 + cp % 4];
+    }
+    uint32_t m = w[0];
+#pragma unroll
+    for (int i = 1; i < kSegRows; ++i) m = multicast::abs_max_bf16x2(m, w[i]);
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) m = multicast::abs_max_bf16x2(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const BlockQuant q0(fabsf(multicast::bf16_lo(m))), q1(fabsf(multicast::bf16_hi(m)));
+    const int64_t c0 = (kt + half * Kt) * kBlock + 2 * cp;  // dh's column of the pair's first
+    if (seg == 0) *reinterpret_cast<float2*>(sT + int64_t(b) * K + c0) = make_float2(q0.scale, q1.scale);
+    // Each column's 16 bytes: the pair's low halves for column c0, the high halves for c0 + 1.
+    uint32_t lo_w[8], hi_w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      lo_w[i] = __byte_perm(w[2 * i], w[2 * i + 1], 0x5410);  // low halves of rows 2i, 2i + 1
+      hi_w[i] = __byte_perm(w[2 * i], w[2 * i + 1], 0x7632);  // high halves
+    }
+    const bool simple = __all_sync(0xffffffffu, q0.mul_lo == 1.f && q1.mul_lo == 1.f);
+    const uint4 b0 = quantize16(lo_w, q0.mul_hi, q0.mul_lo, simple), b1 = quantize16(hi_w, q1.mul_hi, q1.mul_lo, simple);
+    if (seg < chunks) {
+      uint8_t* line = qT + c0 * col_cap + spot.qt_col + 16 * seg;
+      *reinterpret_cast<uint4*>(line) = b0;
+      *reinterpret_cast<uint4*>(line + col_cap) = b1;
+    }
+  }
+}
+
+// Launches the kernel over every (expert block, gate column block) the buffers can hold; F % 128 == 0.
+template <class Act>
+void launch(const void* da, const void* h, const float* probs, int64_t T, int64_t F, int E, const int32_t* plan,
+            uint8_t* q, float* s, uint8_t* qT, float* sT, float* row_extra, cudaStream_t stream, const char* name) {
+  if (T == 0 || F == 0 || (q == nullptr && qT == nullptr && row_extra == nullptr)) return;
+  allow_shared_memory<kernel<Act>>(kSmemBytes, name);
+  const int64_t grid = block_capacity(T, E) * (F / kBlock);
+  kernel<Act><<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(
+      static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT,
+      col_capacity(T, E), row_extra);
+  check_launch(name);
+}
+
+}  // namespace moegemm::glu_backward

@@ -60,8 +60,8 @@ def test_fused_activation_kernels_match_reference(activation, with_probs, F):
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
-def test_fused_activation_backward_max_experts(activation):
-    # E = 1024: SwiGLU's per-tile kernel finds each tile's expert among 1024; ReLU: the persistent multi-cast
+def test_fused_activation_max_experts(activation):
+    # E = 1024: SwiGLU's per-tile kernels find each tile's expert among 1024; ReLU: the persistent multi-cast
     # kernel, whose copy of the plan takes a large part of its shared memory
     E, T, F = 1024, 3000, 128
     F1 = 2 * F if activation in ref.GLU_ACTIVATIONS else F
@@ -69,6 +69,10 @@ def test_fused_activation_backward_max_experts(activation):
     h = torch.randn(T, F1, device=DEV, dtype=torch.bfloat16) * 2
     da = torch.randn(T, F, device=DEV, dtype=torch.bfloat16)
     probs = torch.rand(T, device=DEV)
+    got = cuda_ops.act_quantize(h, probs, activation, plan)
+    exp = ref.act_quantize(h, probs, activation, plan_ref)
+    for g, e in zip(dequant_all(*got, plan_ref), dequant_all(*exp, plan_ref)):
+        assert rel(g, e) <= 5e-3
     *got_q, got_dp = cuda_ops.act_backward_quantize(da, h, probs, activation, plan)
     *exp_q, exp_dp = ref.act_backward_quantize(da, h, probs, activation, plan_ref)
     for g, e in zip(dequant_all(*got_q, plan_ref), dequant_all(*exp_q, plan_ref)):

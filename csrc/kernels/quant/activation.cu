@@ -1,12 +1,13 @@
 // The fused kernels between an expert MLP's two GEMMs: activation x router probs -> FP8 multi-cast,
 // and its backward (activation gradient, rounded to bf16 -> FP8 multi-cast, plus the probs gradient). They are
-// the multi-cast kernel of multicast.cuh with loaders that compute their values on the fly in fp32, and for a
-// GLU's backward with F a multiple of 128 the per-tile kernel of glu_backward.cuh.
+// the multi-cast kernel of multicast.cuh with loaders that compute their values on the fly in fp32; a GLU's
+// forward takes the per-tile kernel of glu_forward.cuh, its backward (F a multiple of 128) glu_backward.cuh's.
 // For the bf16 recipe, the same activations written in bf16 (act_bf16_kernel).
 #include <algorithm>
 
 #include "moegemm.h"
 #include "kernels/quant/glu_backward.cuh"
+#include "kernels/quant/glu_forward.cuh"
 #include "kernels/quant/multicast.cuh"
 
 namespace moegemm {
@@ -85,32 +86,30 @@ __device__ __forceinline__ float act_grad(float d, float g, float up, float p, f
   return d * f * up;
 }
 
-// a[t, k] = act(h[t, k]) * (GLU: h[t, F + k]) * probs[t]; staged: the gate columns (and the up columns) and
-// probs (the row factor).
-template <class Act, bool kGlu>
+// a[t, k] = act(h[t, k]) * probs[t] (a GLU's forward: glu_forward.cuh); staged: the columns and probs (the row
+// factor).
+template <class Act>
 struct ActForward {
   using Raw = __nv_bfloat16;
-  static constexpr int kInputs = kGlu ? 2 : 1;
+  static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
-  static constexpr bool kPerTile = kGlu;  // (the GLU's values in place of gate and up: multicast.cuh, per_tile)
-  static constexpr bool kInPlace = kGlu;
+  static constexpr bool kPerTile = false;  // (a staged row factor)
   static constexpr bool kRowFactor = true;  // probs
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
-  __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
-    seg[0] = {in == 0 ? k0 : F + k0, 0, nk};
+  __device__ __forceinline__ int segments(int, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
+    seg[0] = {k0, 0, nk};
     return 1;
   }
-  __device__ __forceinline__ const __nv_bfloat16* row_start(int, int64_t row) const { return h + row * (kGlu ? 2 * F : F); }
+  __device__ __forceinline__ const __nv_bfloat16* row_start(int, int64_t row) const { return h + row * F; }
   __device__ __forceinline__ const float* row_factor() const { return probs; }
   __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], float p, int64_t, int64_t,
                                           float (&v)[multicast::kVec]) const {
-    float g[multicast::kVec], u[multicast::kVec];
+    float g[multicast::kVec];
     multicast::load8(raw[0], g);
-    if constexpr (kGlu) multicast::load8(raw[kInputs - 1], u);
 #pragma unroll
-    for (int i = 0; i < multicast::kVec; ++i) v[i] = Act::f(g[i]) * (kGlu ? u[i] : 1.f) * p;
+    for (int i = 0; i < multicast::kVec; ++i) v[i] = Act::f(g[i]) * p;
     return 0.f;
   }
 };
@@ -125,7 +124,6 @@ struct ActBackward {
   static constexpr int kInputs = kGlu ? 3 : 2;  // da, gate, up
   static constexpr bool kExtra = true;
   static constexpr bool kPerTile = false;  // (several staged inputs)
-  static constexpr bool kInPlace = false;
   static constexpr bool kRowFactor = true;  // probs
   const __nv_bfloat16* da;
   const __nv_bfloat16* h;
@@ -259,12 +257,21 @@ void dispatch(Activation act, Fn&& fn) {
 
 void act_quantize(const void* h_bf16, const float* probs, Activation act, int64_t T, int64_t F, int E,
                   const int32_t* plan, uint8_t* q, float* s, uint8_t* qT, float* sT, cudaStream_t stream) {
-  dispatch<ActForward>(act, [&](auto loader) {
+  const char* name = "act_quantize";
+  auto run = [&](auto loader) {
     loader.h = static_cast<const __nv_bfloat16*>(h_bf16);
     loader.probs = probs;
     loader.F = F;
-    multicast::launch(loader, T, F, E, plan, q, s, qT, sT, nullptr, PlanBuild{}, stream, "act_quantize");
-  });
+    multicast::launch(loader, T, F, E, plan, q, s, qT, sT, nullptr, PlanBuild{}, stream, name);
+  };
+  switch (act) {  // a GLU: gate and up of a tile in one CTA (glu_forward.cuh)
+    case Activation::kSwiglu: return glu_forward::launch<Silu>(h_bf16, probs, T, F, E, plan, q, s, qT, sT, stream, name);
+    case Activation::kGeglu: return glu_forward::launch<Gelu>(h_bf16, probs, T, F, E, plan, q, s, qT, sT, stream, name);
+    case Activation::kGelu: return run(ActForward<Gelu>{});
+    case Activation::kRelu: return run(ActForward<Relu>{});
+    case Activation::kSquaredRelu: return run(ActForward<SquaredRelu>{});
+  }
+  throw std::runtime_error("moegemm: unknown activation");
 }
 
 void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float* probs, Activation act, int64_t T,

@@ -3,17 +3,9 @@
 // rounded to bf16 (the values the FP8 copies quantize: docs/design.md#fp8-recipe), as the 1x128 row copy and the
 // per-expert 128x1 column copy of each half, plus each row's share of dprobs (da * act(gate) * up summed).
 //
-// One CTA of 8 warps per tile, two per SM. The CTA stages da, gate and up by 16-byte cp.async (the 16-byte chunks
-// of a row swizzled: chunk_at), then
-//   row pass     8 lanes a row, 16 columns a lane: both halves' values, rounded to bf16 and written over the
-//                row's da and gate (in place: each lane rewrites what it read), each half's row scale by an
-//                8-lane reduction and its 16 FP8 bytes as one 16-byte store (8 lanes = a 128-byte line);
-//                rows past the tile's tokens get zeros                                            | barrier
-//   column pass  8 lanes a column pair, 16 rows a lane: the pair's column scales by an 8-lane reduction on the
-//                packed bf16 values, each column's 16 FP8 bytes as one 16-byte store (8 lanes = a 128-byte line
-//                of the column copy).
-// No value is held across the barrier, no shared tile transposes the column copy, and the column maxima need no
-// shared memory. (TransformerEngine's blockwise cast-transpose reads its tile in the same two passes.)
+// One CTA of 8 warps per tile, two per SM, in the two passes of two_pass.cuh. The CTA stages da, gate and up; the
+// row pass writes both halves' values, rounded to bf16, over the row's da and gate (each lane rewrites what it
+// read) and makes each half's row block; the column pass takes the column scales on the packed bf16 pairs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,55 +19,19 @@
 #include "kernels/plan/plan.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/multicast.cuh"
+#include "kernels/quant/two_pass.cuh"
 
 namespace moegemm::glu_backward {
 
-constexpr int kThreads = 256;
-constexpr int kRowLanes = 8;                              // lanes per row in the row pass
-constexpr int kLaneCols = kBlock / kRowLanes;             // 16 columns a lane
-constexpr int kRowsPerPass = kThreads / kRowLanes;        // 32 rows at a time
-constexpr int kSegRows = kBlock / 8;                      // 16 rows a lane in the column pass
-constexpr int kChunks = kBlock * 2 / 16;                  // 16-byte chunks of a staged row (128 bf16)
-constexpr int kInputBytes = kBlock * kBlock * 2;          // one staged input, 32 KB
+using namespace two_pass;  // NOLINT: the two passes' constants and pieces
+
 constexpr int kSmemBytes = 3 * kInputBytes + kBlock * 4;  // da, gate, up, the probs
 constexpr int kCtasPerSm = 2;
-
-// Where chunk c of staged row r lies (in chunks from the input's start): c ^ (c >> 3) puts a row pass lane's
-// chunks 2l and 2l + 1 (l = 0..7) in 8 different bank groups each, and the XOR with the row's 16-row band puts
-// the column pass's 8 lanes of a pair (rows 16 apart) in 8 different ones: every access meets 32 banks.
-__device__ __forceinline__ int chunk_at(int r, int c) { return r * kChunks + (c ^ (c >> 3) ^ ((r / kSegRows) % 8)); }
 
 // Two floats as a bf16 pair, each rounded to nearest even (a -> the low half).
 __device__ __forceinline__ uint32_t bf16x2_rn(float a, float b) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// The larger magnitude of a bf16 pair, as a float (NaN if either is).
-__device__ __forceinline__ float abs_max_of(uint32_t w) {
-  return nan_max(fabsf(multicast::bf16_lo(w)), fabsf(multicast::bf16_hi(w)));
-}
-
-// 16 bf16 values (8 words) -> 16 e4m3 bytes with the block's multipliers; with `simple` (mul_lo == 1, a normal
-// scale) the pairs are scaled in bf16 first (exact: multicast.cuh, mul_bf16x2) and then converted.
-__device__ __forceinline__ uint4 quantize16(const uint32_t (&w)[8], float hi, float lo, bool simple) {
-  uint32_t out[4];
-  if (simple) {
-    const uint32_t m = multicast::bf16x2_of(hi, hi);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t x0 = multicast::mul_bf16x2(w[2 * i], m), x1 = multicast::mul_bf16x2(w[2 * i + 1], m);
-      out[i] = multicast::e4m3x2_of(multicast::bf16_lo(x0), multicast::bf16_hi(x0)) |
-               multicast::e4m3x2_of(multicast::bf16_lo(x1), multicast::bf16_hi(x1)) << 16;
-    }
-  } else {
-    const BlockQuant quant(hi, lo);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      out[i] = quant.pack4({multicast::bf16_lo(w[2 * i]), multicast::bf16_hi(w[2 * i]), multicast::bf16_lo(w[2 * i + 1]),
-                            multicast::bf16_hi(w[2 * i + 1])});
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 template <class Act>
@@ -91,35 +47,24 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   const int b = static_cast<int>(blockIdx.x / Kt), kt = static_cast<int>(blockIdx.x % Kt);  // (blocks < 2^31)
   const int64_t k0 = int64_t(kt) * kBlock;
 
-  // The tile: its loads are issued before the plan is checked (values clamped into the tensors, so a foreign
-  // plan's loads stay inside them; such a plan writes nothing but zeros).
-  const int32_t* tok = plan;
-  const int32_t* col = plan + (E + 1);
-  const int32_t* blk = plan + 2 * (E + 1);
-  multicast::TileSpot spot;
-  if (b < blk[E]) {
-    const int e = expert_of(blk, E, b);
-    spot = multicast::tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
-  }
-  const int64_t row0 = spot.row0;
-  const int nr = spot.nr;
-  if (spot.has_tile) {
+  const Found found = find_tile(b, true, E, T, plan, [&](const multicast::TileSpot& spot) {
     const int c = tid % kChunks;
-    for (int r = tid / kChunks; r < nr; r += kThreads / kChunks) {
-      const int64_t t = row0 + r;
+    for (int r = tid / kChunks; r < spot.nr; r += kThreads / kChunks) {
+      const int64_t t = spot.row0 + r;
       async_copy::load16(staged + chunk_at(r, c), da + t * F + k0 + 8 * c);
       async_copy::load16(staged + kInputBytes / 16 + chunk_at(r, c), h + t * K + k0 + 8 * c);
       async_copy::load16(staged + 2 * kInputBytes / 16 + chunk_at(r, c), h + t * K + F + k0 + 8 * c);
     }
-    if (probs != nullptr && tid < nr) async_copy::load4(p_s + tid, probs + row0 + tid);
-  }
-  const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
-  const int64_t covered = fits ? tok[E] : 0;
+    if (probs != nullptr && tid < spot.nr) async_copy::load4(p_s + tid, probs + spot.row0 + tid);
+  });
+  const multicast::TileSpot spot = found.spot;
+  const int64_t row0 = spot.row0, covered = found.covered;
+  const int nr = spot.nr;
   if (covered < T)
     multicast::zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + tid,
                                    int64_t(gridDim.x) * kThreads);
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
-  if (!fits || !spot.has_tile) return;
+  if (!found.fits || !spot.has_tile) return;
   __syncthreads();
 
   // ---- Row pass: lane l of a row's 8 takes columns 16 l .. 16 l + 15 (chunks 2 l, 2 l + 1).
@@ -185,18 +130,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // gate half: output block kt; up half: Kt + kt
       const uint32_t(&w)[8] = half == 0 ? gw : uw;
-      uint32_t m = multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[0], w[1]), multicast::abs_max_bf16x2(w[2], w[3]));
-      m = multicast::abs_max_bf16x2(m, multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[4], w[5]),
-                                                                 multicast::abs_max_bf16x2(w[6], w[7])));
-      float amax = abs_max_of(m);
-#pragma unroll
-      for (int o = 1; o < kRowLanes; o <<= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const BlockQuant quant(amax);
+      const uint32_t m = multicast::abs_max_bf16x2(
+          multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[0], w[1]), multicast::abs_max_bf16x2(w[2], w[3])),
+          multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[4], w[5]), multicast::abs_max_bf16x2(w[6], w[7])));
       const int64_t kb_out = kt + half * Kt;
-      if (ql == 0 && r < nr) s[kb_out * s_pitch + row0 + r] = quant.scale;
-      const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
-      const uint4 bytes = quantize16(w, quant.mul_hi, quant.mul_lo, simple);
-      if (r < nr) *reinterpret_cast<uint4*>(q + (row0 + r) * K + kb_out * kBlock + kLaneCols * ql) = bytes;
+      row_block(w, abs_max_of(m), ql == 0, r < nr, s + kb_out * s_pitch + row0 + r,
+                q + (row0 + r) * K + kb_out * kBlock + kLaneCols * ql);
     }
   }
   if (qT == nullptr) return;  // uniform

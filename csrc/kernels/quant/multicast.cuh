@@ -11,7 +11,7 @@
 // the column maxima through shared memory (every warp taking 8 columns), and write the column copy through
 // a swizzled shared-memory tile with full-line stores: three CTA barriers per tile.
 // Per tile (tile_kernel): one CTA of 8 warps per tile, up to four per SM (see there); the loaders whose
-// kPerTile says so (16-bit x for quantize_act, the GLU forward's activation with its values in place).
+// kPerTile says so (16-bit x for quantize_act).
 //
 // Loaders say what is staged and how values are made of it:
 //   PlainLoader<T>        x itself (quantize_act)
@@ -23,8 +23,8 @@
 // it has one fp32 factor per row (its row_factor(): the router probs, or null for none), staged beside the
 // inputs so that no global load sits among the values; from the staged rows and the row's factor (1 without
 // one) it computes eight values (values). It may also return a per-element "extra" whose per-row sums over
-// each tile are written to row_extra [T, Kb]: the probs gradient of the activation backward (the GLU's with
-// F % 128 == 0 has a kernel of its own: glu_backward.cuh).
+// each tile are written to row_extra [T, Kb]: the probs gradient of the activation backward (a GLU's forward, and
+// its backward with F % 128 == 0, have kernels of their own: glu_forward.cuh, glu_backward.cuh).
 #pragma once
 
 #include <algorithm>
@@ -104,7 +104,6 @@ struct PlainLoader {
   static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = sizeof(T) == 2;  // (fp32: slower per tile on the small-experts shape)
-  static constexpr bool kInPlace = false;
   static constexpr bool kRowFactor = false;
   const T* x;
   int64_t K;
@@ -128,7 +127,6 @@ struct Fp8RowsLoader {
   static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
   static constexpr bool kPerTile = false;  // (not measured per tile yet)
-  static constexpr bool kInPlace = false;
   static constexpr bool kRowFactor = false;
   const uint8_t* q;
   const float* s;
@@ -558,17 +556,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 // bf16 staged as is (PlainLoader<bf16>) keeps its values as packed pairs until they are quantized: the row
 // and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them).
 
-// Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one output block, no
-// per-row extra, one staged input or two in place (below). The activation backward stages three inputs (a
-// tile's stage leaves room for two CTAs per SM) and keeps the persistent kernel.
-// A loader with kInPlace (two 16-bit inputs, e.g. a GLU's gate and up halves) has its row pass write each value
-// as fp32 over the 4 bytes of inputs it was made of (every (row, 8 columns) of the stage is one thread's), and
-// its column pass read them back instead of computing them again; the FP8 column tile then lives in the stage
-// (an extra barrier), so that three CTAs fit on an SM.
+// Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one staged input, one
+// output block, no per-row extra.
 template <class Loader>
 constexpr bool per_tile() {
-  constexpr bool staged_fits = Loader::kInPlace ? Loader::kInputs == 2 && sizeof(typename Loader::Raw) == 2 : Loader::kInputs == 1;
-  return Loader::kPerTile && !Loader::kExtra && staged_fits;
+  return Loader::kPerTile && !Loader::kExtra && Loader::kInputs == 1;
 }
 
 constexpr int kTileWarps = 8;
@@ -666,18 +658,13 @@ struct TileLayout {
   static constexpr int kPartial = 0;                               // [8 warps][128] floats
   static constexpr int kMul = kPartial + kTileWarps * kBlock * 4;  // [2][128] floats
   static constexpr int kColTile = kMul + 2 * kBlock * 4;
-  int col_tile, stage, total;
-  // col_in_stage: the column tile at the stage's start (written once the column pass has read the stage).
-  constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes, bool col_in_stage = false)
-      : col_tile(kColTile), stage(0), total(0) {
-    stage = kColTile + (cols && !col_in_stage ? kColTileBytes : 0);
-    if (col_in_stage) col_tile = stage;
-    total = stage + int(stage_bytes);
-  }
+  int stage, total;
+  constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes)
+      : stage(kColTile + (cols ? kColTileBytes : 0)), total(stage + int(stage_bytes)) {}
 };
 template <class Loader>
 constexpr __host__ __device__ TileLayout tile_layout(bool cols) {
-  return TileLayout(cols, stage_bytes<Loader>(), Loader::kInPlace);
+  return TileLayout(cols, stage_bytes<Loader>());
 }
 
 // CTAs of the per-tile form per SM: as many as their shared memory allows, at most 4 for bf16 kept packed (64
@@ -720,16 +707,15 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     int64_t K, int E, const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s,
     uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap, const PlanBuild build) {
   using Raw = typename Loader::Raw;
-  static_assert(per_tile<Loader>(), "the per-tile form takes one staged input (or two in place) and makes one output block");
+  static_assert(per_tile<Loader>(), "the per-tile form takes one staged input and makes one output block");
   constexpr bool kPacked = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>;
   constexpr int kStageElems = kBlock * kBlock;  // per input
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr bool kInPlace = Loader::kInPlace;
   const TileLayout layout = tile_layout<Loader>(qT != nullptr);
   float* partial = reinterpret_cast<float*>(smem + TileLayout::kPartial);
   float* mul_hi = reinterpret_cast<float*>(smem + TileLayout::kMul);
   float* mul_lo = mul_hi + kBlock;
-  uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + layout.col_tile);
+  uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + TileLayout::kColTile);
   Raw* staged = reinterpret_cast<Raw*>(smem + layout.stage);
 
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // column blocks = tile columns
@@ -782,9 +768,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     constexpr bool kWhole = decltype(whole)::value;  // 128 tokens x 128 columns: no bounds to check
     const bool lane_active = kWhole || kVec * hl < nk;  // nk is a multiple of 16
     auto row_in = [&](int r) { return kWhole || r < nr; };
-    // Rows 4g .. 4g + 3 (thread's columns) from the stage; zeros outside the tile. In place (kInPlace), the row
-    // pass (`again` false) writes the values it made over their inputs and the column pass reads them there.
-    auto values = [&](int g, Row8<kPacked> (&v)[kRows], bool again) {
+    // Rows 4g .. 4g + 3 (thread's columns) from the stage; zeros outside the tile.
+    auto values = [&](int g, Row8<kPacked> (&v)[kRows]) {
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
@@ -793,19 +778,11 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
           if constexpr (kPacked) {
             const uint4 w = *reinterpret_cast<const uint4*>(at);
             v[jr].w[0] = w.x; v[jr].w[1] = w.y; v[jr].w[2] = w.z; v[jr].w[3] = w.w;
-          } else if (kInPlace && again) {
-            const float4 a = *reinterpret_cast<const float4*>(at), b = *reinterpret_cast<const float4*>(at + kStageElems);
-            v[jr].v[0] = a.x; v[jr].v[1] = a.y; v[jr].v[2] = a.z; v[jr].v[3] = a.w;
-            v[jr].v[4] = b.x; v[jr].v[5] = b.y; v[jr].v[6] = b.z; v[jr].v[7] = b.w;
           } else {
             const Raw* raw[Loader::kInputs];
 #pragma unroll
             for (int in = 0; in < Loader::kInputs; ++in) raw[in] = at + in * kStageElems;
             src.values(raw, row_factor_of(src, staged, r), row0 + r, k0 + kVec * hl, v[jr].v);
-            if (kInPlace && qT != nullptr) {  // (the column pass's values)
-              *reinterpret_cast<float4*>(at) = make_float4(v[jr].v[0], v[jr].v[1], v[jr].v[2], v[jr].v[3]);
-              *reinterpret_cast<float4*>(at + kStageElems) = make_float4(v[jr].v[4], v[jr].v[5], v[jr].v[6], v[jr].v[7]);
-            }
           }
         } else {
           v[jr].zero();
@@ -821,7 +798,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     for (int p = 0; p < kTilePasses; ++p) {
       const int g = group(p);
       Row8<kPacked> v[kRows];
-      values(g, v, false);
+      values(g, v);
       float a[kRows];
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
@@ -896,8 +873,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
       }
     }
     __syncthreads();
-    // Column pass: the values again, one word (4 rows) per column into the swizzled column tile (when that lies in
-    // the stage, the words wait in registers until every thread has read its values).
+    // Column pass: the values again, one word (4 rows) per column into the swizzled column tile.
     {
       float hi[kVec];
       load8(mul_hi + kVec * hl, hi);
@@ -905,13 +881,11 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 #pragma unroll
       for (int c = 0; c < kVec; ++c) normal = normal && mul_lo[kVec * hl + c] == 1.f;
       const bool simple = __all_sync(0xffffffffu, normal);
-      [[maybe_unused]] uint32_t held[kInPlace ? kTilePasses : 1][kVec];
-      constexpr int kUnroll = kInPlace ? kTilePasses : 1;  // (held in registers: constant indices)
-#pragma unroll kUnroll
+#pragma unroll 1
       for (int p = 0; p < kTilePasses; ++p) {
         const int g = group(p);
         Row8<kPacked> v[kRows];
-        values(g, v, true);
+        values(g, v);
         uint32_t word[kVec];
         if (simple) {
           if constexpr (kPacked) {
@@ -935,19 +909,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
         }
         uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) {
-          if constexpr (kInPlace) held[p][c] = word[c];
-          else words[c * (kBlock / 4)] = word[c];
-        }
-      }
-      if constexpr (kInPlace) {
-        __syncthreads();  // every value read: the stage takes the column tile
-#pragma unroll
-        for (int p = 0; p < kTilePasses; ++p) {
-          uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (group(p) ^ col_swizzle(kVec * hl));
-#pragma unroll
-          for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = held[p][c];
-        }
+        for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = word[c];
       }
     }
     __syncthreads();

@@ -59,6 +59,42 @@ def test_fused_activation_kernels_match_reference(activation, with_probs, F):
         assert got_dp is None
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu"])
+@pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
+def test_fused_activation_kernels_one_copy(activation, rows, cols):
+    # only the row copy or only the column copy asked for (the other's pointers null), a partial column block
+    E, T, F = 6, 900, 272
+    F1 = 2 * F if activation in ref.GLU_ACTIVATIONS else F
+    splits = zipf_splits(E, T)
+    plan, plan_ref = plans(splits, T)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    h = torch.randn(T, F1, device=DEV, dtype=torch.bfloat16, generator=g) * 2
+    da = torch.randn(T, F, device=DEV, dtype=torch.bfloat16, generator=g)
+    probs = torch.rand(T, device=DEV, generator=g)
+    both = cuda_ops.act_quantize(h, probs, activation, plan)
+    one = cuda_ops.act_quantize(h, probs, activation, plan, rows=rows, cols=cols)
+    exp = ref.act_quantize(h, probs, activation, plan_ref)
+    *both_b, _ = cuda_ops.act_backward_quantize(da, h, probs, activation, plan)
+    *one_b, _ = cuda_ops.act_backward_quantize(da, h, probs, activation, plan, rows=rows, cols=cols)
+    _, col, blk = plan_ref.tolist()
+    written = torch.zeros(both[2].shape[1], dtype=torch.bool, device=DEV)  # each expert's columns, padding included
+    for e in range(E):
+        written[col[e]: col[e + 1]] = True
+    parts = [lambda t: t, lambda t: t[:, :T], lambda t: t[:, written], lambda t: t[: blk[E]]]  # q, s, qT, sT
+    kept = [0, 1] if rows else [2, 3]
+    for got, full in ((one, both), (one_b, both_b)):
+        for i in range(4):
+            if i in kept:  # the same bytes either way
+                a, b = (parts[i](t[i]).contiguous().view(torch.uint8) for t in (got, full))
+                assert torch.equal(a, b)
+            else:
+                assert got[i] is None
+    if rows:
+        assert rel(ref.dequantize_rows(one[0], one[1]), ref.dequantize_rows(exp[0], exp[1])) <= 5e-3
+    else:
+        assert rel(ref.dequantize_cols(one[2], one[3], plan_ref), ref.dequantize_cols(exp[2], exp[3], plan_ref)) <= 5e-3
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 def test_fused_activation_max_experts(activation):
     # E = 1024: SwiGLU's per-tile kernels find each tile's expert among 1024; ReLU: the persistent multi-cast

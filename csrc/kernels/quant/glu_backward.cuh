@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
           multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[0], w[1]), multicast::abs_max_bf16x2(w[2], w[3])),
           multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[4], w[5]), multicast::abs_max_bf16x2(w[6], w[7])));
       const int64_t kb_out = kt + half * Kt;
-      row_block(w, abs_max_of(m), ql == 0, r < nr, s + kb_out * s_pitch + row0 + r,
+      row_block(w, abs_max_of(m), ql == 0 && r < nr, r < nr, s + kb_out * s_pitch + row0 + r,
                 q + (row0 + r) * K + kb_out * kBlock + kLaneCols * ql);
     }
   }
@@ -185,8 +185,9 @@ template <class Act>
 void launch(const void* da, const void* h, const float* probs, int64_t T, int64_t F, int E, const int32_t* plan,
             uint8_t* q, float* s, uint8_t* qT, float* sT, float* row_extra, cudaStream_t stream, const char* name) {
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr && row_extra == nullptr)) return;
-  allow_shared_memory<kernel<Act>>(kSmemBytes, name);
   const int64_t grid = block_capacity(T, E) * (F / kBlock);
+  check_launch_size(F, grid, name);
+  allow_shared_memory<kernel<Act>>(kSmemBytes, name);
   kernel<Act><<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(
       static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT,
       col_capacity(T, E), row_extra);

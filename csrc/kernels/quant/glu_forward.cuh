@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "moegemm.h"
 #include "kernels/common/async_copy.cuh"
@@ -93,7 +94,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
         reinterpret_cast<float4*>(up_s)[at1] = make_float4(v[12], v[13], v[14], v[15]);
       }
       if (q == nullptr) continue;  // uniform
-      row_block(v, amax, ql == 0, kWhole || (r < nr && lane_in), s_block + r, q + (row0 + r) * F + k0 + kLaneCols * ql);
+      const bool row_in = kWhole || r < nr;
+      row_block(v, amax, ql == 0 && row_in, row_in && lane_in, s_block + r, q + (row0 + r) * F + k0 + kLaneCols * ql);
     }
     if (qT == nullptr) return;  // uniform
     __syncthreads();
@@ -118,7 +120,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
       }
       const BlockQuant q0(amax8(m0)), q1(amax8(m1));
       const bool col_in = kWhole || 2 * cp < nk;
-      if (seg == 0 && col_in) *reinterpret_cast<float2*>(sT + int64_t(b) * F + k0 + 2 * cp) = make_float2(q0.scale, q1.scale);
+      if (seg == 0 && col_in)
+        *reinterpret_cast<float2*>(sT + int64_t(b) * F + k0 + 2 * cp) = make_float2(q0.scale, q1.scale);
       const bool simple = __all_sync(0xffffffffu, q0.mul_lo == 1.f && q1.mul_lo == 1.f);
       const uint4 b0 = quantize16(a, q0.mul_hi, q0.mul_lo, simple), b1 = quantize16(c, q1.mul_hi, q1.mul_lo, simple);
       if (seg < chunks && col_in) {
@@ -137,8 +140,9 @@ template <class Act>
 void launch(const void* h, const float* probs, int64_t T, int64_t F, int E, const int32_t* plan, uint8_t* q, float* s,
             uint8_t* qT, float* sT, cudaStream_t stream, const char* name) {
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr)) return;
-  allow_shared_memory<kernel<Act>>(kSmemBytes, name);
   const int64_t grid = block_capacity(T, E) * ((F + kBlock - 1) / kBlock);
+  check_launch_size(F, grid, name);
+  allow_shared_memory<kernel<Act>>(kSmemBytes, name);
   kernel<Act><<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(
       static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT, col_capacity(T, E));
   check_launch(name);

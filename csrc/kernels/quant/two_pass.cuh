@@ -3,7 +3,7 @@
 // inputs by 16-byte cp.async (the 16-byte chunks of a row swizzled: chunk_at), then
 //   row pass     8 lanes a row, 16 columns a lane: the row's values, written in place over the chunks they were
 //                made of, its scale by an 8-lane reduction and its 16 FP8 bytes as one 16-byte store (8 lanes =
-//                a 128-byte line); rows past the tile's tokens get zeros                               | barrier
+//                a 128-byte line); rows past the tile's tokens get zeros there, for the column pass   | barrier
 //   column pass  8 lanes a column pair, 16 rows a lane: the pair's column scales by an 8-lane reduction, each
 //                column's 16 FP8 bytes as one 16-byte store (8 lanes = a 128-byte line of the column copy).
 // No value is held across the barrier, no shared tile transposes the column copy and the column maxima need no
@@ -12,7 +12,11 @@
 
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "moegemm.h"
 #include "kernels/common/async_copy.cuh"
@@ -82,21 +86,30 @@ __device__ __forceinline__ uint4 quantize16(const float (&v)[16], float hi, floa
 }
 
 // One row block's scale and FP8 bytes from the amax of a lane's 16 values (every lane of the warp calls it; the
-// 8 lanes of a row reduce it): the scale to *scale_at by the row's lane 0, the bytes to *q_at where `store`.
+// 8 lanes of a row reduce it): the scale to *scale_at where `scale` (the row's lane 0 of a row of the tile), the
+// lane's bytes to *q_at where `store` (a row of the tile, the lane's columns inside it).
 template <class Values>
-__device__ __forceinline__ void row_block(const Values& v, float amax, bool lane0, bool store, float* scale_at,
+__device__ __forceinline__ void row_block(const Values& v, float amax, bool scale, bool store, float* scale_at,
                                           uint8_t* q_at) {
   const BlockQuant quant(amax8(amax));
-  if (lane0 && store) *scale_at = quant.scale;
+  if (scale) *scale_at = quant.scale;
   const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
   const uint4 bytes = quantize16(v, quant.mul_hi, quant.mul_lo, simple);
   if (store) *reinterpret_cast<uint4*>(q_at) = bytes;
 }
 
+// A launch's host-side checks: the tile columns F a multiple of 16 (the kernels' 8-column loads and 16-column lanes),
+// fewer than 2^31 tiles (the grid).
+inline void check_launch_size(int64_t F, int64_t tiles, const char* name) {
+  if (F % kDimAlign != 0) throw std::runtime_error(std::string("moegemm: ") + name + ": ffn must be a multiple of 16");
+  if (tiles > INT32_MAX) throw std::runtime_error(std::string("moegemm: ") + name + ": 2^31 tiles or more");
+}
+
 // The CTA's tile: block b's tokens [row0, row0 + nr) (nr 0 past the plan's blocks or with no columns), the plan
 // checked (fits) and the tokens it covers. The tile's loads (load(spot)) are issued before the plan is checked, so
-// that their latency hides the check's: every value taken from the plan is clamped into the tensors (tile_spot),
-// so a foreign plan's loads stay inside them, and such a plan (fits false) writes nothing but zeros.
+// that their latency hides the check's: the rows they read are clamped into the tensors (tile_spot's row0 and nr),
+// so a foreign plan's loads stay inside them; such a plan (fits false) writes nothing but zeros, and a caller
+// takes anything else from the spot (qt_col) only once fits holds.
 struct Found {
   multicast::TileSpot spot;
   bool fits = true;

@@ -81,6 +81,30 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[8]) {
   }
 }
 
+// bf16 pairs (two values in one 32-bit word, the first in the low half), as the quantizers of bf16 tiles keep them.
+// max(|a|, |b|) of each bf16 half (NaN if either is; the sign bit is not the maximum's: read with |.|).
+__device__ __forceinline__ uint32_t abs_max_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// Quantizing bf16 pairs: a normal block's multiplier 2^-k is a bf16 too, and v * 2^-k is exact in bf16 wherever it
+// is exact in fp32 (the same exponent range; below 2^-126 both round to an FP8 zero of v's sign), so the pairs are
+// scaled in place (one instruction per pair) and only then widened for the FP8 conversion: pack4_by's bytes.
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {  // (powers of two: exact)
+  return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
+}
+__device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the low byte
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

@@ -18,7 +18,6 @@
 #include "kernels/common/device.h"
 #include "kernels/plan/plan.cuh"
 #include "kernels/quant/fp8_block.cuh"
-#include "kernels/quant/multicast.cuh"
 #include "kernels/quant/two_pass.cuh"
 
 namespace moegemm::glu_backward {
@@ -47,7 +46,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   const int b = static_cast<int>(blockIdx.x / Kt), kt = static_cast<int>(blockIdx.x % Kt);  // (blocks < 2^31)
   const int64_t k0 = int64_t(kt) * kBlock;
 
-  const Found found = find_tile(b, true, E, T, plan, [&](const multicast::TileSpot& spot) {
+  const Found found = find_tile(b, true, E, T, plan, [&](const TileSpot& spot) {
     const int c = tid % kChunks;
     for (int r = tid / kChunks; r < spot.nr; r += kThreads / kChunks) {
       const int64_t t = spot.row0 + r;
@@ -57,11 +56,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     }
     if (probs != nullptr && tid < spot.nr) async_copy::load4(p_s + tid, probs + spot.row0 + tid);
   });
-  const multicast::TileSpot spot = found.spot;
+  const TileSpot spot = found.spot;
   const int64_t row0 = spot.row0, covered = found.covered;
   const int nr = spot.nr;
   if (covered < T)
-    multicast::zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + tid,
+    zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + tid,
                                    int64_t(gridDim.x) * kThreads);
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
   if (!found.fits || !spot.has_tile) return;
@@ -130,9 +129,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // gate half: output block kt; up half: Kt + kt
       const uint32_t(&w)[8] = half == 0 ? gw : uw;
-      const uint32_t m = multicast::abs_max_bf16x2(
-          multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[0], w[1]), multicast::abs_max_bf16x2(w[2], w[3])),
-          multicast::abs_max_bf16x2(multicast::abs_max_bf16x2(w[4], w[5]), multicast::abs_max_bf16x2(w[6], w[7])));
+      const uint32_t m = abs_max_bf16x2(
+          abs_max_bf16x2(abs_max_bf16x2(w[0], w[1]), abs_max_bf16x2(w[2], w[3])),
+          abs_max_bf16x2(abs_max_bf16x2(w[4], w[5]), abs_max_bf16x2(w[6], w[7])));
       const int64_t kb_out = kt + half * Kt;
       row_block(w, abs_max_of(m), ql == 0 && r < nr, r < nr, s + kb_out * s_pitch + row0 + r,
                 q + (row0 + r) * K + kb_out * kBlock + kLaneCols * ql);
@@ -144,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   // ---- Column pass: 128 column pairs (64 per half); warp w takes pairs 4 k .. 4 k + 3 of half k / 16 for
   // k = w, w + 8, ...; lane (pair l / 8, segment l % 8) rows 16 (l % 8) .. + 15 of its pair.
   const int seg = lane % 8, pair_in = lane / 8;
-  const int chunks = multicast::column_chunks(nr);  // 16-byte chunks of a column line: the tokens rounded up to kColAlign
+  const int chunks = column_chunks(nr);  // 16-byte chunks of a column line: the tokens rounded up to kColAlign
 #pragma unroll 1
   for (int k = warp; k < 2 * kBlock / 8; k += kThreads / 32) {
     const int half = k / 16, cp = 4 * (k % 16) + pair_in;  // columns 2 cp, 2 cp + 1 of the half
@@ -157,10 +156,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     }
     uint32_t m = w[0];
 #pragma unroll
-    for (int i = 1; i < kSegRows; ++i) m = multicast::abs_max_bf16x2(m, w[i]);
+    for (int i = 1; i < kSegRows; ++i) m = abs_max_bf16x2(m, w[i]);
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) m = multicast::abs_max_bf16x2(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const BlockQuant q0(fabsf(multicast::bf16_lo(m))), q1(fabsf(multicast::bf16_hi(m)));
+    for (int o = 1; o < 8; o <<= 1) m = abs_max_bf16x2(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const BlockQuant q0(fabsf(bf16_lo(m))), q1(fabsf(bf16_hi(m)));
     const int64_t c0 = (kt + half * Kt) * kBlock + 2 * cp;  // dh's column of the pair's first
     if (seg == 0) *reinterpret_cast<float2*>(sT + int64_t(b) * K + c0) = make_float2(q0.scale, q1.scale);
     // Each column's 16 bytes: the pair's low halves for column c0, the high halves for c0 + 1.

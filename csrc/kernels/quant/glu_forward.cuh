@@ -18,7 +18,6 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
 #include "kernels/quant/fp8_block.cuh"
-#include "kernels/quant/multicast.cuh"
 #include "kernels/quant/two_pass.cuh"
 
 namespace moegemm::glu_forward {
@@ -41,8 +40,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   const int b = Kt > 0 ? static_cast<int>(blockIdx.x / Kt) : 0;
   const int kt = static_cast<int>(blockIdx.x - int64_t(b) * Kt);
   const int64_t k0 = int64_t(kt) * kBlock;
-  const int nk = static_cast<int>(multicast::imin64(kBlock, F - k0));
-  const Found found = find_tile(b, Kt > 0, E, T, plan, [&](const multicast::TileSpot& spot) {
+  const int nk = static_cast<int>(imin64(kBlock, F - k0));
+  const Found found = find_tile(b, Kt > 0, E, T, plan, [&](const TileSpot& spot) {
     const int c = tid % kChunks;
     if (8 * c < nk)
       for (int r = tid / kChunks; r < spot.nr; r += kThreads / kChunks) {
@@ -53,7 +52,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     if (probs != nullptr && tid < spot.nr) async_copy::load4(p_s + tid, probs + spot.row0 + tid);
   });
   if (found.covered < T)
-    multicast::zero_uncovered_rows(found.covered, T, F, Kt, q, s, nullptr, int64_t(blockIdx.x) * kThreads + tid,
+    zero_uncovered_rows(found.covered, T, F, Kt, q, s, nullptr, int64_t(blockIdx.x) * kThreads + tid,
                                    int64_t(gridDim.x) * kThreads);
   async_copy::wait_all();
   if (!found.fits || !found.spot.has_tile) return;
@@ -103,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     // l % 8) rows 16 (l % 8) .. + 15 of its pair: pair cp's floats 2 (cp % 2), + 1 of chunk cp / 4 (= k) of gate
     // (cp % 4 < 2) or up.
     const int seg = lane % 8, pair_in = lane / 8;
-    const int chunks = kWhole ? kBlock / 16 : multicast::column_chunks(nr);
+    const int chunks = kWhole ? kBlock / 16 : column_chunks(nr);
     const float* src = reinterpret_cast<const float*>(pair_in < 2 ? gate_s : up_s) + 2 * (pair_in % 2);
 #pragma unroll 1
     for (int k = warp; k < kBlock / 8; k += kThreads / 32) {

@@ -36,6 +36,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
 #include "kernels/quant/fp8_block.cuh"
+#include "kernels/quant/tiles.cuh"
 #include "kernels/plan/build.cuh"
 #include "kernels/plan/plan.cuh"
 
@@ -46,9 +47,6 @@ constexpr int kThreads = kWarps * 32;            // 512
 constexpr int kVec = 8;                          // values per lane: columns 8 hl .. 8 hl + 7 of a row
 constexpr int kLanesPerRow = kBlock / kVec;      // 16: a half-warp covers a 128-column row block
 
-// The 16-byte chunks of a column line that a tile of nr tokens stores: its tokens rounded up to kColAlign (the
-// chunks past nr hold zeros).
-__device__ __forceinline__ int column_chunks(int nr) { return (nr + kColAlign - 1) / kColAlign * (kColAlign / 16); }
 constexpr int kRows = 4;                         // rows per thread: group g = 2 warp + half owns 4g .. 4g + 3
 constexpr int kMaxStages = 8;
 constexpr int kSharedBytes = 227 * 1024;         // an sm_90 CTA's shared memory (all of it dynamic here)
@@ -150,8 +148,6 @@ struct Fp8RowsLoader {
     return 0.f;
   }
 };
-
-__device__ __forceinline__ int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 __device__ __forceinline__ float warp_amax(float a) {
 #pragma unroll
@@ -269,20 +265,6 @@ struct Layout {
 // Where warp w's maximum of column c sits in the per-warp column maxima: row w, rotated by 8 columns per
 // group of 4 warps, so that the lanes reading 4 warps' rows of 8 columns meet 32 different banks.
 __device__ __forceinline__ int partial_index(int w, int c) { return w * kBlock + (c + kVec * (w / 4)) % kBlock; }
-
-// Rows [covered, T) of the row copy (q, s) and of row_extra belong to no expert (device counts summing
-// below T): zeros, spread over every thread. q's rows are K bytes, K a multiple of 16; s is K-major.
-__device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, int64_t K, int64_t Kb, uint8_t* q, float* s,
-                                                   float* row_extra, int64_t tid, int64_t stride) {
-  if (q != nullptr) {
-    uint4* q16 = reinterpret_cast<uint4*>(q);
-    for (int64_t i = covered * K / 16 + tid; i < T * K / 16; i += stride) q16[i] = make_uint4(0, 0, 0, 0);
-    const int64_t rows = T - covered, pitch = row_scale_pitch(T);
-    for (int64_t i = tid; i < rows * Kb; i += stride) s[i / rows * pitch + covered + i % rows] = 0.f;
-  }
-  if (row_extra != nullptr)
-    for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) row_extra[i] = 0.f;
-}
 
 // The FP8 column tile: column c (128 bytes = 32 words, one per 4 rows) holds word w at w ^ swz(c), so that
 // the 32 lanes of a warp writing words of 16 columns x 2 row groups hit 32 different banks, and 8 lanes
@@ -568,29 +550,6 @@ constexpr int kTileThreads = kTileWarps * 32;                // 256
 constexpr int kTileGroups = kBlock / kRows;                  // 32 groups of 4 rows
 constexpr int kTilePasses = kTileGroups / (2 * kTileWarps);  // 2 groups per thread
 
-// max(|a|, |b|) of each bf16 half (NaN if either is; the sign bit is not the maximum's: read with |.|).
-__device__ __forceinline__ uint32_t abs_max_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-// Quantizing bf16 pairs: a normal block's multiplier 2^-k is a bf16 too, and v * 2^-k is exact in bf16 wherever it
-// is exact in fp32 (the same exponent range; below 2^-126 both round to an FP8 zero of v's sign), so the pairs are
-// scaled in place (one instruction per pair) and only then widened for the FP8 conversion: pack4_by's bytes.
-__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {  // (powers of two: exact)
-  return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
-}
-__device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the low byte
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-
 // Eight values of a row (columns 8 hl .. 8 hl + 7) and the column maxima over a thread's rows: floats from
 // the loader, or bf16 pairs as staged.
 template <bool kPacked>
@@ -679,24 +638,6 @@ constexpr int tile_ctas_per_sm() {
 // Where warp w's maximum of column c sits: row w, rotated by 16 columns for warps 4..7, so that a warp reading
 // 16 columns of warps 0..3 and of warps 4..7 meets 32 different banks.
 __device__ __forceinline__ int tile_partial_index(int w, int c) { return w * kBlock + (c + 16 * (w / 4)) % kBlock; }
-
-// Where a CTA's tile lies: its expert's rows [row0, row0 + nr) from 128-token block b, at column qt_col of the
-// column copy (has_tile false past the plan's blocks).
-struct TileSpot {
-  bool has_tile = false;
-  int64_t row0 = 0, qt_col = 0;
-  int nr = 0;
-};
-
-__device__ __forceinline__ TileSpot tile_spot(int b, int tok0, int tok1, int col0, int blk0, int64_t T) {
-  TileSpot spot;
-  const int64_t i_blk = int64_t(b) - blk0;
-  spot.has_tile = true;
-  spot.row0 = tok0 + i_blk * kBlock;
-  spot.qt_col = col0 + i_blk * kBlock;
-  spot.nr = spot.row0 < 0 || spot.row0 >= T ? 0 : static_cast<int>(imin64(kBlock, imin64(tok1, T) - spot.row0));
-  return spot;
-}
 
 // Tile blockIdx.x = (128-token block b, column block kb), kb fastest; CTAs past the plan's blocks only zero
 // their share of the uncovered rows. With build.plan set, each CTA

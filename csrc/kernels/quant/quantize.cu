@@ -18,7 +18,6 @@ namespace moegemm {
 namespace {
 
 using multicast::warp_amax;
-using multicast::imin64;
 constexpr int kThreads = 256;                  // weight kernel: one CTA per 128x128 block
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerWarp = kBlock / kWarps;  // warp w owns rows w, w + 8, ...

@@ -24,7 +24,7 @@
 #include "kernels/common/device.h"
 #include "kernels/plan/plan.cuh"
 #include "kernels/quant/fp8_block.cuh"
-#include "kernels/quant/multicast.cuh"
+#include "kernels/quant/tiles.cuh"
 
 namespace moegemm::two_pass {
 
@@ -43,7 +43,7 @@ __device__ __forceinline__ int chunk_at(int r, int c) { return r * kChunks + (c 
 
 // The larger magnitude of a bf16 pair, as a float (NaN if either is).
 __device__ __forceinline__ float abs_max_of(uint32_t w) {
-  return nan_max(fabsf(multicast::bf16_lo(w)), fabsf(multicast::bf16_hi(w)));
+  return nan_max(fabsf(bf16_lo(w)), fabsf(bf16_hi(w)));
 }
 
 // The maximum over the 8 lanes l ^ 1, l ^ 2, l ^ 4 (a row's lanes, or a column pair's segments).
@@ -54,23 +54,23 @@ __device__ __forceinline__ float amax8(float a) {
 }
 
 // 16 bf16 values (8 words) -> 16 e4m3 bytes with the block's multipliers; with `simple` (mul_lo == 1, a normal
-// scale) the pairs are scaled in bf16 first (exact: multicast.cuh, mul_bf16x2) and then converted.
+// scale) the pairs are scaled in bf16 first (exact: fp8_block.cuh, mul_bf16x2) and then converted.
 __device__ __forceinline__ uint4 quantize16(const uint32_t (&w)[8], float hi, float lo, bool simple) {
   uint32_t out[4];
   if (simple) {
-    const uint32_t m = multicast::bf16x2_of(hi, hi);
+    const uint32_t m = bf16x2_of(hi, hi);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t x0 = multicast::mul_bf16x2(w[2 * i], m), x1 = multicast::mul_bf16x2(w[2 * i + 1], m);
-      out[i] = multicast::e4m3x2_of(multicast::bf16_lo(x0), multicast::bf16_hi(x0)) |
-               multicast::e4m3x2_of(multicast::bf16_lo(x1), multicast::bf16_hi(x1)) << 16;
+      const uint32_t x0 = mul_bf16x2(w[2 * i], m), x1 = mul_bf16x2(w[2 * i + 1], m);
+      out[i] = e4m3x2_of(bf16_lo(x0), bf16_hi(x0)) |
+               e4m3x2_of(bf16_lo(x1), bf16_hi(x1)) << 16;
     }
   } else {
     const BlockQuant quant(hi, lo);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      out[i] = quant.pack4({multicast::bf16_lo(w[2 * i]), multicast::bf16_hi(w[2 * i]), multicast::bf16_lo(w[2 * i + 1]),
-                            multicast::bf16_hi(w[2 * i + 1])});
+      out[i] = quant.pack4({bf16_lo(w[2 * i]), bf16_hi(w[2 * i]), bf16_lo(w[2 * i + 1]),
+                            bf16_hi(w[2 * i + 1])});
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
@@ -111,7 +111,7 @@ inline void check_launch_size(int64_t F, int64_t tiles, const char* name) {
 // so a foreign plan's loads stay inside them; such a plan (fits false) writes nothing but zeros, and a caller
 // takes anything else from the spot (qt_col) only once fits holds.
 struct Found {
-  multicast::TileSpot spot;
+  TileSpot spot;
   bool fits = true;
   int64_t covered = 0;
 };
@@ -123,7 +123,7 @@ __device__ __forceinline__ Found find_tile(int b, bool any_cols, int E, int64_t 
   Found f;
   if (any_cols && b < blk[E]) {
     const int e = expert_of(blk, E, b);
-    f.spot = multicast::tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
+    f.spot = tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
   }
   if (f.spot.has_tile) load(f.spot);
   f.fits = plan_fits(plan, E, token_limit(T));

@@ -22,7 +22,10 @@
 
 namespace moegemm::glu_forward {
 
-using namespace two_pass;  // NOLINT: the two passes' constants and pieces
+// The two passes' constants and pieces (two_pass.cuh).
+using two_pass::kThreads, two_pass::kRowLanes, two_pass::kLaneCols, two_pass::kRowsPerPass, two_pass::kSegRows,
+      two_pass::kChunks, two_pass::kInputBytes, two_pass::chunk_at, two_pass::quantize16, two_pass::row_block,
+      two_pass::check_launch_size, two_pass::amax8, two_pass::Found, two_pass::find_tile;
 
 constexpr int kSmemBytes = 2 * kInputBytes + kBlock * 4;  // gate, up, the probs
 constexpr int kCtasPerSm = 3;

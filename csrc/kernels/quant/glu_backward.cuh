@@ -17,6 +17,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
 #include "kernels/plan/plan.cuh"
+#include "kernels/quant/act_functions.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/two_pass.cuh"
 
@@ -25,7 +26,7 @@ namespace moegemm::glu_backward {
 // The two passes' constants and pieces (two_pass.cuh).
 using two_pass::kThreads, two_pass::kRowLanes, two_pass::kLaneCols, two_pass::kRowsPerPass, two_pass::kSegRows,
       two_pass::kChunks, two_pass::kInputBytes, two_pass::chunk_at, two_pass::quantize16, two_pass::row_block,
-      two_pass::check_launch_size, two_pass::abs_max_of, two_pass::Found, two_pass::find_tile;
+      two_pass::check_launch_size, two_pass::abs_max_of;
 
 constexpr int kSmemBytes = 3 * kInputBytes + kBlock * 4;  // da, gate, up, the probs
 constexpr int kCtasPerSm = 2;
@@ -92,13 +93,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
         unpack_bf16x8(raw_u[half], u);
         float gg[8], ug[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {  // as activation.cu's act_grad: the same fp32 operations in the same order
-          float f, df;
-          Act::fdf(g[i], f, df);
-          gg[i] = d[i] * p * u[i] * df;
-          ug[i] = d[i] * p * f;
-          extra[half] += d[i] * f * u[i];
-        }
+        for (int i = 0; i < 8; ++i) extra[half] += act::act_grad<Act>(d[i], g[i], u[i], p, gg[i], ug[i]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           gw[4 * half + i] = bf16x2_rn(gg[2 * i], gg[2 * i + 1]);

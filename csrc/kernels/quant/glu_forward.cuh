@@ -25,7 +25,7 @@ namespace moegemm::glu_forward {
 // The two passes' constants and pieces (two_pass.cuh).
 using two_pass::kThreads, two_pass::kRowLanes, two_pass::kLaneCols, two_pass::kRowsPerPass, two_pass::kSegRows,
       two_pass::kChunks, two_pass::kInputBytes, two_pass::chunk_at, two_pass::quantize16, two_pass::row_block,
-      two_pass::check_launch_size, two_pass::amax8, two_pass::Found, two_pass::find_tile;
+      two_pass::check_launch_size, two_pass::amax8;
 
 constexpr int kSmemBytes = 2 * kInputBytes + kBlock * 4;  // gate, up, the probs
 constexpr int kCtasPerSm = 3;
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
         unpack_bf16x8(up_s[at1], u[1]);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-          v[i] = Act::f(g[i / 8][i % 8]) * u[i / 8][i % 8] * p;  // as activation.cu's ActForward (the same fp32 order)
+          v[i] = Act::f(g[i / 8][i % 8]) * u[i / 8][i % 8] * p;  // (act(gate) * up) * p
           amax = nan_max(amax, fabsf(v[i]));
         }
       } else {

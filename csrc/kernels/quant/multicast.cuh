@@ -323,13 +323,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
   // block and column block by adding the grid's (no division per tile), the block's owner from the
   // previous tile's.
   int owner = 0;
-  const int kt = static_cast<int>(Kb > 0 ? Kb : 1), grid_blocks = gridDim.x / kt, grid_kb = gridDim.x % kt;  // (Kb < 2^31)
-  int next_b = blockIdx.x / kt, next_kb = blockIdx.x % kt;  // (blocks < 2^31: plan values are int32)
+  const int n_kb = static_cast<int>(Kb > 0 ? Kb : 1), grid_blocks = gridDim.x / n_kb, grid_kb = gridDim.x % n_kb;  // (Kb < 2^31)
+  int next_b = blockIdx.x / n_kb, next_kb = blockIdx.x % n_kb;  // (blocks < 2^31: plan values are int32)
   auto find_tile = [&](int slot) {
     const int b = next_b, kb = next_kb;
     next_b += grid_blocks;
     next_kb += grid_kb;
-    if (next_kb >= kt) next_kb -= kt, ++next_b;
+    if (next_kb >= n_kb) next_kb -= n_kb, ++next_b;
     const int e = owner = walk_expert(blk, E, b, owner);
     const int64_t i = b - blk[e];
     const int64_t row0 = tok[e] + i * kBlock;
@@ -393,127 +393,120 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
         // Each row's sum over the tile's columns, lane 4 jr of the half-warp writing row jr's.
         const float sum = scatter_sum4(extra, hl);
         const int r = kRows * g + hl / 4;
-        if (row_extra != nullptr && hl % 4 == 0 && row_in(r)) {
-          row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
+        if (row_extra != nullptr && hl % 4 == 0 && row_in(r)) row_extra[(tile.row0 + r) * Kb + tile.kb] = sum;
+      }
+      // The maxima of each row over the thread's 8 columns and of each column over its 4 rows, in one pass.
+      float a[kRows], cmax[kVec];
+#pragma unroll
+      for (int jr = 0; jr < kRows; ++jr) {
+        a[jr] = 0.f;
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) a[jr] = nan_max(a[jr], fabsf(v[jr][c]));
+      }
+      if (qT != nullptr) {
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) {
+          cmax[c] = fabsf(v[0][c]);
+#pragma unroll
+          for (int jr = 1; jr < kRows; ++jr) cmax[c] = nan_max(cmax[c], fabsf(v[jr][c]));
         }
       }
-      {
-        const float (&vo)[kRows][kVec] = v;
-        const int64_t kb_out = tile.kb, k0_out = k0;
-        // The maxima of each row over the thread's 8 columns and of each column over its 4 rows, in one pass.
-        float a[kRows], cmax[kVec];
-        auto column_maxima = [&] {
+      // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the
+      // half-warp (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the
+      // multipliers go back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
+      if (q != nullptr) {
+        const float amax = scatter_amax4(a, hl);
+        const BlockQuant quant(amax);
+        const int mine = hl / 4;  // the row this lane made the scale of
+        if (row_in(kRows * g + mine) && hl % 4 == 0) s[tile.kb * s_pitch + tile.row0 + kRows * g + mine] = quant.scale;
+        const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
+        uint8_t* qrow = q + (tile.row0 + kRows * g) * K + k0 + kVec * hl;
+        float hi[kRows];
 #pragma unroll
-          for (int c = 0; c < kVec; ++c) {
-            cmax[c] = fabsf(vo[0][c]);
+        for (int jr = 0; jr < kRows; ++jr) hi[jr] = __shfl_sync(0xffffffffu, quant.mul_hi, (lane & kLanesPerRow) + 4 * jr);
+        if (simple) {
 #pragma unroll
-            for (int jr = 1; jr < kRows; ++jr) cmax[c] = nan_max(cmax[c], fabsf(vo[jr][c]));
-          }
-        };
-#pragma unroll
-        for (int jr = 0; jr < kRows; ++jr) {
-          a[jr] = 0.f;
-#pragma unroll
-          for (int c = 0; c < kVec; ++c) a[jr] = nan_max(a[jr], fabsf(vo[jr][c]));
-        }
-        if (qT != nullptr) column_maxima();
-        // Row copy: a half-warp per row block. The 4 rows' maxima are reduced and scattered over the
-        // half-warp (lane hl ends with row hl / 4's), each lane makes that row's block scale, and the
-        // multipliers go back by shuffles; a warp whose blocks all have normal scales multiplies once per value.
-        if (q != nullptr) {
-          const float amax = scatter_amax4(a, hl);
-          const BlockQuant quant(amax);
-          const int mine = hl / 4;  // the row this lane made the scale of
-          if (row_in(kRows * g + mine) && hl % 4 == 0) s[kb_out * s_pitch + tile.row0 + kRows * g + mine] = quant.scale;
-          const bool simple = __all_sync(0xffffffffu, quant.mul_lo == 1.f);
-          uint8_t* qrow = q + (tile.row0 + kRows * g) * K + k0_out + kVec * hl;
-          float hi[kRows];
-#pragma unroll
-          for (int jr = 0; jr < kRows; ++jr) hi[jr] = __shfl_sync(0xffffffffu, quant.mul_hi, (lane & kLanesPerRow) + 4 * jr);
-          if (simple) {
-#pragma unroll
-            for (int jr = 0; jr < kRows; ++jr)
-              if (row_in(kRows * g + jr) && lane_active)
-                *reinterpret_cast<uint2*>(qrow + jr * K) =
-                    make_uint2(pack4_by(hi[jr], {vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]}),
-                               pack4_by(hi[jr], {vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]}));
-          } else {
-#pragma unroll
-            for (int jr = 0; jr < kRows; ++jr) {
-              const BlockQuant row(hi[jr], __shfl_sync(0xffffffffu, quant.mul_lo, (lane & kLanesPerRow) + 4 * jr));
-              if (row_in(kRows * g + jr) && lane_active)
-                *reinterpret_cast<uint2*>(qrow + jr * K) = make_uint2(row.pack4({vo[jr][0], vo[jr][1], vo[jr][2], vo[jr][3]}),
-                                                                      row.pack4({vo[jr][4], vo[jr][5], vo[jr][6], vo[jr][7]}));
-            }
-          }
-        }
-
-        // Column maxima over the warp's 8 rows: half 0 keeps columns 0-3 of its eight, half 1 columns 4-7,
-        // each taking the other half's rows by one shuffle; one 16-byte store per lane.
-        if (qT != nullptr) {
-          float kept[4];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const float mine = half ? cmax[4 + c] : cmax[c], theirs = half ? cmax[c] : cmax[4 + c];
-            kept[c] = nan_max(mine, __shfl_xor_sync(0xffffffffu, theirs, kLanesPerRow));
-          }
-          *reinterpret_cast<float4*>(partial + partial_index(warp, kVec * hl) + 4 * half) =
-              make_float4(kept[0], kept[1], kept[2], kept[3]);
-        }
-        // Barrier A. Every thread has read its values: the stage takes the loads of tile j + n_stages.
-        async_copy::sync_threads(1, kThreads);
-        if (j + n_stages < n_mine) load_tile(slot_ahead, stage);
-        if (qT == nullptr) return;  // uniform
-
-        // Column scales: warp w reduces columns 8w .. 8w + 7, lane (quarter qd, column c8) the maxima of
-        // warps 4qd .. 4qd + 3, then the four quarters by shuffles.
-        {
-          const int c8 = lane % kVec, qd = lane / kVec, c = kVec * warp + c8;
-          float a = partial[partial_index(4 * qd, c)];
-#pragma unroll
-          for (int w = 1; w < 4; ++w) a = nan_max(a, partial[partial_index(4 * qd + w, c)]);
-          a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 8));
-          a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 16));
-          const BlockQuant quant(a);
-          if (qd == 0) {
-            mul_hi[c] = quant.mul_hi;
-            mul_lo[c] = quant.mul_lo;
-            if (kWhole || c < nk) sT[tile.block * K + k0_out + c] = quant.scale;
-          }
-        }
-        async_copy::sync_threads(1, kThreads);  // barrier B
-
-        // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile
-        // (the thread's 8 columns share one swizzle).
-        float hi[kVec], lo[kVec];
-        load8(mul_hi + kVec * hl, hi);
-        load8(mul_lo + kVec * hl, lo);
-        bool normal = true;
-#pragma unroll
-        for (int c = 0; c < kVec; ++c) normal = normal && lo[c] == 1.f;
-        uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
-        if (__all_sync(0xffffffffu, normal)) {
-#pragma unroll
-          for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = pack4_by(hi[c], {vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
+          for (int jr = 0; jr < kRows; ++jr)
+            if (row_in(kRows * g + jr) && lane_active)
+              *reinterpret_cast<uint2*>(qrow + jr * K) =
+                  make_uint2(pack4_by(hi[jr], {v[jr][0], v[jr][1], v[jr][2], v[jr][3]}),
+                             pack4_by(hi[jr], {v[jr][4], v[jr][5], v[jr][6], v[jr][7]}));
         } else {
 #pragma unroll
-          for (int c = 0; c < kVec; ++c)
-            words[c * (kBlock / 4)] = BlockQuant(hi[c], lo[c]).pack4({vo[0][c], vo[1][c], vo[2][c], vo[3][c]});
+          for (int jr = 0; jr < kRows; ++jr) {
+            const BlockQuant row(hi[jr], __shfl_sync(0xffffffffu, quant.mul_lo, (lane & kLanesPerRow) + 4 * jr));
+            if (row_in(kRows * g + jr) && lane_active)
+              *reinterpret_cast<uint2*>(qrow + jr * K) = make_uint2(row.pack4({v[jr][0], v[jr][1], v[jr][2], v[jr][3]}),
+                                                                    row.pack4({v[jr][4], v[jr][5], v[jr][6], v[jr][7]}));
+          }
         }
-        async_copy::sync_threads(1, kThreads);  // barrier C
+      }
 
-        // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to kColAlign (zeros past nr).
-        const int chunks = kWhole ? kBlock / 16 : column_chunks(tile.nr);
+      // Column maxima over the warp's 8 rows: half 0 keeps columns 0-3 of its eight, half 1 columns 4-7,
+      // each taking the other half's rows by one shuffle; one 16-byte store per lane.
+      if (qT != nullptr) {
+        float kept[4];
 #pragma unroll
-        for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
-          const int idx = it * kThreads + threadIdx.x;
-          const int cc = idx / (kBlock / 16), chunk = idx % (kBlock / 16);
-          if (!kWhole && (cc >= nk || chunk >= chunks)) continue;
-          const int sw = col_swizzle(cc);  // even: whole chunks move (sw / 4), word pairs swap within (sw & 2)
-          uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (sw >> 2)));
-          if (sw & 2) w = make_uint4(w.z, w.w, w.x, w.y);
-          *reinterpret_cast<uint4*>(qT + (k0_out + cc) * col_cap + tile.qt_col + chunk * 16) = w;
+        for (int c = 0; c < 4; ++c) {
+          const float mine = half ? cmax[4 + c] : cmax[c], theirs = half ? cmax[c] : cmax[4 + c];
+          kept[c] = nan_max(mine, __shfl_xor_sync(0xffffffffu, theirs, kLanesPerRow));
         }
+        *reinterpret_cast<float4*>(partial + partial_index(warp, kVec * hl) + 4 * half) =
+            make_float4(kept[0], kept[1], kept[2], kept[3]);
+      }
+      // Barrier A. Every thread has read its values: the stage takes the loads of tile j + n_stages.
+      async_copy::sync_threads(1, kThreads);
+      if (j + n_stages < n_mine) load_tile(slot_ahead, stage);
+      if (qT == nullptr) return;  // uniform
+
+      // Column scales: warp w reduces columns 8w .. 8w + 7, lane (quarter qd, column c8) the maxima of
+      // warps 4qd .. 4qd + 3, then the four quarters by shuffles.
+      {
+        const int c8 = lane % kVec, qd = lane / kVec, c = kVec * warp + c8;
+        float a = partial[partial_index(4 * qd, c)];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) a = nan_max(a, partial[partial_index(4 * qd + w, c)]);
+        a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 8));
+        a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 16));
+        const BlockQuant quant(a);
+        if (qd == 0) {
+          mul_hi[c] = quant.mul_hi;
+          mul_lo[c] = quant.mul_lo;
+          if (kWhole || c < nk) sT[tile.block * K + k0 + c] = quant.scale;
+        }
+      }
+      async_copy::sync_threads(1, kThreads);  // barrier B
+
+      // Column copy: each thread's 4 rows of its 8 columns, one word per column, into the swizzled tile
+      // (the thread's 8 columns share one swizzle).
+      float hi[kVec], lo[kVec];
+      load8(mul_hi + kVec * hl, hi);
+      load8(mul_lo + kVec * hl, lo);
+      bool normal = true;
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) normal = normal && lo[c] == 1.f;
+      uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
+      if (__all_sync(0xffffffffu, normal)) {
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = pack4_by(hi[c], {v[0][c], v[1][c], v[2][c], v[3][c]});
+      } else {
+#pragma unroll
+        for (int c = 0; c < kVec; ++c)
+          words[c * (kBlock / 4)] = BlockQuant(hi[c], lo[c]).pack4({v[0][c], v[1][c], v[2][c], v[3][c]});
+      }
+      async_copy::sync_threads(1, kThreads);  // barrier C
+
+      // ... and out with 16-byte stores, 8 lanes per column line: the tokens rounded up to kColAlign (zeros past nr).
+      const int chunks = kWhole ? kBlock / 16 : column_chunks(tile.nr);
+#pragma unroll
+      for (int it = 0; it < kBlock * (kBlock / 16) / kThreads; ++it) {
+        const int idx = it * kThreads + threadIdx.x;
+        const int cc = idx / (kBlock / 16), chunk = idx % (kBlock / 16);
+        if (!kWhole && (cc >= nk || chunk >= chunks)) continue;
+        const int sw = col_swizzle(cc);  // even: whole chunks move (sw / 4), word pairs swap within (sw & 2)
+        uint4 w = *reinterpret_cast<const uint4*>(col_tile + cc * (kBlock / 4) + 4 * (chunk ^ (sw >> 2)));
+        if (sw & 2) w = make_uint4(w.z, w.w, w.x, w.y);
+        *reinterpret_cast<uint4*>(qT + (k0 + cc) * col_cap + tile.qt_col + chunk * 16) = w;
       }
     };
     if (tile.nr == kBlock && nk == kBlock) compute(std::true_type{});
@@ -680,19 +673,12 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     covered = totals.tok;
     if (spot.has_tile) load_tile_rows<kTileThreads>(src, staged, spot.row0, spot.nr, k0, nk, tid);
   } else {
-    // The tile, and its loads issued before the given plan is checked (their latency hides the check's): every
-    // value taken from the plan is clamped into the tensors' bounds, so a foreign plan's loads stay inside the
-    // input; such a plan is found out below and writes nothing but zeros.
-    const int32_t* tok = plan;
-    const int32_t* col = plan + (E + 1);
-    const int32_t* blk = plan + 2 * (E + 1);
-    if (Kb > 0 && b < blk[E]) {
-      const int e = expert_of(blk, E, b);
-      spot = tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
-    }
-    if (spot.has_tile) load_tile_rows<kTileThreads>(src, staged, spot.row0, spot.nr, k0, nk, tid);
-    fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: as if no tokens (zeros)
-    covered = fits ? tok[E] : 0;
+    const Found found = find_tile(b, Kb > 0, E, T, plan, [&](const TileSpot& at) {
+      load_tile_rows<kTileThreads>(src, staged, at.row0, at.nr, k0, nk, tid);
+    });
+    spot = found.spot;
+    fits = found.fits;
+    covered = found.covered;
   }
   const bool has_tile = spot.has_tile;
   const int64_t row0 = spot.row0, qt_col = spot.qt_col;

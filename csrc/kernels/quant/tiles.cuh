@@ -1,11 +1,13 @@
 // Where a multi-cast quantizer's tile lies and what its kernels share about the outputs' layout: the tile of an
 // expert's 128-token block (TileSpot, tile_spot), the 16-byte chunks of a column line a tile stores (column_chunks)
-// and the rows of no expert (zero_uncovered_rows). Used by multicast.cuh's kernels and the per-tile GLU kernels.
+// and the rows of no expert (zero_uncovered_rows), and a per-tile CTA's tile under a given plan (find_tile). Used by
+// multicast.cuh's kernels and the per-tile GLU kernels.
 #pragma once
 
 #include <cstdint>
 
 #include "moegemm.h"
+#include "kernels/plan/plan.cuh"
 
 namespace moegemm {
 
@@ -45,6 +47,32 @@ __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, 
   }
   if (row_extra != nullptr)
     for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) row_extra[i] = 0.f;
+}
+
+// A per-tile CTA's tile under a given plan: block b's tokens [row0, row0 + nr) (nr 0 past the plan's blocks or with
+// no columns), the plan checked (fits) and the tokens it covers. The tile's loads (load(spot)) are issued before the
+// plan is checked, so that their latency hides the check's: the rows they read are clamped into the tensors (tile_spot's row0 and nr),
+// so a foreign plan's loads stay inside them; such a plan (fits false) writes nothing but zeros, and a caller
+// takes anything else from the spot (qt_col) only once fits holds.
+struct Found {
+  TileSpot spot;
+  bool fits = true;
+  int64_t covered = 0;
+};
+template <class Load>
+__device__ __forceinline__ Found find_tile(int b, bool any_cols, int E, int64_t T, const int32_t* plan, Load&& load) {
+  const int32_t* tok = plan;
+  const int32_t* col = plan + (E + 1);
+  const int32_t* blk = plan + 2 * (E + 1);
+  Found f;
+  if (any_cols && b < blk[E]) {
+    const int e = expert_of(blk, E, b);
+    f.spot = tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
+  }
+  if (f.spot.has_tile) load(f.spot);
+  f.fits = plan_fits(plan, E, token_limit(T));
+  f.covered = f.fits ? tok[E] : 0;
+  return f;
 }
 
 }  // namespace moegemm

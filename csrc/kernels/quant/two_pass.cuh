@@ -16,13 +16,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "moegemm.h"
-#include "kernels/common/async_copy.cuh"
-#include "kernels/common/cuda_check.h"
-#include "kernels/common/device.h"
-#include "kernels/plan/plan.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/tiles.cuh"
 
@@ -103,32 +98,6 @@ __device__ __forceinline__ void row_block(const Values& v, float amax, bool scal
 inline void check_launch_size(int64_t F, int64_t tiles, const char* name) {
   if (F % kDimAlign != 0) throw std::runtime_error(std::string("moegemm: ") + name + ": ffn must be a multiple of 16");
   if (tiles > INT32_MAX) throw std::runtime_error(std::string("moegemm: ") + name + ": 2^31 tiles or more");
-}
-
-// The CTA's tile: block b's tokens [row0, row0 + nr) (nr 0 past the plan's blocks or with no columns), the plan
-// checked (fits) and the tokens it covers. The tile's loads (load(spot)) are issued before the plan is checked, so
-// that their latency hides the check's: the rows they read are clamped into the tensors (tile_spot's row0 and nr),
-// so a foreign plan's loads stay inside them; such a plan (fits false) writes nothing but zeros, and a caller
-// takes anything else from the spot (qt_col) only once fits holds.
-struct Found {
-  TileSpot spot;
-  bool fits = true;
-  int64_t covered = 0;
-};
-template <class Load>
-__device__ __forceinline__ Found find_tile(int b, bool any_cols, int E, int64_t T, const int32_t* plan, Load&& load) {
-  const int32_t* tok = plan;
-  const int32_t* col = plan + (E + 1);
-  const int32_t* blk = plan + 2 * (E + 1);
-  Found f;
-  if (any_cols && b < blk[E]) {
-    const int e = expert_of(blk, E, b);
-    f.spot = tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
-  }
-  if (f.spot.has_tile) load(f.spot);
-  f.fits = plan_fits(plan, E, token_limit(T));
-  f.covered = f.fits ? tok[E] : 0;
-  return f;
 }
 
 }  // namespace moegemm::two_pass

@@ -14,12 +14,9 @@
 namespace moegemm {
 namespace {
 
-using namespace act;  // NOLINT: the activations and their gradient
+using act::act_grad, act::Gelu, act::Relu, act::Silu, act::SquaredRelu;
 
 __device__ __forceinline__ float prob(const float* probs, int64_t row) { return probs != nullptr ? probs[row] : 1.f; }
-
-// dh as the FP8 copies quantize it: rounded to bf16 (docs/design.md#fp8-recipe).
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 // a[t, k] = act(h[t, k]) * probs[t] (a GLU's forward: glu_forward.cuh); staged: the columns and probs (the row
 // factor).

@@ -104,6 +104,13 @@ __device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {  // (powers 
 __device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the low byte
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
+// The activation gradient dh as the FP8 copies quantize it, rounded to bf16 to nearest even
+// (docs/design.md#fp8-recipe): one value (as a float), or a pair (a -> the low half).
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ uint32_t bf16x2_rn(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
 
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -31,12 +31,6 @@ using two_pass::kThreads, two_pass::kRowLanes, two_pass::kLaneCols, two_pass::kR
 constexpr int kSmemBytes = 3 * kInputBytes + kBlock * 4;  // da, gate, up, the probs
 constexpr int kCtasPerSm = 2;
 
-// Two floats as a bf16 pair, each rounded to nearest even (a -> the low half).
-__device__ __forceinline__ uint32_t bf16x2_rn(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 template <class Act>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat16* __restrict__ da,
     const __nv_bfloat16* __restrict__ h, const float* __restrict__ probs, int64_t T, int64_t F, int E,

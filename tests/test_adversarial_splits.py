@@ -126,7 +126,8 @@ def test_reference_ops_with_clamped_plan(recipe, name):
     dy = torch.randn(T, N, dtype=torch.bfloat16)
     w = torch.randn(E, N, K, dtype=torch.bfloat16) * 0.05
     if recipe == "fp8_blockwise":
-        qx, sx, qxT, sxT = R.quantize_act(x, plan)
+        qx, sx, _, _ = R.quantize_act(x, plan, cols=False)
+        qxT, sxT = R.requantize_cols(qx, sx, plan)  # wgrad's column copy is made from the row copy
         qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan)
         qw, sw, qwT, swT = R.quantize_weight(w)
         y = R.gemm_fp8_ragged_m(qx, sx, qw, sw, plan)
@@ -135,7 +136,7 @@ def test_reference_ops_with_clamped_plan(recipe, name):
         gx, gdy = R.quantize_act(x[:cov], good), R.quantize_act(dy[:cov], good)
         y_good = R.gemm_fp8_ragged_m(gx[0], gx[1], qw, sw, good)
         dx_good = R.gemm_fp8_ragged_m(gdy[0], gdy[1], qwT, swT, good)
-        dw_good = R.gemm_fp8_ragged_k(gdy[2], gdy[3], gx[2], gx[3], good)
+        dw_good = R.gemm_fp8_ragged_k(gdy[2], gdy[3], *R.requantize_cols(gx[0], gx[1], good), good)
     else:
         y, dx, dw = R.gemm_bf16_fprop(x, w, plan), R.gemm_bf16_dgrad(dy, w, plan), R.gemm_bf16_wgrad(dy, x, plan)
         y_good = R.gemm_bf16_fprop(x[:cov], w, good)

@@ -442,16 +442,18 @@ def mlp_kernels(fp8_weights=None):
     return cuda_kernels(step)[1]
 
 
-def test_fc1_forward_launches():
-    """The fc1 forward with given FP8 weights and no weight gradient: one kernel (the GEMM builds the plan and
-    x's FP8 rows itself, tests/test_one_launch_forward.py)."""
+@pytest.mark.parametrize("need_dw", [False, True])
+def test_fc1_forward_launches(need_dw):
+    """Issue 26's bound: the fc1 forward with given FP8 weights is one kernel, with or without the weight gradient
+    (the GEMM builds the plan and x's FP8 rows itself, the rows that backward makes wgrad's column copy from;
+    tests/test_one_launch_forward.py)."""
     from moegemm.layout import FP8_BLOCKWISE
     E, T, K, N = 8, 4096, 256, 512
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     w = (torch.randn(E, N, K, device=DEV) * 0.05).to(torch.bfloat16)
     m = torch.tensor(zipf_splits(E, T), device=DEV)
     given = [*cuda_ops.quantize_weight(w)]
-    _, names = cuda_kernels(lambda: cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, False, False, None, given))
+    _, names = cuda_kernels(lambda: cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, True, need_dw, None, given))
     assert len(names) == 1 and "fp8_ragged_rows_kernel" in names[0], names
 
 

@@ -1,11 +1,11 @@
-"""The fp8_blockwise forward that saves nothing of x (no weight gradient wanted: inference, frozen weights)
-quantizes x inside the GEMM's launch for an x of up to 2^23 values (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a:
-the plan, x's FP8 row copy and the ragged-row GEMM by the GEMM's own CTAs; heuristics.h quantize_a_in_gemm), on a
-Hopper GPU: one launch with given FP8 weights, two when the weights are quantized in the call (their launch builds
-the plan). Its output is bitwise the forward's with x's own quantizer, which the same op runs when the weight
-gradient is wanted, and its plan is make_plan's: edge counts, counts that do not sum to T (clamped, negative),
-special values, bias, int32 and int64 counts, weights given or quantized in the call, the expert MLP's fc1,
-CUDA-graph replay with new m_splits, one kernel per call up to 2^23 values and two past them."""
+"""The fp8_blockwise forward quantizes x inside the GEMM's launch for an x of up to 2^23 values (csrc/moegemm.h
+gemm_fp8_ragged_m_quantize_a: the plan, x's FP8 row copy and the ragged-row GEMM by the GEMM's own CTAs;
+heuristics.h quantize_a_in_gemm), on a Hopper GPU, with or without the weight gradient (the row copy it writes is
+what forward saves and backward makes wgrad's column copy from): one launch with given FP8 weights, two when the
+weights are quantized in the call (their launch builds the plan). Its row copy is bitwise x's own quantizer's, its
+output the GEMM's on that copy, and its plan make_plan's: edge counts, counts that do not sum to T (clamped,
+negative), special values, bias, int32 and int64 counts, weights given or quantized in the call, the expert MLP's
+fc1, CUDA-graph replay with new m_splits, one kernel per call up to 2^23 values and two past them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moegemm.backends import contract
 from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
 
 from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, cuda_kernels, poisoned, requires_cuda, zipf_splits
@@ -31,7 +32,7 @@ DEV = "cuda"
 
 
 def forward(x, w, m, bias, given, need_dw):
-    """linear_fwd's output and plan: one launch without need_dw, x's quantizer and the GEMM with it."""
+    """linear_fwd's output and plan (need_dw: it also saves x's row copy)."""
     y, plan, _ = cuda_ops.linear_fwd(x, w, m, bias, FP8_BLOCKWISE, False, need_dw, None, given)
     return y, plan
 
@@ -59,10 +60,20 @@ def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=Fa
     m = torch.tensor(splits, dtype=m_dtype, device=DEV)
     given = list(cuda_ops.quantize_weight(w)) if weights_given else None  # None: quantized in the call
     y1, plan1 = poisoned(lambda: forward(x, w, m, bias, given, False), (T, N), torch.bfloat16)
-    y2, plan2 = forward(x, w, m, bias, given, True)
+    y2, plan2, saved = cuda_ops.linear_fwd(x, w, m, bias, FP8_BLOCKWISE, False, True, None, given)
     assert torch.equal(plan1, cuda_ops.make_plan(m, T)) and torch.equal(plan1, plan2)
     assert torch.equal(y1.view(torch.int16), y2.view(torch.int16))  # bitwise (NaNs included)
     covered = int(plan1[0, -1])
+    if T > 0:  # the row copy the launch wrote (saved for wgrad) is x's own quantizer's, and y the GEMM's on it
+        saved = contract.by_name(contract.LINEAR_FWD.saved[FP8_BLOCKWISE], saved)
+        q, s, _, _ = cuda_ops.quantize_act(x, plan1, True, False)
+        # (over the covered rows: no GEMM reads the others, which quantize_act zeroes and the fused launch quantizes)
+        assert torch.equal(saved["qx"][:covered].view(torch.uint8), q[:covered].view(torch.uint8))
+        assert torch.equal(saved["sx"][:covered].view(torch.int32), s[:covered].view(torch.int32))  # NaN scales too
+        if bias is None:
+            qw, sw = (given[0], given[1]) if given is not None else cuda_ops.quantize_weight(w)[:2]
+            y_two = cuda_ops.gemm_fp8_ragged_m(q, s, qw, sw, plan1)
+            assert torch.equal(y1.view(torch.int16), y_two.view(torch.int16))
     assert not y1[covered:].any()  # rows no expert covers are zeros
     (y3, _), names = cuda_kernels(lambda: forward(x, w, m, bias, given, False))
     assert torch.equal(y1.view(torch.int16), y3.view(torch.int16))  # repeatable
@@ -137,8 +148,8 @@ def test_one_launch_up_to_2_23_values(T, launches, weights_given):
 
 @pytest.mark.parametrize("save", [False, True])
 def test_mlp_fc1(save):
-    """The expert MLP's forward with no fc1 weight gradient: fc1 in one launch with given FP8 weights (after the
-    weights' launch when they are quantized in the call), y bitwise the forward's that makes x's column copy too."""
+    """The expert MLP's forward: fc1 in one launch with given FP8 weights (after the weights' launch when they are
+    quantized in the call), with or without fc1's weight gradient (then x's row copy is saved), y the same."""
     E, T, H, F = 8, 3000, 256, 384
     gen = torch.Generator(device=DEV).manual_seed(6)
     x = torch.randn(T, H, device=DEV, generator=gen).to(torch.bfloat16)
@@ -151,9 +162,10 @@ def test_mlp_fc1(save):
     y1, plan1, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save)
     y2, plan2, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, True, save)
     assert torch.equal(y1, y2) and torch.equal(plan1, plan2)
-    _, names = cuda_kernels(
-        lambda: cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, False, save))
-    assert len(names) == 3, names  # fc1 (with x's quantization and the plan), the activation, fc2
+    for need_dw1 in (False, True):
+        _, names = cuda_kernels(
+            lambda: cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, given, save, need_dw1, save))
+        assert len(names) == 3, names  # fc1 (with x's quantization and the plan), the activation, fc2
     # the weights quantized in the call: their launch (both weights and the plan) first, fc1 still quantizes x
     y3, plan3, _ = cuda_ops.mlp_fwd(x, w1, w2, m, None, None, probs, act, FP8_BLOCKWISE, [], save, False, save)
     assert torch.equal(y1, y3) and torch.equal(plan1, plan3)

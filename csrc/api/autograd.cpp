@@ -2,8 +2,9 @@
 //
 // Each call records one node (a torch::autograd::Function). What its backward needs is decided in the
 // Autograd kernel (which inputs require grad) and kept in the node:
-//   linear: the plan, x (bf16 recipe, for wgrad), the weight, its given FP8 copies and the forward entry's
-//           saved list, as saved variables (released after backward unless retain_graph);
+//   linear: the plan, x (for wgrad: the bf16 recipe's x, or an FP8 x's row copy and x_scales), the weight, its
+//           given FP8 copies and the forward entry's saved list, as saved variables (released after backward
+//           unless retain_graph);
 //   mlp:    the same (plus probs) handed over to mlp_bwd, which frees each saved tensor after its last use
 //           (peak memory), so that a second backward over the same graph is an error, as in Python.
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -90,8 +91,9 @@ struct LinearNode : torch::autograd::Function<LinearNode> {
     auto [y, plan, saved] = dispatched<linear_fwd>("moegemm::linear_fwd")
                                 .call(a.x, weight, a.m_splits, bias, a.recipe, needs(a.needs, kLinearDx), need_dw,
                                       a.x_scales, list_or_none(a.fp8_weight));
-    const bool keep_x = to_recipe(a.recipe) == Recipe::kBf16 && need_dw;
-    variable_list kept{plan, keep_x ? a.x : Tensor(), weight};
+    // wgrad's x: the bf16 recipe's, or an FP8 x's row copy (the fp8 recipe's forward saves a bf16 x's own)
+    const bool keep_x = need_dw && (to_recipe(a.recipe) == Recipe::kBf16 || a.x_scales.has_value());
+    variable_list kept{plan, keep_x ? a.x : Tensor(), keep_x && a.x_scales.has_value() ? *a.x_scales : Tensor(), weight};
     kept.insert(kept.end(), a.fp8_weight.begin(), a.fp8_weight.end());
     kept.insert(kept.end(), saved.begin(), saved.end());
     ctx->save_for_backward(kept);
@@ -108,15 +110,15 @@ struct LinearNode : torch::autograd::Function<LinearNode> {
     const int64_t bits = ctx->saved_data["needs"].toInt(), fp8_count = ctx->saved_data["fp8_count"].toInt();
     const bool need_dx = needs(bits, kLinearDx), need_dw = needs(bits, kLinearDw), need_db = needs(bits, kLinearDb);
     const variable_list kept = ctx->get_saved_variables();
-    const Tensor &plan = kept[0], &x = kept[1], &weight = kept[2];
-    const std::vector<Tensor> fp8_weight(kept.begin() + 3, kept.begin() + 3 + fp8_count);
-    const std::vector<Tensor> saved(kept.begin() + 3 + fp8_count, kept.end());
+    const Tensor &plan = kept[0], &x = kept[1], &x_scales = kept[2], &weight = kept[3];
+    const std::vector<Tensor> fp8_weight(kept.begin() + 4, kept.begin() + 4 + fp8_count);
+    const std::vector<Tensor> saved(kept.begin() + 4 + fp8_count, kept.end());
     const std::optional<Tensor> main_grad = need_dw ? main_grad_attribute(weight, "weight") : std::nullopt;
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [dx, dw, db, made0, made1] = dispatched<linear_bwd>("moegemm::linear_bwd")
-                                          .call(dy, plan, saved, defined_or_none(x), weight, main_grad,
-                                                ctx->saved_data["recipe"].toInt(), need_dx, need_dw, need_db, false,
-                                                list_or_none(fp8_weight));
+    auto [dx, dw, db, made0, made1, made2, made3] =
+        dispatched<linear_bwd>("moegemm::linear_bwd")
+            .call(dy, plan, saved, defined_or_none(x), weight, main_grad, ctx->saved_data["recipe"].toInt(), need_dx,
+                  need_dw, need_db, false, list_or_none(fp8_weight), defined_or_none(x_scales));
     return {need_dx ? dx : Tensor(), in_dtype(dw, need_dw && !main_grad.has_value(), weight.scalar_type()),
             in_dtype(db, need_db, kept_dtype(ctx->saved_data["bias_dtype"].toInt())), Tensor()};
   }
@@ -149,7 +151,10 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
     kept.insert(kept.end(), saved.begin(), saved.end());
     auto& d = ctx->saved_data;
     d["kept"] = std::move(kept);
-    d["x"] = to_recipe(a.recipe) == Recipe::kBf16 ? std::optional<Tensor>(a.x) : std::nullopt;
+    // wgrad's x: the bf16 recipe's, or an FP8 x's row copy and scales (the fp8 recipe's forward saves a bf16 x's own)
+    const bool fp8_x_for_wgrad = a.x_scales.has_value() && needs(a.needs, kMlpDw1);
+    d["x"] = to_recipe(a.recipe) == Recipe::kBf16 || fp8_x_for_wgrad ? std::optional<Tensor>(a.x) : std::nullopt;
+    d["x_scales"] = fp8_x_for_wgrad ? a.x_scales : std::nullopt;
     d["probs"] = probs;
     d["fp8_weights"] = a.fp8_weights;
     d["activation"] = a.activation;
@@ -167,9 +172,10 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
     TORCH_CHECK(found != d.end(), "moegemm: GroupedMLP's backward ran a second time over the same graph; it frees its ",
                 "saved tensors during the first one (retain_graph=True is not supported)");
     std::vector<Tensor> kept = found->second.toTensorVector();
-    const std::optional<Tensor> x = d["x"].toOptional<Tensor>(), probs = d["probs"].toOptional<Tensor>();
+    const std::optional<Tensor> x = d["x"].toOptional<Tensor>(), x_scales = d["x_scales"].toOptional<Tensor>();
+    const std::optional<Tensor> probs = d["probs"].toOptional<Tensor>();
     const c10::List<std::optional<Tensor>> fp8_weights = d["fp8_weights"].toOptionalTensorList();
-    d.erase(found), d.erase("x"), d.erase("probs"), d.erase("fp8_weights");  // nothing left in the node
+    d.erase(found), d.erase("x"), d.erase("x_scales"), d.erase("probs"), d.erase("fp8_weights");  // nothing left in the node
     const Tensor plan = kept[kKeptPlan], fc1_weight = kept[kKeptW1], fc2_weight = kept[kKeptW2];
     std::vector<Tensor> saved(std::make_move_iterator(kept.begin() + kKeptCount), std::make_move_iterator(kept.end()));
     kept.clear();
@@ -181,11 +187,11 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
     const std::vector<int64_t> dtypes = d["dtypes"].toIntVector();
     at::AutoDispatchBelowADInplaceOrView below;
     // eager: mlp_bwd frees each saved tensor after its last use (nothing else holds them); a trace keeps them
-    auto [dx, dw1, dw2, db1, db2, dprobs, m0, m1, m2, m3] =
+    auto [dx, dw1, dw2, db1, db2, dprobs, m0, m1, m2, m3, m4, m5] =
         dispatched<mlp_bwd>("moegemm::mlp_bwd")
             .call(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, mg1, mg2, d["activation"].toInt(),
                   d["recipe"].toInt(), need[kMlpDx], need[kMlpDw1], need[kMlpDw2], need[kMlpDb1], need[kMlpDb2],
-                  need[kMlpDprobs], !traced(dy), false);
+                  need[kMlpDprobs], !traced(dy), false, x_scales);
     return {need[kMlpDx] ? dx : Tensor(),
             in_dtype(dw1, need[kMlpDw1] && !mg1.has_value(), fc1_weight.scalar_type()),
             in_dtype(dw2, need[kMlpDw2] && !mg2.has_value(), fc2_weight.scalar_type()),

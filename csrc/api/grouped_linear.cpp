@@ -2,15 +2,15 @@
 //
 // Saved for backward (a list whose slots depend on the recipe only, named in moegemm/backends/contract.py;
 // [0] placeholders where a part is not needed):
-//   fp8_blockwise: qxT, sxT — x's per-expert column copy (wgrad); qwT, swT — Wᵀ's copy (dgrad);
+//   fp8_blockwise: qx, sx — x's FP8 row copy (fprop's operand; wgrad's column copy is made from it in
+//                  backward); qwT, swT — Wᵀ's copy (dgrad);
 //   bf16:          w_bf16 — the bf16 copy of an fp32 weight (dgrad); backward reads x and a bf16
 //                  weight from its own arguments.
-// An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fprop reads it as it is, and its column
-// copy for wgrad is made from it (requantize_cols).
+// An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fprop reads it as it is, and the backward
+// takes it back as x and x_scales (an op's outputs never alias its inputs, so it is not in saved).
 // With defer_wgrad the backward computes dx and db only; the weight gradient is left to linear_wgrad over
 // wgrad_operands fp8 (qdyT, sdyT, qxT, sxT) or bf16 (dy, x). Of these, backward returns the ones it made
-// (the made slots: fp8 qdyT, sdyT; bf16 none); the caller keeps the others (outputs of an op never alias
-// its inputs).
+// (the made slots: fp8 qdyT, sdyT, qxT, sxT; bf16 none); the caller keeps the others.
 #include <c10/core/DeviceGuard.h>
 
 #include <array>
@@ -72,16 +72,17 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
       qw = std::move(run_quantize_weights({{weight_input(weight), to_dtype(weight, "weight")}}, need_dx, {splits, T, plan})[0]);
       plan_from = Tensor();
     }
-    // the bias added in the GEMM's epilogue; a bf16 x quantized in the GEMM's launch where that pays and nothing of
-    // it is saved (qx then stays empty)
+    // the bias added in the GEMM's epilogue; a bf16 x quantized (into its row copy, qx) in the GEMM's launch where
+    // that pays
     Quantized qx;
-    y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, need_dw, qx);
+    y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, qx);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
     const bool keep_wT = need_dx && !weight_given;
     saved.resize(saved_fp8::kCount);
-    saved[saved_fp8::kQxT] = qx.qT.defined() ? qx.qT : none_like(x, at::kFloat8_e4m3fn);
-    saved[saved_fp8::kSxT] = qx.sT.defined() ? qx.sT : none_like(x, at::kFloat);
+    const bool keep_x = need_dw && !fp8_x;  // an FP8 x comes back as backward's x and x_scales
+    saved[saved_fp8::kQx] = keep_x ? qx.q : none_like(x, at::kFloat8_e4m3fn);
+    saved[saved_fp8::kSx] = keep_x ? qx.s : none_like(x, at::kFloat);
     saved[saved_fp8::kQwT] = keep_wT ? qw.qT : none_like(x, at::kFloat8_e4m3fn);
     saved[saved_fp8::kSwT] = keep_wT ? qw.sT : none_like(x, at::kFloat);
   } else {
@@ -94,10 +95,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
   return {y, plan, saved};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x_in, const Tensor& weight,
     const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx, bool need_dw, bool need_db,
-    bool defer_wgrad, std::optional<at::TensorList> fp8_weight_in) {
+    bool defer_wgrad, std::optional<at::TensorList> fp8_weight_in, const std::optional<Tensor>& x_scales) {
   const Recipe recipe = to_recipe(recipe_id);
   const c10::List<std::optional<Tensor>> fp8_weight = fp8_weight_list(fp8_weight_in, recipe);
   const bool weight_given = fp8_weight.size() == kFp8Weight;
@@ -114,6 +115,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
   std::array<Tensor, contract::linear::kMadeCount> made;  // [0] placeholders until made (bf16 makes none)
   if (fp8) {
     made[made_fp8::kQdyT] = none_like(dy, at::kFloat8_e4m3fn), made[made_fp8::kSdyT] = none_like(dy, at::kFloat);
+    made[made_fp8::kQxT] = none_like(dy, at::kFloat8_e4m3fn), made[made_fp8::kSxT] = none_like(dy, at::kFloat);
     TORCH_CHECK(saved.size() == saved_fp8::kCount, "moegemm: saved must hold ", num(saved_fp8::kCount), " tensors, got ",
                 num(saved.size()));
     if (need_dx || need_dw) {
@@ -131,13 +133,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
         dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, wT.qT, wT.sT, plan);
       }
       if (need_dw) {
-        check_tensor(saved[saved_fp8::kQxT], "saved qxT", at::kFloat8_e4m3fn, {K, col_capacity(T, E)}, dy);
-        check_tensor(saved[saved_fp8::kSxT], "saved sxT", at::kFloat, {block_capacity(T, E), K}, dy);
-        const Tensor qxT = aligned(saved[saved_fp8::kQxT]), sxT = aligned(saved[saved_fp8::kSxT]);
-        if (defer) made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
-        if (!defer) dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
-          run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qxT, sxT, plan, out, accumulate);
-        });
+        const Quantized qx = x_columns(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, plan, dy);
+        if (defer) {
+          made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
+          made[made_fp8::kQxT] = qx.qT, made[made_fp8::kSxT] = qx.sT;
+        } else {
+          dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
+            run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qx.qT, qx.sT, plan, out, accumulate);
+          });
+        }
       }
     }
   } else {
@@ -159,7 +163,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     }
   }
   if (need_db) db = run_bias_grad(dy, plan);
-  return {dx, dw, db, made[0], made[1]};
+  return {dx, dw, db, made[0], made[1], made[2], made[3]};
 }
 
 Tensor linear_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& weight,

@@ -4,17 +4,18 @@
 // per-expert transposed copy for wgrad), and its backward with quantizing the gradient, so no bf16 copy
 // of the activation is written or saved. Saved for backward (only when `save`; the slots are named in
 // moegemm/backends/contract.py; [0] placeholders where a part is not needed):
-//   fp8_blockwise: qxT, sxT, h, qaT, saT, qw1T, sw1T, qw2T, sw2T — the weights' transposed copies only
-//                  when quantized here (pre-quantized weights come back through fp8_weights);
+//   fp8_blockwise: qx, sx, h, qaT, saT, qw1T, sw1T, qw2T, sw2T — x's FP8 row copy (fc1's operand; fc1 wgrad's
+//                  column copy is made from it in backward), the weights' transposed copies only when quantized
+//                  here (pre-quantized weights come back through fp8_weights);
 //   bf16:          h, a, w1_bf16, w2_bf16 — the bf16 copies only of fp32 weights.
 // The backward entry drops each after its last use, and with release_saved (eager autograd hands the
 // list over) frees its memory right there: peak memory, as the order below is laid out for.
-// An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fc1 reads it as it is, and its column
-// copy for wgrad is made from it (requantize_cols).
+// An FP8 x (x_scales given, fp8_blockwise only) is its row copy: fc1 reads it as it is, and the backward takes it
+// back as x and x_scales (an op's outputs never alias its inputs, so it is not in saved).
 // With defer_wgrad the backward computes dx, the bias and probs gradients only; the weight gradients are
 // left to mlp_wgrad over wgrad_operands fp8 (qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT) or bf16 (dy, a,
-// dh, x). Of these, backward returns the ones it made (the made slots: fp8 qdyT, sdyT, qdhT, sdhT, bf16
-// dh; [0] where not needed); the caller keeps the saved ones, which this entry then never frees.
+// dh, x). Of these, backward returns the ones it made (the made slots: fp8 qdyT, sdyT, qdhT, sdhT, qxT, sxT,
+// bf16 dh; [0] where not needed); the caller keeps the saved ones, which this entry then never frees.
 #include <c10/core/DeviceGuard.h>
 
 #include <array>
@@ -107,11 +108,12 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
       qw1 = std::move(qw[0]), qw2 = std::move(qw[1]);
       plan_from = Tensor();
     }
-    // biases added in the GEMMs' epilogues; a bf16 x quantized in fc1's launch where that pays and nothing of it is
-    // saved (qx then stays empty)
+    // biases added in the GEMMs' epilogues; a bf16 x quantized (into its row copy, qx) in fc1's launch where that pays
     Quantized qx;
-    Tensor h = run_fprop(x, fp8_x ? &given_x : nullptr, plan, plan_from, qw1.q, qw1.s, b1, need_dw1, qx);
-    qx.q.reset(), qx.s.reset(), qw1.q.reset(), qw1.s.reset();
+    Tensor h = run_fprop(x, fp8_x ? &given_x : nullptr, plan, plan_from, qw1.q, qw1.s, b1, qx);
+    qw1.q.reset(), qw1.s.reset();
+    const bool keep_x = save && need_dw1 && !fp8_x;  // an FP8 x comes back as backward's x and x_scales
+    if (!keep_x) qx.q.reset(), qx.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
     y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2);
     if (save) {
@@ -119,7 +121,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
       auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };
       auto none32 = [&] { return none_like(x, at::kFloat); };
       saved.resize(fp8::kCount);
-      saved[fp8::kQxT] = qx.qT.defined() ? qx.qT : none8(), saved[fp8::kSxT] = qx.sT.defined() ? qx.sT : none32();
+      saved[fp8::kQx] = keep_x ? qx.q : none8(), saved[fp8::kSx] = keep_x ? qx.s : none32();
       saved[fp8::kH] = h;
       saved[fp8::kQaT] = qa.qT, saved[fp8::kSaT] = qa.sT;
       saved[fp8::kQw1T] = given ? none8() : qw1.qT, saved[fp8::kSw1T] = given ? none32() : qw1.sT;
@@ -144,12 +146,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   return {y, plan, saved};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved_in, const std::optional<Tensor>& x_in,
     const Tensor& fc1_weight, const Tensor& fc2_weight, const std::optional<Tensor>& probs_in,
     const c10::List<std::optional<Tensor>>& fp8_weights, const std::optional<Tensor>& fc1_main_grad,
     const std::optional<Tensor>& fc2_main_grad, int64_t activation, int64_t recipe_id, bool need_dx, bool need_dw1,
-    bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad) {
+    bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad,
+    const std::optional<Tensor>& x_scales) {
   const Recipe recipe = to_recipe(recipe_id);
   const Activation act = to_activation(activation);
   TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
@@ -168,7 +171,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   std::vector<Tensor> saved(saved_in.begin(), saved_in.end());
   // Drops a tensor after its last use; frees its memory now if it is one of the saved tensors handed over.
   auto drop_saved = [&](size_t slot) { release(saved[slot], release_saved); };
-  // defer: the wgrad operands made here (the made slots: fp8 qdyT, sdyT, qdhT, sdhT; bf16 dh); kMadeCount
+  // defer: the wgrad operands made here (the made slots: fp8 qdyT, sdyT, qdhT, sdhT, qxT, sxT; bf16 dh); kMadeCount
   // slots whatever the mode. Every output not made below becomes a [0] placeholder at the end.
   std::array<Tensor, contract::mlp::kMadeCount> made;
   // A saved tensor that the deferred wgrad needs (the caller keeps it): dropped here, never freed.
@@ -176,10 +179,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   Tensor dx, dw1, dw2, db1, dprobs;
   if (recipe == Recipe::kFp8Blockwise) {
     TORCH_CHECK(saved.size() == fp8::kCount, "moegemm: saved must hold ", num(fp8::kCount), " tensors, got ", num(saved.size()));
-    if (need_dw1) {
-      check_tensor(saved[fp8::kQxT], "saved qxT", at::kFloat8_e4m3fn, {s.H, col_capacity(T, s.E)}, dy);
-      check_tensor(saved[fp8::kSxT], "saved sxT", at::kFloat, {block_capacity(T, s.E), s.H}, dy);
-    }
     if (need_da) check_tensor(saved[fp8::kH], "saved h", at::kBFloat16, {T, s.F1}, dy);
     if (need_dw2) {
       check_tensor(saved[fp8::kQaT], "saved qaT", at::kFloat8_e4m3fn, {s.F, col_capacity(T, s.E)}, dy);
@@ -228,14 +227,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       da.reset(), drop_saved(fp8::kH);
       if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, fp8::kQw1T), drop_weight(w1T.sT, fp8::kSw1T);
-      if (need_dw1 && defer) {
-        made[made_fp8::kQdhT] = qdh.qT, made[made_fp8::kSdhT] = qdh.sT;
-        keep(fp8::kQxT), keep(fp8::kSxT);
-      } else if (need_dw1) {
-        const Tensor qxT = aligned(saved[fp8::kQxT]), sxT = aligned(saved[fp8::kSxT]);
-        dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
-          run_gemm_fp8_ragged_k(qdh.qT, qdh.sT, qxT, sxT, plan, out, accumulate);
-        });
+      if (need_dw1) {  // x's column copy, made from its row copy
+        Quantized qx = x_columns(saved[fp8::kQx], saved[fp8::kSx], x_in, x_scales, T, s.H, plan, dy);
+        qx.q.reset(), qx.s.reset(), drop_saved(fp8::kQx), drop_saved(fp8::kSx);
+        if (defer) {
+          made[made_fp8::kQdhT] = qdh.qT, made[made_fp8::kSdhT] = qdh.sT;
+          made[made_fp8::kQxT] = qx.qT, made[made_fp8::kSxT] = qx.sT;
+        } else {
+          dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
+            run_gemm_fp8_ragged_k(qdh.qT, qdh.sT, qx.qT, qx.sT, plan, out, accumulate);
+          });
+        }
       }
       dprobs = dprobs_of(partial, need_dprobs);
     }
@@ -284,16 +286,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     if (!t.defined()) t = none_like(dy, dtype);
     return t;
   };
-  // the made slots' placeholders: fp8 e4m3, fp32, e4m3, fp32; bf16 (and past bf16's one slot) bf16
+  // the made slots' placeholders: fp8 pairs of e4m3 and fp32; bf16 (and past bf16's one slot) bf16
   const bool fp8_made = recipe == Recipe::kFp8Blockwise;
   auto made_dtype = [&](size_t slot) {
     if (!fp8_made) return at::kBFloat16;
-    return slot == made_fp8::kQdyT || slot == made_fp8::kQdhT ? at::kFloat8_e4m3fn : at::kFloat;
+    return slot == made_fp8::kQdyT || slot == made_fp8::kQdhT || slot == made_fp8::kQxT ? at::kFloat8_e4m3fn : at::kFloat;
   };
   for (size_t slot = 0; slot < made.size(); ++slot) or_placeholder(made[slot], made_dtype(slot));
   return {or_placeholder(dx, at::kBFloat16), or_placeholder(dw1, wgrad_dtype(fc1_weight)),
           or_placeholder(dw2, wgrad_dtype(fc2_weight)), or_placeholder(db1, at::kFloat), or_placeholder(db2, at::kFloat),
-          or_placeholder(dprobs, at::kFloat), made[0], made[1], made[2], made[3]};
+          or_placeholder(dprobs, at::kFloat), made[0], made[1], made[2], made[3], made[4], made[5]};
 }
 
 std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& fc1_weight,

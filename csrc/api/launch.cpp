@@ -166,7 +166,7 @@ Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& q
 }
 
 Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
-                                        const Tensor& sb, const Tensor& bias) {
+                                        const Tensor& sb, const Tensor& bias, Quantized& rows) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m_quantize_a");
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1), N = qb.size(1);
@@ -176,18 +176,19 @@ Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits,
   const DeviceSplits from = device_splits(m_splits);
   gemm_fp8_ragged_m_quantize_a({from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, x.data_ptr(), N, K, out.data_ptr(),
                                bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, current_stream(x));
+  rows = {qa, sa, Tensor(), Tensor()};
   return out;
 }
 
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
-                 const Tensor& sb, const Tensor& bias, bool cols, Quantized& qx) {
+                 const Tensor& sb, const Tensor& bias, Quantized& qx) {
   const int64_t T = x.size(0), K = x.size(1);
   if (fp8_x != nullptr) {
-    qx = run_requantize_cols(fp8_x->q, fp8_x->s, plan, cols, plan_from);
-  } else if (!cols && T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
-    return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias);
+    qx = run_requantize_cols(fp8_x->q, fp8_x->s, plan, false, plan_from);  // (builds the plan when plan_from is defined)
+  } else if (T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
+    return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias, qx);
   } else {
-    qx = run_quantize_act(x, DType::kBF16, plan, true, cols, plan_from);
+    qx = run_quantize_act(x, DType::kBF16, plan, true, false, plan_from);
   }
   return run_gemm_fp8_ragged_m(qx.q, qx.s, qb, sb, plan, -1, bias);
 }

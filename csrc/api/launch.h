@@ -59,16 +59,15 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
 Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              int tiling = -1, const Tensor& bias = Tensor());
 // The same on a bf16 x [T >= 1, K] in one launch that first builds `plan` from m_splits (undefined: `plan` was built
-// by an earlier launch) and x's FP8 row copy (in buffers of this call only) with the GEMM's own CTAs.
+// by an earlier launch) and x's FP8 row copy (`rows`: q, s) with the GEMM's own CTAs.
 Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
-                                        const Tensor& sb, const Tensor& bias = Tensor());
-// A layer's FP8 forward GEMM out = x_e qb[e]ᵀ (+ bias) with x's FP8 copies in qx (the row copy; the column copy
-// when `cols`, else a [0] placeholder), the plan built from plan_from's counts when defined: from an FP8 x given
-// as its row copy (fp8_x: the column copy made from it), or from a bf16 x quantized first. A bf16 x without `cols`,
-// where the heuristics prefer it (gemm_fp8_ragged_m_quantize_a_preferred): quantized and multiplied in one launch
-// (run_gemm_fp8_ragged_m_quantize_a, which builds the plan too when plan_from is defined), and qx stays empty.
+                                        const Tensor& sb, const Tensor& bias, Quantized& rows);
+// A layer's FP8 forward GEMM out = x_e qb[e]ᵀ (+ bias) with x's FP8 row copy in qx (q, s; the column copy is made in
+// backward, from this row copy), the plan built from plan_from's counts when defined: an FP8 x given as its row copy
+// (fp8_x), or a bf16 x quantized first; where the heuristics prefer it (gemm_fp8_ragged_m_quantize_a_preferred),
+// quantized and multiplied in one launch (run_gemm_fp8_ragged_m_quantize_a, which builds the plan too).
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
-                 const Tensor& sb, const Tensor& bias, bool cols, Quantized& qx);
+                 const Tensor& sb, const Tensor& bias, Quantized& qx);
 // out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the
 // kernel and tiling heuristics.h picks unless `choice` names them.
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,

@@ -21,7 +21,8 @@ inline constexpr char kFwdSchema[] =
 inline constexpr char kBwdSchema[] =
     "linear_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, "
     "int recipe, bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, "
-    "Tensor[]? fp8_weight=None) -> (Tensor dx, Tensor dw, Tensor db, Tensor made0, Tensor made1)";
+    "Tensor[]? fp8_weight=None, Tensor? x_scales=None) -> (Tensor dx, Tensor dw, Tensor db, "
+    "Tensor made0, Tensor made1, Tensor made2, Tensor made3)";
 inline constexpr char kWgradSchema[] =
     "linear_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, "
     "int recipe) -> Tensor dw";
@@ -30,10 +31,10 @@ inline constexpr char kAutogradSchema[] =
     "Tensor? x_scales=None, Tensor? dx_target=None, Tensor[]? fp8_weight=None) -> Tensor y";
 
 namespace saved_bf16 { enum : size_t { kWBf16, kCount }; }
-namespace saved_fp8 { enum : size_t { kQxT, kSxT, kQwT, kSwT, kCount }; }
+namespace saved_fp8 { enum : size_t { kQx, kSx, kQwT, kSwT, kCount }; }
 namespace made_bf16 { enum : size_t { kCount }; }
-namespace made_fp8 { enum : size_t { kQdyT, kSdyT, kCount }; }
-inline constexpr size_t kMadeCount = 2;
+namespace made_fp8 { enum : size_t { kQdyT, kSdyT, kQxT, kSxT, kCount }; }
+inline constexpr size_t kMadeCount = 4;
 namespace wgrad_operands_bf16 { enum : size_t { kDy, kX, kCount }; }
 namespace wgrad_operands_fp8 { enum : size_t { kQdyT, kSdyT, kQxT, kSxT, kCount }; }
 namespace fp8_weights { enum : size_t { kWeight = 0, kCount = 4 }; }
@@ -51,9 +52,9 @@ inline constexpr char kBwdSchema[] =
     "mlp_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor fc1_weight, Tensor fc2_weight, "
     "Tensor? probs, Tensor?[] fp8_weights, Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, "
     "int activation, int recipe, bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, "
-    "bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad=False) -> (Tensor dx, "
-    "Tensor dw1, Tensor dw2, Tensor db1, Tensor db2, Tensor dprobs, Tensor made0, Tensor made1, "
-    "Tensor made2, Tensor made3)";
+    "bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad=False, "
+    "Tensor? x_scales=None) -> (Tensor dx, Tensor dw1, Tensor dw2, Tensor db1, Tensor db2, "
+    "Tensor dprobs, Tensor made0, Tensor made1, Tensor made2, Tensor made3, Tensor made4, Tensor made5)";
 inline constexpr char kWgradSchema[] =
     "mlp_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor fc1_weight, Tensor fc2_weight, "
     "Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, "
@@ -64,10 +65,10 @@ inline constexpr char kAutogradSchema[] =
     "Tensor? x_scales=None, Tensor? dx_target=None) -> Tensor y";
 
 namespace saved_bf16 { enum : size_t { kH, kA, kW1Bf16, kW2Bf16, kCount }; }
-namespace saved_fp8 { enum : size_t { kQxT, kSxT, kH, kQaT, kSaT, kQw1T, kSw1T, kQw2T, kSw2T, kCount }; }
+namespace saved_fp8 { enum : size_t { kQx, kSx, kH, kQaT, kSaT, kQw1T, kSw1T, kQw2T, kSw2T, kCount }; }
 namespace made_bf16 { enum : size_t { kDh, kCount }; }
-namespace made_fp8 { enum : size_t { kQdyT, kSdyT, kQdhT, kSdhT, kCount }; }
-inline constexpr size_t kMadeCount = 4;
+namespace made_fp8 { enum : size_t { kQdyT, kSdyT, kQdhT, kSdhT, kQxT, kSxT, kCount }; }
+inline constexpr size_t kMadeCount = 6;
 namespace wgrad_operands_bf16 { enum : size_t { kDy, kA, kDh, kX, kCount }; }
 namespace wgrad_operands_fp8 { enum : size_t { kQdyT, kSdyT, kQaT, kSaT, kQdhT, kSdhT, kQxT, kSxT, kCount }; }
 namespace fp8_weights { enum : size_t { kFc1Weight = 0, kFc2Weight = 4, kCount = 8 }; }

@@ -53,6 +53,12 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe);
 //   bf16:          dy [T, N] bf16, x [T, K] bf16.
 // Checked, then the gradient is written or accumulated as by weight_grad. The operands must come from a
 // backward over this plan (its device values cannot be checked against their widths on the host).
+// x's per-expert column copy for wgrad (fp8_blockwise), made from x's FP8 row copy by requantize_cols: the row copy
+// forward saved (saved_q [T, K] e4m3, saved_s [T, ceil(K/128)] fp32 in the row-scale layout), or with x_scales an FP8
+// x given back to backward (x: its row copy, x_scales: its scales in any strides). -> {q, s, qT, sT}.
+Quantized x_columns(const Tensor& saved_q, const Tensor& saved_s, const std::optional<Tensor>& x,
+                    const std::optional<Tensor>& x_scales, int64_t T, int64_t K, const Tensor& plan, const Tensor& like);
+
 size_t wgrad_operand_count(Recipe recipe);
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
                             const Tensor& main_grad, const Tensor& plan);

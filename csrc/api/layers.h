@@ -23,14 +23,15 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x, cons
                                                            bool need_dw, const std::optional<Tensor>& x_scales,
                                                            std::optional<at::TensorList> fp8_weight);
 // -> (dx [T, K] bf16, dw [E, N, K] bf16 for bf16 weights else fp32 ([0] when accumulated into main_grad or
-//     deferred), db [E, N] fp32, made0, made1). defer_wgrad (with need_dw): no weight gradient here; it is
-//     left to linear_wgrad, and made0/made1 are the operands made here (fp8 qdyT, sdyT). Otherwise (and for
-//     bf16, which makes none) they are [0] placeholders (fp8: e4m3 and fp32; bf16: bf16). A fixed number of
-//     outputs, not a list: torch.compile functionalizes an op with mutable arguments only then.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
+//     deferred), db [E, N] fp32, made0..made3). defer_wgrad (with need_dw): no weight gradient here; it is
+//     left to linear_wgrad, and made0..made3 are the operands made here (fp8 qdyT, sdyT, qxT, sxT). Otherwise
+//     (and for bf16, which makes none) they are [0] placeholders (fp8: e4m3, fp32, e4m3, fp32; bf16: bf16). A
+//     fixed number of outputs, not a list: torch.compile functionalizes an op with mutable arguments only then.
+//     x: the bf16 recipe's x (wgrad), or an FP8 x's row copy with x_scales (fp8: wgrad's column copy made from them).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& weight,
     const std::optional<Tensor>& main_grad, int64_t recipe, bool need_dx, bool need_dw, bool need_db, bool defer_wgrad,
-    std::optional<at::TensorList> fp8_weight);
+    std::optional<at::TensorList> fp8_weight, const std::optional<Tensor>& x_scales);
 // The deferred weight gradient: dw as linear_bwd's (written, or accumulated into main_grad) from
 // wgrad_operands fp8 [qdyT, sdyT, qxT, sxT] / bf16 [dy, x] (a defer_wgrad linear_bwd's with the saved or
 // given rest) over the same plan.
@@ -43,15 +44,16 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     const std::optional<Tensor>& fc1_bias, const std::optional<Tensor>& fc2_bias, const std::optional<Tensor>& probs,
     int64_t activation, int64_t recipe, const c10::List<std::optional<Tensor>>& fp8_weights, bool save, bool need_dw1,
     bool need_dw2, const std::optional<Tensor>& x_scales);
-// -> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs [T] fp32, made0..made3), [0] for what is not needed;
-// with defer_wgrad dw1/dw2 are [0] and made0..3 are the operands of mlp_wgrad made here (fp8 qdyT, sdyT,
-// qdhT, sdhT; bf16 dh and three [0]); else [0] placeholders (fp8: e4m3, fp32, e4m3, fp32; bf16: bf16).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
+// -> (dx, dw1, dw2, db1 fp32, db2 fp32, dprobs [T] fp32, made0..made5), [0] for what is not needed;
+// with defer_wgrad dw1/dw2 are [0] and made0..5 are the operands of mlp_wgrad made here (fp8 qdyT, sdyT,
+// qdhT, sdhT, qxT, sxT; bf16 dh and five [0]); else [0] placeholders (fp8: e4m3, fp32 pairs; bf16: bf16).
+// x: the bf16 recipe's x (wgrad), or an FP8 x's row copy with x_scales (fp8: fc1 wgrad's column copy made from them).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mlp_bwd(
     const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& fc1_weight,
     const Tensor& fc2_weight, const std::optional<Tensor>& probs, const c10::List<std::optional<Tensor>>& fp8_weights,
     const std::optional<Tensor>& fc1_main_grad, const std::optional<Tensor>& fc2_main_grad, int64_t activation,
     int64_t recipe, bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs,
-    bool release_saved, bool defer_wgrad);
+    bool release_saved, bool defer_wgrad, const std::optional<Tensor>& x_scales);
 // The deferred weight gradients (dw1, dw2) of a defer_wgrad mlp_bwd over the same plan, [0] where not needed
 // or accumulated into a main_grad; wgrad_operands fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT], bf16
 // [dy, a, dh, x] (fc2's pair first).

@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..layout import (BF16, BLOCK, FP8_BLOCKWISE, PLAN_ROWS, act_width, block_capacity, ceil_div, col_capacity,
-                      wgrad_dtype)
+                      empty_row_scales, wgrad_dtype)
 
 F8, F32, I32 = torch.float8_e4m3fn, torch.float32, torch.int32
 ACT = "act"  # the activations' dtype: x's (bf16 for an FP8 x) forward, dy's backward; always bf16 in C++
@@ -69,15 +69,17 @@ DIMS = "T E E1 P N K H F F1 C B Nb Kb Hb Fb F1b".split()
 class Slot(NamedTuple):
     """One tensor an op returns: ``shape`` in ``DIMS`` names, ``dtype`` a torch dtype, ``ACT`` or the name
     of the weight argument whose wgrad dtype it has (``layout.wgrad_dtype``); ``when(a)`` says whether it
-    is a real tensor for the op's arguments ``a``."""
+    is a real tensor for the op's arguments ``a``. ``row_scales``: 1x128 row scales ``[T, Kb]`` in their
+    K-major strides (``layout.empty_row_scales``), else contiguous."""
     name: str
     shape: tuple
     dtype: object
     when: Callable = lambda a: True
+    row_scales: bool = False
 
 
-def slot(name: str, shape: str, dtype, when: Callable = lambda a: True) -> Slot:
-    return Slot(name, tuple(shape.split()), dtype, when)
+def slot(name: str, shape: str, dtype, when: Callable = lambda a: True, row_scales: bool = False) -> Slot:
+    return Slot(name, tuple(shape.split()), dtype, when, row_scales)
 
 
 class LayerOp(NamedTuple):
@@ -162,8 +164,8 @@ LINEAR_FWD = LayerOp(
     "Tensor? x_scales=None, Tensor[]? fp8_weight=None",
     outputs=(slot("y", "T N", ACT), slot("plan", "P E1", I32)),
     dims=_linear_fwd_dims,
-    saved={FP8_BLOCKWISE: (slot("qxT", "K C", F8, lambda a: a.need_dw),
-                           slot("sxT", "B K", F32, lambda a: a.need_dw),
+    saved={FP8_BLOCKWISE: (slot("qx", "T K", F8, lambda a: a.need_dw and a.x_scales is None),
+                           slot("sx", "T Kb", F32, lambda a: a.need_dw and a.x_scales is None, row_scales=True),
                            slot("qwT", "E K N", F8, lambda a: a.need_dx and not a.fp8_weight),
                            slot("swT", "E Kb Nb", F32, lambda a: a.need_dx and not a.fp8_weight)),
            BF16: (slot("w_bf16", "E N K", ACT, lambda a: a.need_dx and a.weight.dtype != a.act),)},
@@ -172,14 +174,16 @@ LINEAR_FWD = LayerOp(
 LINEAR_BWD = LayerOp(
     "linear_bwd",
     "Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, int recipe, "
-    "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, Tensor[]? fp8_weight=None",
+    "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, Tensor[]? fp8_weight=None, "
+    "Tensor? x_scales=None",
     outputs=(slot("dx", "T K", ACT, lambda a: a.need_dx),
              slot("dw", "E N K", "weight", lambda a: a.need_dw and a.main_grad is None and not a.defer),
              slot("db", "E N", F32, lambda a: a.need_db)),
     dims=_linear_bwd_dims,
-    made={FP8_BLOCKWISE: (slot("qdyT", "N C", F8, lambda a: a.defer), slot("sdyT", "B N", F32, lambda a: a.defer)),
+    made={FP8_BLOCKWISE: (slot("qdyT", "N C", F8, lambda a: a.defer), slot("sdyT", "B N", F32, lambda a: a.defer),
+                          slot("qxT", "K C", F8, lambda a: a.defer), slot("sxT", "B K", F32, lambda a: a.defer)),
           BF16: ()},
-    made_count=2,
+    made_count=4,
     fp8_weights=("weight",),
 )
 LINEAR_WGRAD = LayerOp(
@@ -197,8 +201,8 @@ MLP_FWD = LayerOp(
     "Tensor? x_scales=None",
     outputs=(slot("y", "T H", ACT), slot("plan", "P E1", I32)),
     dims=_mlp_fwd_dims,
-    saved={FP8_BLOCKWISE: (slot("qxT", "H C", F8, lambda a: a.need_dw1),
-                           slot("sxT", "B H", F32, lambda a: a.need_dw1),
+    saved={FP8_BLOCKWISE: (slot("qx", "T H", F8, lambda a: a.need_dw1 and a.x_scales is None),
+                           slot("sx", "T Hb", F32, lambda a: a.need_dw1 and a.x_scales is None, row_scales=True),
                            slot("h", "T F1", ACT),
                            slot("qaT", "F C", F8, lambda a: a.need_dw2),
                            slot("saT", "B F", F32, lambda a: a.need_dw2),
@@ -218,7 +222,7 @@ MLP_BWD = LayerOp(
     "Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor fc1_weight, Tensor fc2_weight, Tensor? probs, "
     "Tensor?[] fp8_weights, Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int activation, int recipe, "
     "bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, "
-    "bool defer_wgrad=False",
+    "bool defer_wgrad=False, Tensor? x_scales=None",
     outputs=(slot("dx", "T H", ACT, lambda a: a.need_dx),
              slot("dw1", "E F1 H", "fc1_weight", lambda a: a.need_dw1 and a.fc1_main_grad is None and not a.defer),
              slot("dw2", "E H F", "fc2_weight", lambda a: a.need_dw2 and a.fc2_main_grad is None and not a.defer),
@@ -229,9 +233,11 @@ MLP_BWD = LayerOp(
     made={FP8_BLOCKWISE: (slot("qdyT", "H C", F8, lambda a: a.defer and a.need_dw2),
                           slot("sdyT", "B H", F32, lambda a: a.defer and a.need_dw2),
                           slot("qdhT", "F1 C", F8, lambda a: a.defer and a.need_dw1),
-                          slot("sdhT", "B F1", F32, lambda a: a.defer and a.need_dw1)),
+                          slot("sdhT", "B F1", F32, lambda a: a.defer and a.need_dw1),
+                          slot("qxT", "H C", F8, lambda a: a.defer and a.need_dw1),
+                          slot("sxT", "B H", F32, lambda a: a.defer and a.need_dw1)),
           BF16: (slot("dh", "T F1", ACT, lambda a: a.defer and a.need_dw1),)},
-    made_count=4,
+    made_count=6,
     fp8_weights=("fc1_weight", "fc2_weight"),
 )
 MLP_WGRAD = LayerOp(
@@ -340,7 +346,8 @@ def outputs(op: LayerOp, a: SimpleNamespace, values: Optional[dict] = None):
         if not s.when(a):
             return like.new_empty((0,), dtype=dtype)
         if values is None:
-            return like.new_empty(tuple(getattr(a, d) for d in s.shape), dtype=dtype)
+            shape = tuple(getattr(a, d) for d in s.shape)
+            return empty_row_scales(*shape, like.device) if s.row_scales else like.new_empty(shape, dtype=dtype)
         return values[s.name]
 
     out = [tensor(s) for s in op.outputs]

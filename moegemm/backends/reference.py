@@ -36,13 +36,17 @@ def _weight_grad(gemm, operands: tuple, plan, weight, main_grad):
     return None if main_grad is not None else dw
 
 
-def _x_fp8(x, x_scales, plan, cols: bool):
-    """(q, s, qT, sT) of x: quantized here (bf16 x), or an FP8 x's rows as given with their column copy
-    made from them (x_scales given)."""
+def _x_rows(x, x_scales, plan):
+    """x's FP8 row copy (q, s): quantized here (bf16 x), or an FP8 x's rows as given (x_scales given)."""
     if x_scales is None:
-        return R.quantize_act(x, plan, rows=True, cols=cols)
-    qT, sT = R.requantize_cols(x, x_scales, plan) if cols else (None, None)
-    return x, x_scales, qT, sT
+        return R.quantize_act(x, plan, rows=True, cols=False)[:2]
+    return x, x_scales
+
+
+def _x_cols(saved: dict, x, x_scales, plan):
+    """x's per-expert column copy (qT, sT) for wgrad, made in backward from x's row copy: the one forward saved
+    (bf16 x), or an FP8 x's rows (backward's x and x_scales)."""
+    return R.requantize_cols(*((x, x_scales) if x_scales is not None else (saved["qx"], saved["sx"])), plan)
 
 
 def _fp8_weight(op, flat, name: str, weight) -> C.Fp8Weight:
@@ -60,10 +64,10 @@ def _in_act_dtype(weight, act):
 def _linear_fwd(a) -> dict:
     plan = R.make_plan(a.m_splits, a.x.shape[0])
     if a.recipe == FP8_BLOCKWISE:
-        qx, sx, qxT, sxT = _x_fp8(a.x, a.x_scales, plan, a.need_dw)
+        qx, sx = _x_rows(a.x, a.x_scales, plan)
         w = _fp8_weight(C.LINEAR_FWD, a.fp8_weight, "weight", a.weight)
         y = R.gemm_fp8_fprop(qx, sx, w.q, w.s, plan, a.act, a.bias)
-        values = dict(qxT=qxT, sxT=sxT, qwT=w.qT, swT=w.sT)
+        values = dict(qx=qx, sx=sx, qwT=w.qT, swT=w.sT)
     else:
         w = _in_act_dtype(a.weight, a.act)
         y = _add_bias(R.gemm_bf16_fprop(a.x, w, plan), a.bias, plan)
@@ -81,11 +85,12 @@ def _linear_bwd(a) -> dict:
             qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=a.need_dx, cols=a.need_dw)
         if a.need_dx:
             out["dx"] = R.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, dy.dtype)
+        if a.need_dw:
+            qxT, sxT = _x_cols(saved, a.x, a.x_scales, plan)
         if a.defer:
-            out.update(qdyT=qdyT, sdyT=sdyT)
+            out.update(qdyT=qdyT, sdyT=sdyT, qxT=qxT, sxT=sxT)
         elif a.need_dw:
-            out["dw"] = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, saved["qxT"], saved["sxT"]), plan, a.weight,
-                                     a.main_grad)
+            out["dw"] = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, qxT, sxT), plan, a.weight, a.main_grad)
     else:
         if a.need_dx:
             w = saved["w_bf16"] if a.weight.dtype != a.act else a.weight
@@ -118,12 +123,12 @@ def _mlp_fwd(a) -> dict:
     p32 = a.probs.float() if a.probs is not None else None
     if a.recipe == FP8_BLOCKWISE:
         w1 = _fp8_weight(C.MLP_FWD, a.fp8_weights, "fc1_weight", a.fc1_weight)
-        qx, sx, qxT, sxT = _x_fp8(a.x, a.x_scales, plan, a.need_dw1)
+        qx, sx = _x_rows(a.x, a.x_scales, plan)
         h = R.gemm_fp8_fprop(qx, sx, w1.q, w1.s, plan, a.act, a.fc1_bias)
         w2 = _fp8_weight(C.MLP_FWD, a.fp8_weights, "fc2_weight", a.fc2_weight)
         qa, sa, qaT, saT = R.act_quantize(h, p32, act, plan, rows=True, cols=a.need_dw2)
         y = R.gemm_fp8_fprop(qa, sa, w2.q, w2.s, plan, a.act, a.fc2_bias)
-        values = dict(qxT=qxT, sxT=sxT, h=h, qaT=qaT, saT=saT, qw1T=w1.qT, sw1T=w1.sT, qw2T=w2.qT, sw2T=w2.sT)
+        values = dict(qx=qx, sx=sx, h=h, qaT=qaT, saT=saT, qw1T=w1.qT, sw1T=w1.sT, qw2T=w2.qT, sw2T=w2.sT)
     else:
         w1, w2 = _in_act_dtype(a.fc1_weight, a.act), _in_act_dtype(a.fc2_weight, a.act)
         h = _add_bias(R.gemm_bf16_fprop(a.x, w1, plan), a.fc1_bias, plan)
@@ -160,11 +165,13 @@ def _mlp_bwd(a) -> dict:
                 out["db1"] = R.bias_grad(R.act_backward_bf16(da, h, p32, act)[0], plan)
             if a.need_dx:
                 out["dx"] = R.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
+            if a.need_dw1:
+                qxT, sxT = _x_cols(saved, a.x, a.x_scales, plan)
             if a.need_dw1 and a.defer:
-                out.update(qdhT=qdhT, sdhT=sdhT)
+                out.update(qdhT=qdhT, sdhT=sdhT, qxT=qxT, sxT=sxT)
             elif a.need_dw1:
-                out["dw1"] = _weight_grad(R.gemm_fp8_ragged_k, (qdhT, sdhT, saved["qxT"], saved["sxT"]), plan,
-                                          a.fc1_weight, a.fc1_main_grad)
+                out["dw1"] = _weight_grad(R.gemm_fp8_ragged_k, (qdhT, sdhT, qxT, sxT), plan, a.fc1_weight,
+                                          a.fc1_main_grad)
     else:
         w1 = saved["w1_bf16"] if a.fc1_weight.dtype != a.act else a.fc1_weight
         w2 = saved["w2_bf16"] if a.fc2_weight.dtype != a.act else a.fc2_weight

@@ -6,13 +6,13 @@ node, ``csrc/api/autograd.h``); on the reference backend, and for a split backwa
 below, a thin shell that calls one op per direction, ``linear_fwd`` and ``linear_bwd``, of the backend
 chosen by ``moegemm.backends.select``. Both run the same entries (``csrc/api/grouped_linear.cpp`` or the
 reference ones, which share one contract: ``backends/contract.py``). For ``fp8_blockwise`` the forward
-quantizes ``x`` once into its row copy (fprop) and its per-expert transposed copy (saved for wgrad), so
-backward never re-reads ``x`` in bf16.
+quantizes ``x`` once into its FP8 row copy (fprop's operand, saved), and backward makes wgrad's per-expert
+column copy from that row copy, so it never re-reads ``x`` in bf16.
 
 Two options (issue 16):
 * an FP8 ``x`` (``Fp8Rows``: quantize_act's row copy and scales, as an FP8 dispatcher delivers it): fprop
-  reads the rows as they are, wgrad's column copy is made from them on the device; dx (bf16) goes to
-  ``Fp8Rows.grad_target``;
+  reads the rows as they are, backward makes wgrad's column copy from them on the device, as from a bf16
+  ``x``'s own row copy; dx (bf16) goes to ``Fp8Rows.grad_target``;
 * a split backward (``wgrad_store``): backward computes dx and db, and leaves the weight gradient, with
   the FP8 column copies it needs, in the store until ``store.backward_dw()``.
 """
@@ -51,7 +51,10 @@ class _GroupedLinear(torch.autograd.Function):
         x_op = x_fp8 if x_scales is not None else x
         y, plan, saved = backends.select(x_op.device).linear_fwd(x_op, weight, m_splits, bias, recipe, need_dx, need_dw,
                                                                 x_scales, fp8_weight or None)
-        ctx.save_for_backward(plan, x if recipe == BF16 and need_dw else None, weight, *fp8_weight, *saved)
+        # wgrad's x: the bf16 recipe's, or an FP8 x's row copy and scales (the fp8 recipe saves a bf16 x's own)
+        fp8_x = x_scales is not None and need_dw
+        ctx.save_for_backward(plan, x if recipe == BF16 and need_dw else x_fp8 if fp8_x else None,
+                              x_scales if fp8_x else None, weight, *fp8_weight, *saved)
         ctx.recipe, ctx.weight, ctx.store, ctx.num_fp8 = recipe, weight, store, len(fp8_weight)
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
@@ -60,13 +63,14 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         refuse_double_backward("grouped_linear")
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        plan, x, weight, *rest = ctx.saved_tensors
+        plan, x, x_scales, weight, *rest = ctx.saved_tensors
         fp8_weight, saved = rest[:ctx.num_fp8], rest[ctx.num_fp8:]
         defer = ctx.store is not None and need_dw
         main_grad = None if defer else weight_grad_target(ctx.weight, need_dw)
         with drops_on_failure(ctx.store):
             dx, dw, db, *made = backends.select(dy.device).linear_bwd(
-                dy, plan, saved, x, weight, main_grad, ctx.recipe, need_dx, need_dw, need_db, defer, fp8_weight or None)
+                dy, plan, saved, x, weight, main_grad, ctx.recipe, need_dx, need_dw, need_db, defer, fp8_weight or None,
+                x_scales)
             if defer:  # the wgrad op's operands, by name from what this backward has (contract.LINEAR)
                 pool = (*made, *saved, dy.contiguous(), x)
                 operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]

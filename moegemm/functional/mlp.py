@@ -6,9 +6,9 @@ on the reference backend, and for a split backward, the autograd Function below,
 op per direction, ``mlp_fwd`` and ``mlp_bwd``, of the backend chosen by ``moegemm.backends.select``. Both run
 the same entries (``csrc/api/grouped_mlp.cpp`` or the reference ones: ``backends/contract.py``). For
 ``fp8_blockwise`` the activation is fused with the FP8 quantization of its result, and its backward with
-quantizing the gradient, so no bf16 copy of the activation is written or saved. Saved for backward: the FP8 copies (x's and the
-activation's column copies, the weights' transposed copies) and fc1's bf16 output h; the backward op
-frees each after its last use.
+quantizing the gradient, so no bf16 copy of the activation is written or saved. Saved for backward: the FP8 copies
+(x's row copy, from which backward makes fc1 wgrad's column copy; the activation's column copy; the weights'
+transposed copies) and fc1's bf16 output h; the backward op frees each after its last use.
 """
 
 from __future__ import annotations
@@ -76,7 +76,10 @@ class _GroupedMLP(torch.autograd.Function):
         x_op = x_fp8 if x_scales is not None else x
         y, plan, saved = backends.select(x_op.device).mlp_fwd(x_op, w1, w2, m_splits, b1, b2, probs, activation, recipe,
                                                              fp8_weights, True, need_dw1, need_dw2, x_scales)
-        _stash(ctx, (plan, x if recipe == BF16 else None, w1, w2, probs, *fp8_weights, *saved))
+        # wgrad's x: the bf16 recipe's, or an FP8 x's row copy and scales (the fp8 recipe saves a bf16 x's own)
+        fp8_x = x_scales is not None and need_dw1
+        _stash(ctx, (plan, x if recipe == BF16 else x_fp8 if fp8_x else None, x_scales if fp8_x else None, w1, w2,
+                     probs, *fp8_weights, *saved))
         ctx.activation, ctx.recipe, ctx.num_fp8_weights = activation, recipe, len(fp8_weights)
         ctx.w1, ctx.w2, ctx.store = w1, w2, store
         ctx.b1_dtype = b1.dtype if b1 is not None else None
@@ -91,13 +94,13 @@ class _GroupedMLP(torch.autograd.Function):
         defer = ctx.store is not None and (need_dw1 or need_dw2)
         mg1, mg2 = (None, None) if defer else (weight_grad_target(ctx.w1, need_dw1), weight_grad_target(ctx.w2, need_dw2))
         tensors, release = _unstash(ctx)
-        (plan, x, w1, w2, probs), rest = tensors[:5], tensors[5:]
+        (plan, x, x_scales, w1, w2, probs), rest = tensors[:6], tensors[6:]
         fp8_weights, saved = rest[:ctx.num_fp8_weights], rest[ctx.num_fp8_weights:]
         del tensors, rest  # the op holds the last references to what it frees
         with drops_on_failure(ctx.store):
             dx, dw1, dw2, db1, db2, dp, *made = backends.select(dy.device).mlp_bwd(
                 dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
-                need_dw2, need_db1, need_db2, need_dp, release, defer)
+                need_dw2, need_db1, need_db2, need_dp, release, defer, x_scales)
             if defer:  # the wgrad op's operands, by name (contract.MLP); the op never frees the saved ones it needs
                 pool = (*made, *saved, dy.contiguous(), x)
                 operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]

@@ -38,11 +38,12 @@ def quantize_weight(weight: torch.Tensor):
 class Fp8Rows(NamedTuple):
     """An FP8 activation as an FP8 dispatcher delivers it: ``q [T, K]`` float8_e4m3fn and its 1×128 row
     scales ``s [T, ceil(K/128)]`` fp32 (quantize_act's row copy, docs/design.md#fp8-recipe; any strides: moegemm's
-    layout is K-major, ``layout.empty_row_scales``, and scales in another are copied into it once per
-    call), and ``grad_target``: the
+    layout is K-major, ``layout.empty_row_scales``, and scales in another are copied into it by each
+    op that reads them), and ``grad_target``: the
     differentiable tensor ``[T, K]`` that receives the input gradient dx (bf16, cast to its dtype) in
     backward, or None (then no dx is computed). Pass it as ``x`` to grouped_linear / grouped_mlp /
-    GroupedLinear / GroupedMLP / MoegemmExperts (fp8_blockwise only)."""
+    GroupedLinear / GroupedMLP / MoegemmExperts (fp8_blockwise only). With the weight gradient wanted, backward
+    reads ``q`` and ``s`` again (wgrad's column copy is made from them then): keep them unchanged until it ran."""
     q: torch.Tensor
     s: torch.Tensor
     grad_target: Optional[torch.Tensor] = None

@@ -125,6 +125,9 @@ def _assert_conforms(op, args, real):
     assert len(flat_real) == len(flat_fake), op.name
     for i, (r, f) in enumerate(zip(flat_real, flat_fake)):
         assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), f"{op.name} output {i}"
+        if r.numel() > 1:  # the strides too (the row scales' K-major ones); a size-1 dimension's do not matter
+            strides = [[st for st, n in zip(t.stride(), t.shape) if n > 1] for t in (r, f)]
+            assert strides[0] == strides[1], f"{op.name} output {i} strides"
 
 
 def _flatten(out):
@@ -139,19 +142,28 @@ def _linear_inputs(weight_dtype):
     return x, w, torch.tensor(SPLITS), torch.randn(E, N)
 
 
+def _fp8_rows(x, m):
+    """An FP8 x as quantize_act's row copy: (q, s)."""
+    return reference_backend.quantize_act(x, reference_backend.make_plan(m, x.shape[0]), True, False)[:2]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_reference_linear_ops_conform(recipe, weight_dtype):
+@pytest.mark.parametrize("fp8_x", [False, True])
+def test_reference_linear_ops_conform(recipe, weight_dtype, fp8_x):
+    if fp8_x and recipe != FP8_BLOCKWISE:
+        pytest.skip("an FP8 x is an fp8_blockwise input")
     ops = reference_backend
     x, w, m, b = _linear_inputs(weight_dtype)
+    x, x_scales = _fp8_rows(x, m) if fp8_x else (x, None)
     for need_dx, need_dw, given in itertools.product((True, False), (True, False), (False, True)):
         fp8_weight = list(reference_backend.quantize_weight(w)) if given and recipe == FP8_BLOCKWISE else None
-        args = (x, w, m, b, recipe, need_dx, need_dw, None, fp8_weight)
+        args = (x, w, m, b, recipe, need_dx, need_dw, x_scales, fp8_weight)
         y, plan, saved = out = ops.linear_fwd(*args)
         _assert_conforms(contract.LINEAR_FWD, args, out)
         dy = torch.randn_like(y)
         for main_grad, defer in ((None, False), (torch.zeros(w.shape), False), (None, True)):
-            bwd_args = (dy, plan, saved, x, w, main_grad, recipe, need_dx, need_dw, True, defer, fp8_weight)
+            bwd_args = (dy, plan, saved, x, w, main_grad, recipe, need_dx, need_dw, True, defer, fp8_weight, x_scales)
             dx, dw, db, *made = out = ops.linear_bwd(*bwd_args)
             _assert_conforms(contract.LINEAR_BWD, bwd_args, out)
             if defer and need_dw:
@@ -165,18 +177,22 @@ def test_reference_linear_ops_conform(recipe, weight_dtype):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_reference_mlp_ops_conform(recipe, activation, weight_dtype):
+@pytest.mark.parametrize("fp8_x", [False, True])
+def test_reference_mlp_ops_conform(recipe, activation, weight_dtype, fp8_x):
+    if fp8_x and recipe != FP8_BLOCKWISE:
+        pytest.skip("an FP8 x is an fp8_blockwise input")
     ops = reference_backend
     torch.manual_seed(0)
     F1 = 2 * F if activation == "swiglu" else F
     x = torch.randn(T, H, dtype=torch.bfloat16)
+    x, x_scales = _fp8_rows(x, torch.tensor(SPLITS)) if fp8_x else (x, None)
     w1, w2 = (torch.randn(E, F1, H) * 0.05).to(weight_dtype), (torch.randn(E, H, F) * 0.05).to(weight_dtype)
     b1, b2, probs, m = torch.randn(E, F1), torch.randn(E, H), torch.rand(T), torch.tensor(SPLITS)
     act = ACTIVATIONS[activation]
     fp8_sets = [[]] + ([[*ops.quantize_weight(w1), *ops.quantize_weight(w2)]] if recipe == FP8_BLOCKWISE else [])
     for fp8, (save, need_dw1, need_dw2) in itertools.product(
             fp8_sets, [(True, True, True), (True, False, True), (True, True, False), (False, False, False)]):
-        args = (x, w1, w2, m, b1, b2, probs, act, recipe, fp8, save, need_dw1, need_dw2, None)
+        args = (x, w1, w2, m, b1, b2, probs, act, recipe, fp8, save, need_dw1, need_dw2, x_scales)
         y, plan, saved = out = ops.mlp_fwd(*args)
         _assert_conforms(contract.MLP_FWD, args, out)
         if not save:
@@ -184,7 +200,7 @@ def test_reference_mlp_ops_conform(recipe, activation, weight_dtype):
         dy = torch.randn_like(y)
         for p, defer in ((probs, False), (None, False), (probs, True)):
             needs = (True, need_dw1, need_dw2, True, True, p is not None)
-            bwd_args = (dy, plan, saved, x, w1, w2, p, fp8, None, None, act, recipe, *needs, False, defer)
+            bwd_args = (dy, plan, saved, x, w1, w2, p, fp8, None, None, act, recipe, *needs, False, defer, x_scales)
             out = ops.mlp_bwd(*bwd_args)
             _assert_conforms(contract.MLP_BWD, bwd_args, out)
             if defer:

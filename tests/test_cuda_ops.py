@@ -60,8 +60,8 @@ def plan_cases(dtype):
 @pytest.mark.parametrize("first", ["weights", "x", "fp8_x"])
 def test_plan_built_inside_the_first_quantizer_matches_make_plan(dtype, first):
     """A forward builds the plan inside its first quantizer's launch: the weights' (one more CTA) when it
-    quantizes them, else x's (each CTA deriving it, CTA 0 writing it; an FP8 x's column copy: make_plan's
-    kernel before it). Always make_plan's plan, bad counts and T = 0 included, and y as from that plan."""
+    quantizes them, else x's (each CTA deriving it, CTA 0 writing it; an FP8 x: make_plan's kernel, in the
+    launch of requantize_cols with nothing to requantize). Always make_plan's plan, bad counts and T = 0 included, and y as from that plan."""
     from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
     K, N = 128, 256
     for E, T, counts in [*plan_cases(dtype), (5, 0, [0, 3, -1, 0, 2])]:

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from moegemm import reference as R
 from moegemm.backends import contract
 from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
 
-from conftest import GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, cuda_kernels, poisoned, requires_cuda, zipf_splits
+from conftest import (GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, cuda_kernels, poisoned, rel, requires_cuda,
+                      zipf_splits)
 
 pytestmark = [requires_cuda, pytest.mark.skipif(os.environ.get("MOEGEMM_ONE_LAUNCH_FORWARD") == "0",
                                                  reason="MOEGEMM_ONE_LAUNCH_FORWARD=0 turns the fused forward off")]
@@ -70,10 +72,14 @@ def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=Fa
         # (over the covered rows: no GEMM reads the others, which quantize_act zeroes and the fused launch quantizes)
         assert torch.equal(saved["qx"][:covered].view(torch.uint8), q[:covered].view(torch.uint8))
         assert torch.equal(saved["sx"][:covered].view(torch.int32), s[:covered].view(torch.int32))  # NaN scales too
+        qw, sw = (given[0], given[1]) if given is not None else cuda_ops.quantize_weight(w)[:2]
         if bias is None:
-            qw, sw = (given[0], given[1]) if given is not None else cuda_ops.quantize_weight(w)[:2]
             y_two = cuda_ops.gemm_fp8_ragged_m(q, s, qw, sw, plan1)
             assert torch.equal(y1.view(torch.int16), y_two.view(torch.int16))
+        elif not special:  # the bias in the epilogue (the GEMM primitive takes none): the reference's, in float64
+            cpu = [t.cpu() for t in (q, s, qw, sw, plan1, bias)]
+            y_ref = R.gemm_fp8_fprop(*cpu[:5], torch.bfloat16, cpu[5])
+            assert rel(y1[:covered].cpu(), y_ref[:covered]) <= 1e-6
     assert not y1[covered:].any()  # rows no expert covers are zeros
     (y3, _), names = cuda_kernels(lambda: forward(x, w, m, bias, given, False))
     assert torch.equal(y1.view(torch.int16), y3.view(torch.int16))  # repeatable

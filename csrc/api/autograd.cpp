@@ -93,7 +93,8 @@ struct LinearNode : torch::autograd::Function<LinearNode> {
                                       a.x_scales, list_or_none(a.fp8_weight));
     // wgrad's x: the bf16 recipe's, or an FP8 x's row copy (the fp8 recipe's forward saves a bf16 x's own)
     const bool keep_x = need_dw && (to_recipe(a.recipe) == Recipe::kBf16 || a.x_scales.has_value());
-    variable_list kept{plan, keep_x ? a.x : Tensor(), keep_x && a.x_scales.has_value() ? *a.x_scales : Tensor(), weight};
+    const Tensor x_scales = keep_x && a.x_scales.has_value() ? *a.x_scales : Tensor();
+    variable_list kept{plan, keep_x ? a.x : Tensor(), x_scales, weight};
     kept.insert(kept.end(), a.fp8_weight.begin(), a.fp8_weight.end());
     kept.insert(kept.end(), saved.begin(), saved.end());
     ctx->save_for_backward(kept);
@@ -175,7 +176,8 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
     const std::optional<Tensor> x = d["x"].toOptional<Tensor>(), x_scales = d["x_scales"].toOptional<Tensor>();
     const std::optional<Tensor> probs = d["probs"].toOptional<Tensor>();
     const c10::List<std::optional<Tensor>> fp8_weights = d["fp8_weights"].toOptionalTensorList();
-    d.erase(found), d.erase("x"), d.erase("x_scales"), d.erase("probs"), d.erase("fp8_weights");  // nothing left in the node
+    // nothing left in the node
+    d.erase(found), d.erase("x"), d.erase("x_scales"), d.erase("probs"), d.erase("fp8_weights");
     const Tensor plan = kept[kKeptPlan], fc1_weight = kept[kKeptW1], fc2_weight = kept[kKeptW2];
     std::vector<Tensor> saved(std::make_move_iterator(kept.begin() + kKeptCount), std::make_move_iterator(kept.end()));
     kept.clear();

@@ -133,7 +133,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
         dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, wT.qT, wT.sT, plan);
       }
       if (need_dw) {
-        const Quantized qx = x_columns(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, plan, dy);
+        const Quantized rows = wgrad_x_rows(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, dy);
+        const Quantized qx = run_requantize_cols(rows.q, rows.s, plan, true);
         if (defer) {
           made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
           made[made_fp8::kQxT] = qx.qT, made[made_fp8::kSxT] = qx.sT;

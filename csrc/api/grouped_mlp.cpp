@@ -91,7 +91,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
   const Tensor probs = probs_fp32(probs_in, s.T, x);
   const Tensor splits = splits_input(m_splits, s.E, s.T, x);
   // fp8: the plan is built inside the first quantizer's launch (the weights' when quantized here, both in
-  // one launch, each row copy dropped after its GEMM; else x's); bf16: by its own.
+  // one launch, each weight's row copy dropped after its GEMM; else x's); bf16: by its own.
   const bool fp8 = recipe == Recipe::kFp8Blockwise;
   const Tensor plan = fp8 ? empty_plan(s.E, x) : run_make_plan(splits, s.T);
   Tensor plan_from = splits;  // the counts x's quantizer builds the plan from, unless the weights' launch does
@@ -179,6 +179,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   Tensor dx, dw1, dw2, db1, dprobs;
   if (recipe == Recipe::kFp8Blockwise) {
     TORCH_CHECK(saved.size() == fp8::kCount, "moegemm: saved must hold ", num(fp8::kCount), " tensors, got ", num(saved.size()));
+    // x's row copy for fc1 wgrad's column copy (made after dx): checked here, before anything is written
+    Quantized x_rows;
+    if (need_dw1) x_rows = wgrad_x_rows(saved[fp8::kQx], saved[fp8::kSx], x_in, x_scales, T, s.H, dy);
     if (need_da) check_tensor(saved[fp8::kH], "saved h", at::kBFloat16, {T, s.F1}, dy);
     if (need_dw2) {
       check_tensor(saved[fp8::kQaT], "saved qaT", at::kFloat8_e4m3fn, {s.F, col_capacity(T, s.E)}, dy);
@@ -228,8 +231,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, fp8::kQw1T), drop_weight(w1T.sT, fp8::kSw1T);
       if (need_dw1) {  // x's column copy, made from its row copy
-        Quantized qx = x_columns(saved[fp8::kQx], saved[fp8::kSx], x_in, x_scales, T, s.H, plan, dy);
-        qx.q.reset(), qx.s.reset(), drop_saved(fp8::kQx), drop_saved(fp8::kSx);
+        Quantized qx = run_requantize_cols(x_rows.q, x_rows.s, plan, true);
+        qx.q.reset(), qx.s.reset(), x_rows = {}, drop_saved(fp8::kQx), drop_saved(fp8::kSx);
         if (defer) {
           made[made_fp8::kQdhT] = qdh.qT, made[made_fp8::kSdhT] = qdh.sT;
           made[made_fp8::kQxT] = qx.qT, made[made_fp8::kSxT] = qx.sT;

@@ -39,9 +39,9 @@ struct WeightIn {
   DType dtype;
 };
 std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weights, bool transposed, const PlanOut& plan);
-// An FP8 x given as its row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout, as an
-// FP8 dispatcher delivers it): {q, s, qT, sT} with, if `cols`, the per-expert column copy made from the
-// rows (dequantize, re-quantize in 128x1 blocks; else [0] placeholders).
+// An FP8 row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout: an FP8 x as a dispatcher
+// delivers it, or the one a forward saved of a bf16 x): {q, s, qT, sT} with, if `cols`, the per-expert column
+// copy made from the rows (dequantize, re-quantize in 128x1 blocks; else [0] placeholders).
 Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols, const Tensor& plan_from = {});
 
 // a = act(h) * probs, quantized like quantize_act (probs may be undefined).

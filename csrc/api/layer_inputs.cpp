@@ -108,19 +108,16 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe) {
   return {q, row_scales_input(x_scales, "x_scales", T, ceil_div(K, kBlock), q), Tensor(), Tensor()};
 }
 
-Quantized x_columns(const Tensor& saved_q, const Tensor& saved_s, const std::optional<Tensor>& x,
-                    const std::optional<Tensor>& x_scales, int64_t T, int64_t K, const Tensor& plan, const Tensor& like) {
-  Tensor q, s;
+Quantized wgrad_x_rows(const Tensor& saved_q, const Tensor& saved_s, const std::optional<Tensor>& x,
+                       const std::optional<Tensor>& x_scales, int64_t T, int64_t K, const Tensor& like) {
   if (x_scales.has_value()) {
     TORCH_CHECK(x.has_value(), "moegemm: x_scales given without x (the FP8 x's row copy)");
     const Quantized given = fp8_x_input(*x, *x_scales, Recipe::kFp8Blockwise);
     check_tensor(given.q, "x", at::kFloat8_e4m3fn, {T, K}, like);
-    q = given.q, s = given.s;
-  } else {
-    check_tensor(saved_q, "saved qx", at::kFloat8_e4m3fn, {T, K}, like);
-    q = aligned(saved_q), s = row_scales_input(saved_s, "saved sx", T, ceil_div(K, kBlock), like);
+    return given;
   }
-  return run_requantize_cols(q, s, plan, true);
+  check_tensor(saved_q, "saved qx", at::kFloat8_e4m3fn, {T, K}, like);
+  return {aligned(saved_q), row_scales_input(saved_s, "saved sx", T, ceil_div(K, kBlock), like), Tensor(), Tensor()};
 }
 
 size_t wgrad_operand_count(Recipe recipe) { return recipe == Recipe::kFp8Blockwise ? 4 : 2; }

@@ -42,6 +42,13 @@ Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t 
 // main_grad [E, N, K] fp32 on like's device, contiguous; undefined if absent.
 Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like);
 
+// x's FP8 row copy for wgrad's column copy (fp8_blockwise), checked: the one forward saved (saved_q [T, K] e4m3,
+// saved_s [T, ceil(K/128)] fp32 in the row-scale layout), or with x_scales an FP8 x given back to backward (x: its
+// row copy, x_scales: its scales in any strides, copied into the layout). -> {q, s, [0], [0]}. The backward makes
+// the column copy from it with run_requantize_cols(q, s, plan, true).
+Quantized wgrad_x_rows(const Tensor& saved_q, const Tensor& saved_s, const std::optional<Tensor>& x,
+                       const std::optional<Tensor>& x_scales, int64_t T, int64_t K, const Tensor& like);
+
 // An FP8 x (issue 16), fp8_blockwise recipe only: q [T, K] e4m3 on a CUDA device, contiguous, with its 1x128
 // row scales x_scales [T, ceil(K/128)] fp32 in any strides (quantize_act's row copy; copied into the K-major
 // layout, csrc/moegemm.h row_scale_pitch, when not in it); both aligned. -> {q, s, [0], [0]}.
@@ -53,12 +60,6 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe);
 //   bf16:          dy [T, N] bf16, x [T, K] bf16.
 // Checked, then the gradient is written or accumulated as by weight_grad. The operands must come from a
 // backward over this plan (its device values cannot be checked against their widths on the host).
-// x's per-expert column copy for wgrad (fp8_blockwise), made from x's FP8 row copy by requantize_cols: the row copy
-// forward saved (saved_q [T, K] e4m3, saved_s [T, ceil(K/128)] fp32 in the row-scale layout), or with x_scales an FP8
-// x given back to backward (x: its row copy, x_scales: its scales in any strides). -> {q, s, qT, sT}.
-Quantized x_columns(const Tensor& saved_q, const Tensor& saved_s, const std::optional<Tensor>& x,
-                    const std::optional<Tensor>& x_scales, int64_t T, int64_t K, const Tensor& plan, const Tensor& like);
-
 size_t wgrad_operand_count(Recipe recipe);
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
                             const Tensor& main_grad, const Tensor& plan);

@@ -31,6 +31,7 @@ if HAS_HOPPER:
     from moegemm.backends import cuda as cuda_ops
 
 DEV = "cuda"
+TOL = 4e-3  # relative to the float64 reference: fp32 accumulation and the one rounding to bf16
 
 
 def forward(x, w, m, bias, given, need_dw):
@@ -79,7 +80,7 @@ def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=Fa
         elif not special:  # the bias in the epilogue (the GEMM primitive takes none): the reference's, in float64
             cpu = [t.cpu() for t in (q, s, qw, sw, plan1, bias)]
             y_ref = R.gemm_fp8_fprop(*cpu[:5], torch.bfloat16, cpu[5])
-            assert rel(y1[:covered].cpu(), y_ref[:covered]) <= 1e-6
+            assert rel(y1[:covered].cpu(), y_ref[:covered]) <= TOL
     assert not y1[covered:].any()  # rows no expert covers are zeros
     (y3, _), names = cuda_kernels(lambda: forward(x, w, m, bias, given, False))
     assert torch.equal(y1.view(torch.int16), y3.view(torch.int16))  # repeatable

@@ -29,6 +29,7 @@ TORCH_LIBRARY(moegemm, m) {
   // primitives
   m.def("make_plan(Tensor m_splits, int T) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("requantize_cols(Tensor x, Tensor x_scales, Tensor plan) -> (Tensor, Tensor)");
   m.def("quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("quantize_weights(Tensor[] weights) -> Tensor[]");
   m.def("act_quantize(Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
@@ -63,6 +64,7 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("mlp_wgrad", &mlp_wgrad);
   m.impl("make_plan", &make_plan_op);
   m.impl("quantize_act", &quantize_act_op);
+  m.impl("requantize_cols", &requantize_cols_op);
   m.impl("quantize_weight", &quantize_weight_op);
   m.impl("quantize_weights", &quantize_weights_op);
   m.impl("act_quantize", &act_quantize_op);

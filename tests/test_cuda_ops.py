@@ -169,6 +169,27 @@ def test_quantize_act_bitwise(K, E, dtype):
         assert_cols_equal((qT2, sT2), (rqT, rsT), plan_ref, T)
 
 
+@pytest.mark.parametrize("K", [128, 144, 2048])
+@pytest.mark.parametrize("E", [1, 8, 64])
+def test_requantize_cols_bitwise(K, E):
+    """The column copy of an FP8 row copy (rows over a wide range of magnitudes, subnormal scales included),
+    from its scales in quantize_act's layout or in any strides: the reference's, bitwise."""
+    for name, make in split_cases():
+        T = int(torch.randint(1, 3000, ()).item())
+        splits = make(E, T)
+        mags = torch.pow(2.0, torch.randint(-140, 12, (T, 1), device=DEV).float())
+        x = torch.randn(T, K, device=DEV) * mags
+        plan, plan_ref = device_plan(splits, T)
+        q, s, _, _ = cuda_ops.quantize_act(x, plan, True, False)
+        expect = ref.requantize_cols(q, s, plan_ref)
+        assert_cols_equal(cuda_ops.requantize_cols(q, s, plan), expect, plan_ref, T)
+        assert_cols_equal(cuda_ops.requantize_cols(q, s.contiguous(), plan), expect, plan_ref, T)
+    with pytest.raises(RuntimeError, match="x_scales"):
+        cuda_ops.requantize_cols(q, s[:, :1].contiguous() if s.shape[1] > 1 else s[:1], plan)
+    with pytest.raises(RuntimeError, match="x given with x_scales must be float8_e4m3fn"):
+        cuda_ops.requantize_cols(x, s, plan)
+
+
 @pytest.mark.parametrize("N,K", [(128, 128), (144, 272), (1408, 2048), (2048, 7168)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_weight_bitwise(N, K, dtype):

@@ -4,6 +4,7 @@ device's copy bandwidth measured in the same run (issue 24's table).
 Bytes are the minimal ones: every input read once, every output written once (the FP8 copies with the
 padding of each expert's column copy to COL_ALIGN tokens, the scales, the probs-gradient partial sums). Kernels:
   quantize_act        x [T, H] -> rows (1x128) + per-expert columns (128x1): fc1's input, fc2's dy
+  requantize_cols     x's FP8 rows [T, H] -> its per-expert columns: fc1's wgrad operand, in the backward
   act_quantize        SwiGLU(h) x probs -> FP8 rows + columns, h [T, 2F]
   act_backward_quant  its gradient: da [T, F], h, probs -> dh rows + columns and the probs partials
   quantize_weight     fc1 [E, 2F, H] and fc2 [E, H, F] weights -> W and Wᵀ copies
@@ -65,12 +66,15 @@ def kernels(E, H, F, splits, ops, torch):
     y1 = torch.randn(T, 2 * F, device=dev, generator=g).to(bf)
     kb = lambda K: -(-K // 128)  # noqa: E731
     m = torch.ops.moegemm
+    qx, sx = ops.quantize_act(x, plan, True, False)[:2]
 
     def wbytes(N, K):
         return E * N * K * 2 + 2 * (E * N * K + E * kb(N) * kb(K) * 4)
 
     return plan, {
         "quantize_act [T, H]": (lambda: ops.quantize_act(x, plan), T * H * 2 + multicast_bytes(T, H, splits)),
+        "requantize_cols [T, H]": (lambda: ops.requantize_cols(qx, sx, plan),
+                                   T * H + T * kb(H) * 4 + multicast_bytes(T, H, splits, rows=False)),
         "act_quantize SwiGLU": (lambda: ops.act_quantize(h, probs, "swiglu", plan),
                                 T * 2 * F * 2 + T * 4 + multicast_bytes(T, F, splits)),
         "act_backward_quantize SwiGLU": (lambda: ops.act_backward_quantize(da, h, probs, "swiglu", plan),

@@ -9,6 +9,7 @@
 #include <c10/core/DeviceGuard.h>
 
 #include "api/launch.h"
+#include "api/layer_inputs.h"
 
 namespace moegemm::api {
 
@@ -124,6 +125,15 @@ Quad quantize_act_op(const Tensor& x_in, const Tensor& plan, bool rows, bool col
   check_dim_aligned(x.size(1), "x.shape[1]");
   c10::DeviceGuard guard(x.device());
   return as_tuple(run_quantize_act(x, dtype, plan, rows, cols));
+}
+
+std::tuple<Tensor, Tensor> requantize_cols_op(const Tensor& x, const Tensor& x_scales, const Tensor& plan) {
+  const Quantized rows = fp8_x_input(x, x_scales, Recipe::kFp8Blockwise);
+  check(plan, "plan", at::kInt, 2, rows.q);
+  num_experts(plan);
+  c10::DeviceGuard guard(rows.q.device());
+  Quantized cols = run_requantize_cols(rows.q, rows.s, plan, true);
+  return {std::move(cols.qT), std::move(cols.sT)};
 }
 
 Quad act_quantize_op(const Tensor& h_in, const std::optional<Tensor>& probs_in,

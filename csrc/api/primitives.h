@@ -15,6 +15,9 @@ using Quad = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
 Tensor make_plan_op(const Tensor& m_splits, int64_t T);
 Quad quantize_act_op(const Tensor& x, const Tensor& plan, bool rows, bool cols);
+// The per-expert column copy (qT, sT) of an FP8 row copy x [T, K] with its 1x128 row scales x_scales (quantize_act's
+// rows, scales in any strides), as quantize_act(x dequantized, plan, false, true) would make it.
+std::tuple<Tensor, Tensor> requantize_cols_op(const Tensor& x, const Tensor& x_scales, const Tensor& plan);
 Quad quantize_weight_op(const Tensor& w);
 // quantize_weight of each weight (on one device), flattened: four tensors per weight; a layer's two weights in
 // one launch (the FP8 weight cache's refresh).

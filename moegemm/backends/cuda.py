@@ -46,6 +46,10 @@ def quantize_act(x, plan, rows: bool = True, cols: bool = True):
     return (q if rows else None, s if rows else None, qT if cols else None, sT if cols else None)
 
 
+def requantize_cols(q, s, plan):
+    return _ops.requantize_cols(q, s, plan)
+
+
 def quantize_weight(w):
     return _ops.quantize_weight(w)
 

@@ -66,6 +66,10 @@ def _quantize_act(x, plan, rows, cols):
     return _multicast_like(x, x.shape[1], plan, rows, cols)
 
 
+def _requantize_cols(x, x_scales, plan):
+    return _multicast_like(x, x.shape[1], plan, False, True)[2:]
+
+
 def _quantize_weight(w):
     E, N, K = w.shape
     nb, kb = ceil_div(N, BLOCK), ceil_div(K, BLOCK)
@@ -135,6 +139,7 @@ def _act_backward_bf16(da, h, probs, activation):
 _PRIMITIVES = {
     "make_plan": _make_plan,
     "quantize_act": _quantize_act,
+    "requantize_cols": _requantize_cols,
     "quantize_weight": _quantize_weight,
     "quantize_weights": _quantize_weights,
     "gemm_fp8_ragged_m": _gemm_fp8_ragged_m,

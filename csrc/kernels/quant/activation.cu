@@ -35,7 +35,7 @@ struct ActForward {
     return 1;
   }
   __device__ __forceinline__ const __nv_bfloat16* row_start(int, int64_t row) const { return h + row * F; }
-  __device__ __forceinline__ const float* row_factor() const { return probs; }
+  __device__ __forceinline__ const float* row_factor(int64_t) const { return probs; }
   __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], float p, int64_t, int64_t,
                                           float (&v)[multicast::kVec]) const {
     float g[multicast::kVec];
@@ -61,7 +61,7 @@ struct ActBackward {
   const __nv_bfloat16* h;
   const float* probs;
   int64_t F;
-  __device__ __forceinline__ const float* row_factor() const { return probs; }
+  __device__ __forceinline__ const float* row_factor(int64_t) const { return probs; }
   __device__ __forceinline__ int segments(int in, int64_t k0, int nk, multicast::Segment (&seg)[2]) const {
     if (!kGlu) {
       seg[0] = {k0, 0, nk};

@@ -11,7 +11,7 @@
 // the column maxima through shared memory (every warp taking 8 columns), and write the column copy through
 // a swizzled shared-memory tile with full-line stores: three CTA barriers per tile.
 // Per tile (tile_kernel): one CTA of 8 warps per tile, up to four per SM (see there); the loaders whose
-// kPerTile says so (16-bit x for quantize_act).
+// kPerTile says so (16-bit x for quantize_act, an FP8 row copy for requantize_cols).
 //
 // Loaders say what is staged and how values are made of it:
 //   PlainLoader<T>        x itself (quantize_act)
@@ -20,8 +20,9 @@
 //                         between the two GEMMs of an expert MLP never goes through memory in bf16.
 // A loader has kInputs staged inputs of element type Raw; for a tile's columns [k0, k0 + nk) it names up
 // to two column segments of each input (segments) and the start of a row of it (row_start); with kRowFactor
-// it has one fp32 factor per row (its row_factor(): the router probs, or null for none), staged beside the
-// inputs so that no global load sits among the values; from the staged rows and the row's factor (1 without
+// it has one fp32 factor per row of a tile (its row_factor(k0), row r's at [r]: the router probs, an FP8 row
+// copy's scales of the tile's column block, or null for none), staged beside the inputs so that no global load
+// sits among the values; from the staged rows and the row's factor (1 without
 // one) it computes eight values (values). It may also return a per-element "extra" whose per-row sums over
 // each tile are written to row_extra [T, Kb]: the probs gradient of the activation backward (a GLU's forward, and
 // its backward with F % 128 == 0, have kernels of their own: glu_forward.cuh, glu_backward.cuh).
@@ -119,13 +120,14 @@ struct PlainLoader {
 // Values of an FP8 row copy q [T, K] (e4m3) with its 1x128 row scales s (quantize_act's rows, K-major with
 // row pitch `pitch`: csrc/moegemm.h, row_scale_pitch),
 // dequantized: q * s is exact in fp32 (4 significant bits times a power of two), so the column copy is
-// the one quantize_act would make of the fp32 tensor of dequantized values.
+// the one quantize_act would make of the fp32 tensor of dequantized values. A tile's columns are one scale
+// block, so its rows' scales are its row factors (contiguous in s: K-major), staged with the rows.
 struct Fp8RowsLoader {
   using Raw = uint8_t;
   static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
-  static constexpr bool kPerTile = false;  // (not measured per tile yet)
-  static constexpr bool kRowFactor = false;
+  static constexpr bool kPerTile = true;    // (measured faster per tile)
+  static constexpr bool kRowFactor = true;  // the row scales
   const uint8_t* q;
   const float* s;
   int64_t K, pitch;
@@ -134,10 +136,10 @@ struct Fp8RowsLoader {
     return 1;
   }
   __device__ __forceinline__ const uint8_t* row_start(int, int64_t row) const { return q + row * K; }
-  __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], float, int64_t row, int64_t k,
+  __device__ __forceinline__ const float* row_factor(int64_t k0) const { return s + k0 / kBlock * pitch; }
+  __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], float scale, int64_t, int64_t,
                                           float (&v)[kVec]) const {
     const uint2 bytes = *reinterpret_cast<const uint2*>(raw[0]);
-    const float scale = s[k / kBlock * pitch + row];
     const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&bytes);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -198,11 +200,11 @@ __device__ __forceinline__ auto staged_factors(Raw* stage) {
   using Float = std::conditional_t<std::is_const_v<Raw>, const float, float>;
   return reinterpret_cast<Float*>(stage + staged_input_bytes<Loader>() / sizeof(Raw));
 }
-// The factor row r of a staged tile's values take: its staged factor, or 1 (no factor).
+// The factor row r of a staged tile (columns from k0) takes: its staged factor, or 1 (no factor).
 template <class Loader>
-__device__ __forceinline__ float row_factor_of(const Loader& src, const typename Loader::Raw* stage, int r) {
+__device__ __forceinline__ float row_factor_of(const Loader& src, const typename Loader::Raw* stage, int r, int64_t k0) {
   if constexpr (Loader::kRowFactor) {
-    if (src.row_factor() != nullptr) return staged_factors<Loader>(stage)[r];
+    if (src.row_factor(k0) != nullptr) return staged_factors<Loader>(stage)[r];
   }
   return 1.f;
 }
@@ -231,7 +233,7 @@ __device__ __forceinline__ void load_tile_rows(const Loader& src, typename Loade
   }
   if constexpr (Loader::kRowFactor) {
     static_assert(kThreads >= kBlock, "a thread per row of the tile");
-    const float* factor = src.row_factor();
+    const float* factor = src.row_factor(k0);
     if (factor != nullptr && tid < nr)
       async_copy::load4(staged_factors<Loader>(stage) + tid, factor + row0 + tid);
   }
@@ -381,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
           const Raw* raw[Loader::kInputs];
 #pragma unroll
           for (int in = 0; in < Loader::kInputs; ++in) raw[in] = staged + in * kStageElems + r * kBlock + kVec * hl;
-          const float factor = row_factor_of(src, staged, r);
+          const float factor = row_factor_of(src, staged, r, k0);
           extra[jr] = src.values(raw, factor, tile.row0 + r, k0 + kVec * hl, v[jr]);
         } else {
 #pragma unroll
@@ -709,7 +711,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
             const Raw* raw[Loader::kInputs];
 #pragma unroll
             for (int in = 0; in < Loader::kInputs; ++in) raw[in] = at + in * kStageElems;
-            src.values(raw, row_factor_of(src, staged, r), row0 + r, k0 + kVec * hl, v[jr].v);
+            src.values(raw, row_factor_of(src, staged, r, k0), row0 + r, k0 + kVec * hl, v[jr].v);
           }
         } else {
           v[jr].zero();

@@ -1,6 +1,7 @@
 // FP8 blockwise quantization kernels (docs/design.md#fp8-recipe).
 //   quantize_act: the multi-cast kernel (multicast.cuh) reading x as it is.
-//   requantize_cols: the same kernel reading an FP8 row copy (dequantized), writing only the column copy.
+//   requantize_cols: the same kernel (per tile) reading an FP8 row copy and its row scales (dequantized),
+//   writing only the column copy.
 //   quantize_weight_kernel: one CTA per 128x128 block of one expert, staged in shared memory by cp.async;
 //   writes W and Wᵀ copies, both as contiguous 128-byte row segments (Wᵀ through a swizzled FP8 tile in shared memory
 //   and 4x4 byte transposes in registers). A layer's weights in one launch, and the plan by one more CTA.

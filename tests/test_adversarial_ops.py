@@ -60,6 +60,7 @@ def good_calls(a):
     return [
         ("make_plan", (a.m, T)),
         ("quantize_act", (a.x, a.plan, True, True)),
+        ("requantize_cols", (a.qx, a.sx, a.plan)),
         ("quantize_weight", (a.w,)),
         ("act_quantize", (a.h, a.p, 0, a.plan, True, True)),
         ("act_backward_quantize", (a.da, a.h, a.p, 0, a.plan, True, True)),
@@ -75,7 +76,7 @@ def good_calls(a):
     ]
 
 
-ALL_OPS = ["make_plan", "quantize_act", "quantize_weight", "act_quantize", "act_backward_quantize", "act_bf16",
+ALL_OPS = ["make_plan", "quantize_act", "requantize_cols", "quantize_weight", "act_quantize", "act_backward_quantize", "act_bf16",
            "act_backward_bf16", "gemm_fp8_ragged_m", "gemm_fp8_ragged_k", "gemm_fp8_ragged_k_accumulate",
            "gemm_bf16_fprop", "gemm_bf16_dgrad", "gemm_bf16_wgrad", "gemm_bf16_wgrad_accumulate"]
 
@@ -132,6 +133,16 @@ BAD = {
     "quantize_act/plan_cpu": lambda a: ("quantize_act", (a.x, a.plan.cpu(), True, True)),
     "quantize_act/x_cpu": lambda a: ("quantize_act", (a.x.cpu(), a.plan, True, True)),
     "quantize_act/all_cpu": lambda a: ("quantize_act", (a.x.cpu(), a.plan.cpu(), True, True)),
+    # requantize_cols (an FP8 x's column copy from its rows)
+    "requantize_cols/x_bf16": lambda a: ("requantize_cols", (a.x, a.sx, a.plan)),
+    "requantize_cols/x_3d": lambda a: ("requantize_cols", (a.qx.view(1, T, K), a.sx, a.plan)),
+    "requantize_cols/x_K24": lambda a: ("requantize_cols", (a.qx[:, :24].contiguous(), a.sx[:, :1].contiguous(), a.plan)),
+    "requantize_cols/scales_wide": lambda a: ("requantize_cols", (a.qx, torch.cat([a.sx, a.sx], 1), a.plan)),
+    "requantize_cols/scales_rows": lambda a: ("requantize_cols", (a.qx, a.sx[:-1], a.plan)),
+    "requantize_cols/scales_bf16": lambda a: ("requantize_cols", (a.qx, a.sx.bfloat16(), a.plan)),
+    "requantize_cols/scales_cpu": lambda a: ("requantize_cols", (a.qx, a.sx.cpu(), a.plan)),
+    "requantize_cols/plan_int64": lambda a: ("requantize_cols", (a.qx, a.sx, a.plan.long())),
+    "requantize_cols/plan_cpu": lambda a: ("requantize_cols", (a.qx, a.sx, a.plan.cpu())),
     # quantize_weight
     "quantize_weight/2d": lambda a: ("quantize_weight", (a.w[0],)),
     "quantize_weight/int": lambda a: ("quantize_weight", (a.w.int(),)),
@@ -321,6 +332,7 @@ def opcheck_cases():
     yield "quantize_act", "quantize_act", lambda a: (a.x, a.plan, True, True)
     yield "quantize_act_rows", "quantize_act", lambda a: (a.x, a.plan, True, False)
     yield "quantize_act_cols_fp32", "quantize_act", lambda a: (a.x.float(), a.plan, False, True)
+    yield "requantize_cols", "requantize_cols", lambda a: (a.qx, a.sx, a.plan)
     yield "quantize_weight", "quantize_weight", lambda a: (a.w,)
     yield "quantize_weight_fp32", "quantize_weight", lambda a: (a.w.float(),)
     yield "quantize_weights", "quantize_weights", lambda a: ([a.w, a.w.float(), a.w],)
@@ -345,7 +357,7 @@ def opcheck_cases():
     yield "gemm_fp8_ragged_k_accumulate", "gemm_fp8_ragged_k_accumulate", lambda a: (a.qdyT, a.sdyT, a.qxT, a.sxT, a.plan, a.out.clone())
 
 
-FP8_INPUT_OPS = ("gemm_fp8_ragged_m", "gemm_fp8_ragged_k", "gemm_fp8_ragged_k_accumulate")
+FP8_INPUT_OPS = ("requantize_cols", "gemm_fp8_ragged_m", "gemm_fp8_ragged_k", "gemm_fp8_ragged_k_accumulate")
 ALL_CASES = list(opcheck_cases())
 # opcheck compiles each case (test_aot_dispatch_dynamic, seconds each): the activation ops with one GLU
 # (swiglu, 0) and one plain (relu, 3) activation; the aliasing test below runs every variant.

@@ -25,7 +25,7 @@ struct ActForward {
   using Raw = __nv_bfloat16;
   static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
-  static constexpr bool kPerTile = false;  // (a staged row factor)
+  static constexpr bool kPerTile = false;  // (not measured per tile)
   static constexpr bool kRowFactor = true;  // probs
   const __nv_bfloat16* h;
   const float* probs;

@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 // The persistent kernel above runs one CTA of 16 warps per SM in lock-step phases between CTA barriers: at 4
 // warps per scheduler its barriers and reductions leave the SM idle half the time (bench/NOTES.md). Here a CTA
 // takes one tile and leaves, so that several CTAs share an SM and one's barriers and loads overlap another's
-// work (the weight quantizer's form). A CTA stages its tile by 16-byte cp.async, then
+// work (the weight quantizer's form). A CTA stages its tile by 16-byte cp.async (its row factors by 4-byte ones), then
 //   row pass: 4 rows x 8 columns per thread at a time, two row groups (16 rows per warp): the row copy, and
 //             the thread's column maxima over both groups -> per-warp maxima in shared memory  | barrier
 //   column scales, 2 threads per column                                                        | barrier

@@ -51,10 +51,10 @@ struct DeviceSplits {
   const void* m_splits = nullptr;
   bool m_is_int64 = false;
 };
-// The same plan built inside another launch (quantize_weights: one more CTA; quantize_act and requantize_cols: their
-// per-tile CTAs; gemm_fp8_ragged_m_quantize_a: its first CTA), with the same requirements. Built only when the
-// counts are given: without them (m_splits null) nothing is built, and a launch that reads a plan (the fused GEMM)
-// reads plan as an earlier launch on the stream left it.
+// The same plan built inside another launch (quantize_weights: one more CTA; quantize_act: by its CTAs;
+// gemm_fp8_ragged_m_quantize_a: its first CTA), with the same requirements. Built only when the counts are given:
+// without them (m_splits null) nothing is built, and a launch that reads a plan (the fused GEMM) reads plan as an
+// earlier launch on the stream left it.
 struct PlanBuild {
   const void* m_splits = nullptr;
   bool m_is_int64 = false;
@@ -74,10 +74,9 @@ void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, int32
 // The column copy of an FP8 input given as its row copy (q [T, K] e4m3 with 1x128 scales s [T, ceil(K/128)],
 // quantize_act's row layout (K-major scales), e.g. from an FP8 dispatcher): each value is dequantized (q * s, exact in fp32)
 // and quantized again in per-expert 128x1 blocks, written as quantize_act's cols (qT [K, col_capacity],
-// sT [block_capacity, K]). With plan_from.m_splits set, `plan` is built from those counts first: by its per-tile CTAs
-// when it makes the column copy, else (qT null) by make_plan's kernel.
-void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, int32_t* plan, uint8_t* qT,
-                     float* sT, DeviceSplits plan_from, cudaStream_t stream);
+// sT [block_capacity, K]), over a plan built earlier on the stream.
+void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
+                     float* sT, cudaStream_t stream);
 
 // Activations of the expert MLP. GLU variants read fc1's output h [T, 2F] as Megatron lays it out:
 // gate = h[:, :F], up = h[:, F:]; the others read h [T, F].

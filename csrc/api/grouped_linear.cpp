@@ -134,14 +134,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
       }
       if (need_dw) {
         const Quantized rows = wgrad_x_rows(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, dy);
-        const Quantized qx = run_requantize_cols(rows.q, rows.s, plan, true);
+        const Quantized xT = run_requantize_cols(rows.q, rows.s, plan);
         if (defer) {
           made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
-          made[made_fp8::kQxT] = qx.qT, made[made_fp8::kSxT] = qx.sT;
+          made[made_fp8::kQxT] = xT.qT, made[made_fp8::kSxT] = xT.sT;
         } else {
-          dw = weight_grad(weight, main_grad, dy, [&](const Tensor& out, bool accumulate) {
-            run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qx.qT, qx.sT, plan, out, accumulate);
-          });
+          dw = fp8_weight_grad(weight, main_grad, dy, qdy.qT, qdy.sT, xT.qT, xT.sT, plan);
         }
       }
     }

@@ -210,10 +210,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
       keep(fp8::kQaT), keep(fp8::kSaT);
     } else if (need_dw2) {
-      const Tensor qaT = aligned(saved[fp8::kQaT]), saT = aligned(saved[fp8::kSaT]);
-      dw2 = weight_grad(fc2_weight, mg2, dy, [&](const Tensor& out, bool accumulate) {
-        run_gemm_fp8_ragged_k(qdy.qT, qdy.sT, qaT, saT, plan, out, accumulate);
-      });
+      dw2 = fp8_weight_grad(fc2_weight, mg2, dy, qdy.qT, qdy.sT, aligned(saved[fp8::kQaT]), aligned(saved[fp8::kSaT]),
+                            plan);
     }
     qdy.qT.reset(), qdy.sT.reset(), drop_saved(fp8::kQaT), drop_saved(fp8::kSaT);
     if (need_da) {
@@ -231,15 +229,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, fp8::kQw1T), drop_weight(w1T.sT, fp8::kSw1T);
       if (need_dw1) {  // x's column copy, made from its row copy
-        Quantized qx = run_requantize_cols(x_rows.q, x_rows.s, plan, true);
-        qx.q.reset(), qx.s.reset(), x_rows = {}, drop_saved(fp8::kQx), drop_saved(fp8::kSx);
+        const Quantized xT = run_requantize_cols(x_rows.q, x_rows.s, plan);
+        x_rows = {}, drop_saved(fp8::kQx), drop_saved(fp8::kSx);
         if (defer) {
           made[made_fp8::kQdhT] = qdh.qT, made[made_fp8::kSdhT] = qdh.sT;
-          made[made_fp8::kQxT] = qx.qT, made[made_fp8::kSxT] = qx.sT;
+          made[made_fp8::kQxT] = xT.qT, made[made_fp8::kSxT] = xT.sT;
         } else {
-          dw1 = weight_grad(fc1_weight, mg1, dy, [&](const Tensor& out, bool accumulate) {
-            run_gemm_fp8_ragged_k(qdh.qT, qdh.sT, qx.qT, qx.sT, plan, out, accumulate);
-          });
+          dw1 = fp8_weight_grad(fc1_weight, mg1, dy, qdh.qT, qdh.sT, xT.qT, xT.sT, plan);
         }
       }
       dprobs = dprobs_of(partial, need_dprobs);

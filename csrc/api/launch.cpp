@@ -34,11 +34,15 @@ float* s_ptr(const Tensor& s, bool wanted) { return wanted ? s.data_ptr<float>()
 }  // namespace
 
 Tensor run_make_plan(const Tensor& m_splits, int64_t T) {
+  Tensor plan = empty_plan(m_splits.numel(), m_splits);
+  run_make_plan_into(m_splits, T, plan);
+  return plan;
+}
+
+void run_make_plan_into(const Tensor& m_splits, int64_t T, const Tensor& plan) {
   MOEGEMM_RANGE("moegemm::run_make_plan");
   const int E = static_cast<int>(m_splits.numel());
-  Tensor plan = empty_plan(E, m_splits);
   make_plan(m_splits.data_ptr(), m_splits.scalar_type() == at::kLong, E, T, plan.data_ptr<int32_t>(), current_stream(m_splits));
-  return plan;
 }
 
 Tensor empty_plan(int64_t E, const Tensor& like) { return empty({3, E + 1}, at::kInt, like); }
@@ -98,15 +102,13 @@ std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weig
   return out;
 }
 
-Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols, const Tensor& plan_from) {
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan) {
   MOEGEMM_RANGE("moegemm::run_requantize_cols");
   const int E = num_experts(plan);
   const int64_t T = q.size(0), K = q.size(1);
-  Tensor qT = cols ? empty({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, q) : none_like(q, at::kFloat8_e4m3fn);
-  Tensor sT = cols ? empty({block_capacity(T, E), K}, at::kFloat, q) : none_like(q, at::kFloat);
-  requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), cols ? bytes(qT) : nullptr,
-                  cols ? sT.data_ptr<float>() : nullptr, device_splits(plan_from), current_stream(q));
-  return {q, s, qT, sT};
+  Tensor qT = empty({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, q), sT = empty({block_capacity(T, E), K}, at::kFloat, q);
+  requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), bytes(qT), sT.data_ptr<float>(), current_stream(q));
+  return {Tensor(), Tensor(), qT, sT};
 }
 
 Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols) {
@@ -184,7 +186,8 @@ Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, co
                  const Tensor& sb, const Tensor& bias, Quantized& qx) {
   const int64_t T = x.size(0), K = x.size(1);
   if (fp8_x != nullptr) {
-    qx = run_requantize_cols(fp8_x->q, fp8_x->s, plan, false, plan_from);  // (builds the plan when plan_from is defined)
+    if (plan_from.defined()) run_make_plan_into(plan_from, T, plan);
+    qx = *fp8_x;
   } else if (T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
     return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias, qx);
   } else {

@@ -22,6 +22,7 @@ struct Quantized {
 // or allocated by empty_plan and built inside the launch of the forward's first quantizer: the weights' (a
 // PlanOut) or x's (plan_from: the checked m_splits; undefined: the plan is only read).
 Tensor run_make_plan(const Tensor& m_splits, int64_t T);
+void run_make_plan_into(const Tensor& m_splits, int64_t T, const Tensor& plan);  // into an empty_plan's buffer
 Tensor empty_plan(int64_t E, const Tensor& like);
 struct PlanOut {
   Tensor m_splits;  // undefined: no plan to build
@@ -39,10 +40,10 @@ struct WeightIn {
   DType dtype;
 };
 std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weights, bool transposed, const PlanOut& plan);
-// An FP8 row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout: an FP8 x as a dispatcher
-// delivers it, or the one a forward saved of a bf16 x): {q, s, qT, sT} with, if `cols`, the per-expert column
-// copy made from the rows (dequantize, re-quantize in 128x1 blocks; else [0] placeholders).
-Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, bool cols, const Tensor& plan_from = {});
+// The per-expert column copy of an FP8 row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout: an
+// FP8 x as a dispatcher delivers it, or the one a forward saved of a bf16 x), made from the rows (dequantize,
+// re-quantize in 128x1 blocks): {[undefined], [undefined], qT, sT}.
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan);
 
 // a = act(h) * probs, quantized like quantize_act (probs may be undefined).
 Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols);

@@ -120,6 +120,13 @@ Quantized wgrad_x_rows(const Tensor& saved_q, const Tensor& saved_s, const std::
   return {aligned(saved_q), row_scales_input(saved_s, "saved sx", T, ceil_div(K, kBlock), like), Tensor(), Tensor()};
 }
 
+Tensor fp8_weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, const Tensor& qgT,
+                       const Tensor& sgT, const Tensor& qxT, const Tensor& sxT, const Tensor& plan) {
+  return weight_grad(weight, main_grad, like, [&](const Tensor& out, bool accumulate) {
+    run_gemm_fp8_ragged_k(qgT, sgT, qxT, sxT, plan, out, accumulate);
+  });
+}
+
 size_t wgrad_operand_count(Recipe recipe) { return recipe == Recipe::kFp8Blockwise ? 4 : 2; }
 
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
@@ -139,10 +146,8 @@ Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first
     check_tensor(at_(1), (n + " (sdyT)").c_str(), at::kFloat, {NB, N}, plan);
     check_tensor(at_(2), (n + " (qxT)").c_str(), at::kFloat8_e4m3fn, {K, Wc}, plan);
     check_tensor(at_(3), (n + " (sxT)").c_str(), at::kFloat, {NB, K}, plan);
-    const Tensor qaT = aligned(at_(0)), saT = aligned(at_(1)), qbT = aligned(at_(2)), sbT = aligned(at_(3));
-    return weight_grad(weight, main_grad, plan, [&](const Tensor& out, bool accumulate) {
-      run_gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out, accumulate);
-    });
+    return fp8_weight_grad(weight, main_grad, plan, aligned(at_(0)), aligned(at_(1)), aligned(at_(2)), aligned(at_(3)),
+                           plan);
   }
   TORCH_CHECK(at_(0).dim() == 2, "moegemm: ", name, " (dy) must be 2-d, got ", shape(at_(0)));
   const int64_t T = at_(0).size(0);

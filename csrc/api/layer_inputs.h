@@ -45,7 +45,7 @@ Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name,
 // x's FP8 row copy for wgrad's column copy (fp8_blockwise), checked: the one forward saved (saved_q [T, K] e4m3,
 // saved_s [T, ceil(K/128)] fp32 in the row-scale layout), or with x_scales an FP8 x given back to backward (x: its
 // row copy, x_scales: its scales in any strides, copied into the layout). -> {q, s, [0], [0]}. The backward makes
-// the column copy from it with run_requantize_cols(q, s, plan, true).
+// the column copy from it with run_requantize_cols(q, s, plan).
 Quantized wgrad_x_rows(const Tensor& saved_q, const Tensor& saved_s, const std::optional<Tensor>& x,
                        const std::optional<Tensor>& x_scales, int64_t T, int64_t K, const Tensor& like);
 
@@ -63,6 +63,10 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe);
 size_t wgrad_operand_count(Recipe recipe);
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
                             const Tensor& main_grad, const Tensor& plan);
+// The fp8 weight gradient from the column copies of the output gradient (qgT, sgT) and of the input (qxT, sxT), as
+// weight_grad returns it (written, or accumulated into main_grad).
+Tensor fp8_weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, const Tensor& qgT,
+                       const Tensor& sgT, const Tensor& qxT, const Tensor& sxT, const Tensor& plan);
 
 // The gradient of a weight [E, N, K]: `gemm(out, accumulate)` accumulates into main_grad when it is
 // defined (then the returned dw is the [0] placeholder), else writes a fresh dw in the wgrad dtype

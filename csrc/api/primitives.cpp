@@ -132,7 +132,7 @@ std::tuple<Tensor, Tensor> requantize_cols_op(const Tensor& x, const Tensor& x_s
   check(plan, "plan", at::kInt, 2, rows.q);
   num_experts(plan);
   c10::DeviceGuard guard(rows.q.device());
-  Quantized cols = run_requantize_cols(rows.q, rows.s, plan, true);
+  Quantized cols = run_requantize_cols(rows.q, rows.s, plan);
   return {std::move(cols.qT), std::move(cols.sT)};
 }
 

@@ -203,10 +203,10 @@ void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, int32
   }
 }
 
-void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, int32_t* plan, uint8_t* qT,
-                     float* sT, DeviceSplits plan_from, cudaStream_t stream) {
+void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
+                     float* sT, cudaStream_t stream) {
   multicast::launch(multicast::Fp8RowsLoader{q, s, K, row_scale_pitch(T)}, T, K, E, plan, nullptr, nullptr, qT, sT,
-                    nullptr, plan_build(plan_from, E, T, plan), stream, "requantize_cols");
+                    nullptr, PlanBuild{}, stream, "requantize_cols");
 }
 
 void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream) {

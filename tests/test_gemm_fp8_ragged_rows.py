@@ -72,7 +72,10 @@ def check_against_reference(splits, N, K, kernel, seed):
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
 @pytest.mark.parametrize("case", GEMM_EDGE_SPLITS.keys())
-@pytest.mark.parametrize("N,K", [(128, 128), (256, 384), (400, 272), (1408, 2048)])
+# K = 640 and 2048 fill whole rounds of the 128-column tiling's 5 stages and of the others' 4 (the K loop unrolled over
+# a round: csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh); N = 400: 192-wide tiles at both weight-scale splits, a last
+# 256-wide tile of one part
+@pytest.mark.parametrize("N,K", [(128, 128), (256, 384), (400, 272), (400, 640), (1408, 2048)])
 def test_edge_counts(case, N, K, kernel):
     check_against_reference(GEMM_EDGE_SPLITS[case], N, K, kernel, seed=zlib.crc32(f"{case} {N} {K}".encode()))
 

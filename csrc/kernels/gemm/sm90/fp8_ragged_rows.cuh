@@ -36,7 +36,9 @@
 //   per 64 columns when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the
 //   expert's rows only (the rows past them belong to the next expert). The wait for a TMA store's reads
 //   is deferred to the next part or tile, so the last store overlaps the next tile's main loop; one
-//   part's buffer (not the whole tile's) leaves shared memory for another pipeline stage.
+//   part's buffer (not the whole tile's) leaves shared memory for another pipeline stage. In tiles of one part
+//   (128, 192 columns) the whole epilogue of a tile is deferred until the next tile's first wgmma chain is issued,
+//   so that the tensor cores work while it runs (bench/NOTES.md, thirty-sixth session: +1 %).
 // - The producer's TMA warp and scale warp each walk the tile list in the plan (global memory): each looks the
 //   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
 //   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that
@@ -97,6 +99,9 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBlockK = kBlock;
   static constexpr int kPartN = kBlockN == 256 ? 128 : kBlockN;
   static constexpr int kParts = kBlockN / kPartN;
+  // A tile's epilogue deferred until the next tile's first wgmma chain is issued, so that it runs while that chain
+  // does: tiles of one part (with two, the 256-column tiling spills 144-160 bytes)
+  static constexpr bool kDeferEpilogue = kParts == 1;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
   static constexpr int kScalesB = 2;     // weight-scale blocks per stage: a tile's columns touch at most two
@@ -166,25 +171,32 @@ __device__ __forceinline__ void promote(float* out, const float* acc, float lo0,
 }
 
 // out[i] += bias[e][col] over a part's accumulator (this thread's columns c + 8 j, c + 8 j + 1 of chunk j for
-// both its rows), from the expert's row of the bias (`row` its offset); columns at or past N are left alone.
-template <int kPartN>
+// both its rows), from the expert's row of the bias (`row` its offset); columns at or past N are left alone. The
+// loads of kBatch chunks first, then their additions: few registers, which the epilogue has to spare while the
+// next tile's first wgmma chain holds the accumulator.
+template <int kPartN, int kBatch = 4>
 __device__ __forceinline__ void add_bias(float* out, const void* bias, bool f32, int64_t row, int c, int N) {
-  float2 b[kPartN / 8];
+  static_assert(kPartN / 8 % kBatch == 0, "whole batches of chunks");
 #pragma unroll
-  for (int j = 0; j < kPartN / 8; ++j) {  // every load first, then the additions
-    const int col = c + 8 * j;
-    if (col >= N)
-      b[j] = make_float2(0.f, 0.f);
-    else if (f32)
-      b[j] = *reinterpret_cast<const float2*>(static_cast<const float*>(bias) + row + col);
-    else
-      b[j] = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(bias) + row + col));
-  }
+  for (int j0 = 0; j0 < kPartN / 8; j0 += kBatch) {
+    float2 b[kBatch];
 #pragma unroll
-  for (int j = 0; j < kPartN / 8; ++j) {
-    out[4 * j + 0] += b[j].x, out[4 * j + 1] += b[j].y;
-    out[4 * j + 2] += b[j].x, out[4 * j + 3] += b[j].y;
+    for (int j = 0; j < kBatch; ++j) {
+      const int col = c + 8 * (j0 + j);
+      if (col >= N)
+        b[j] = make_float2(0.f, 0.f);
+      else if (f32)
+        b[j] = *reinterpret_cast<const float2*>(static_cast<const float*>(bias) + row + col);
+      else
+        b[j] = __bfloat1622float2(
+            *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(bias) + row + col));
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      float* o = out + 4 * (j0 + j);
+      o[0] += b[j].x, o[1] += b[j].y;
+      o[2] += b[j].x, o[3] += b[j].y;
+    }
   }
 }
 
@@ -401,6 +413,66 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     const float* smem_sa_row = smem_sa + sa_row;
     const bool whole_rounds = Kb % kStages == 0;  // K blocks filling whole rounds of the ring: every tile starts on stage 0
 
+    // Part h's wgmma chain on stage s (64 x kPartN x 128) into acc, issued and committed, not waited for.
+    auto issue_chain = [&](const int s, const int h) {
+      const uint32_t a_lo = a_lo0 + s * (Cfg::kBytesA / 16), b_lo = b_lo0 + s * (Cfg::kBytesB / 16);
+#pragma unroll
+      for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int k = 0; k < kBlock / 32; ++k)
+        wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc, k > 0,
+                           std::make_integer_sequence<int, Cfg::kAccum>{});
+      cute::warpgroup_commit_batch();
+    };
+
+    // A finished tile's epilogue: this warpgroup's 64 x BLOCK_N of out, one part at a time (`stored` rows of the
+    // warpgroup stored: 0 for none; `parts` 0 for no tile at all).
+    struct Finished {
+      int stored, row0, n0, parts, expert;
+    };
+    Finished finished{0, 0, 0, 0, 0};
+    auto epilogue = [&](const Finished& f) {
+      const int wg_row0 = f.row0 + warpgroup * Cfg::kWarpgroupRows;
+#pragma unroll
+      for (int h = 0; h < Cfg::kParts; ++h) {
+        if (h >= f.parts) break;
+        const int col0 = f.n0 + h * Cfg::kPartN;
+        if (tid == 0) cute::tma_store_wait<0>();  // the previous part's stores have read shared memory
+        cutlass::arch::NamedBarrier::sync(128, warpgroup);
+        if (f.stored > 0) {
+          const int r = warp * 16 + lane / 4;
+          if (p.bias != nullptr)
+            detail::add_bias<Cfg::kPartN>(out[h], p.bias, p.bias_f32, int64_t(f.expert) * N, col0 + (lane % 4) * 2, N);
+#pragma unroll
+          for (int j = 0; j < Cfg::kPartN / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 2; ++v)
+              *reinterpret_cast<uint32_t*>(smem_d_wg + epilogue_offset(r + 8 * v, j * 8 + (lane % 4) * 2)) =
+                  pack_bf16x2(out[h][j * 4 + v * 2], out[h][j * 4 + v * 2 + 1]);
+          cutlass::arch::fence_view_async_shared();
+        }
+        cutlass::arch::NamedBarrier::sync(128, warpgroup);
+        if (f.stored == Cfg::kWarpgroupRows) {
+          if (tid == 0) {
+#pragma unroll
+            for (int c = 0; c < Cfg::kPartN / Cfg::kStoreCols; ++c)
+              if (col0 + c * Cfg::kStoreCols < N)
+                cute::SM90_TMA_STORE_2D::copy(&p.d, smem_d_wg + c * (64 * 128), col0 + c * Cfg::kStoreCols, wg_row0);
+            cute::tma_store_arrive();
+          }
+        } else if (f.stored > 0) {
+          constexpr int kUnits = Cfg::kPartN / 8;  // 16-byte units per row
+          for (int u = tid; u < f.stored * kUnits; u += 128) {
+            const int r = u / kUnits, col = (u % kUnits) * 8;
+            if (col0 + col < N)
+              *reinterpret_cast<uint4*>(p.out + int64_t(wg_row0 + r) * N + col0 + col) =
+                  *reinterpret_cast<const uint4*>(smem_d_wg + epilogue_offset(r, col));
+          }
+        }
+      }
+    };
+
     for (int g = cluster; g < num_groups; g += clusters) {
       // The tile, from its first stage (K has at least one block), where the TMA warp wrote it: no
       // global loads at a tile's start. Broadcast from lane 0, so that the compiler knows it warp-uniform
@@ -420,10 +492,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       }
       const float* sa_tile = smem_sa_row + (row0 & (kRowScaleAlign - 1));  // the tile's rows in its row-scale box
 
+      auto zero_out = [&] {
 #pragma unroll
-      for (int h = 0; h < Cfg::kParts; ++h)
+        for (int h = 0; h < Cfg::kParts; ++h)
 #pragma unroll
-        for (int i = 0; i < Cfg::kAccum; ++i) out[h][i] = 0.f;
+          for (int i = 0; i < Cfg::kAccum; ++i) out[h][i] = 0.f;
+      };
+      if constexpr (!Cfg::kDeferEpilogue) zero_out();
 
       if (rows > 0) {
         // What is fixed per tile is a compile-time constant of the K loop (one instantiation per case, chosen once
@@ -431,9 +506,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         // parts inside N of a 256-column tile (kNow: 2, or 1 in the last column tile).
         // One K block at stage s (phase ph): each part's chain, the stage released after the last part's wait
         // (and whether the next stage is full tested, without blocking), then each part's promotion.
-        auto k_block = [&](const int s, const uint32_t ph, bool& full_next, auto lo_c, auto now_c) {
+        auto k_block = [&](const int s, const uint32_t ph, bool& full_next, auto lo_c, auto now_c, bool first_issued) {
           constexpr int kLo = decltype(lo_c)::value, kNow = decltype(now_c)::value;
-          const uint32_t a_lo = a_lo0 + s * (Cfg::kBytesA / 16), b_lo = b_lo0 + s * (Cfg::kBytesB / 16);
           if (!full_next) Barrier::wait(&full[s], ph);
           // the scales, read before the stage can be released (the producer then overwrites them)
           const float a0 = sa_tile[s * Cfg::kSaStride], a1 = sa_tile[s * Cfg::kSaStride + 8];
@@ -442,14 +516,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           for (int j = 0; j < Cfg::kScalesB; ++j) b[j] = smem_sb[s * Cfg::kScalesB + j];
 #pragma unroll
           for (int h = 0; h < kNow; ++h) {
-#pragma unroll
-            for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
-            cute::warpgroup_arrive();
-#pragma unroll
-            for (int k = 0; k < kBlock / 32; ++k)
-              wgmma<Cfg::kPartN>(a_hi | (a_lo + 2 * k), b_hi | (b_lo + (h * Cfg::kPartN * kBlock) / 16 + 2 * k), acc,
-                                 k > 0, std::make_integer_sequence<int, Cfg::kAccum>{});
-            cute::warpgroup_commit_batch();
+            if (!(first_issued && h == 0)) issue_chain(s, h);  // (the tile's first chain may be in flight already)
             cute::warpgroup_wait<0>();
 #pragma unroll
             for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -465,21 +532,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         // The tile's K blocks. When they fill whole rounds of the ring (whole_rounds), every tile starts on stage 0
         // and the loop is unrolled over a round: each stage a constant, so every barrier, scale and descriptor
         // address is an immediate. The tile's first stage was waited for above.
+        // With a deferred epilogue the tile's first chain was issued before it: the first block (the first round's when
+        // unrolled) is peeled off, so that no other block tests for it.
         auto k_loop = [&](auto lo_c, auto now_c) {
           bool full_next = true;
           if (whole_rounds) {
-            for (int kb = 0; kb < Kb; kb += kStages) {
+            int kb = 0;
+            if constexpr (Cfg::kDeferEpilogue) {
 #pragma unroll
-              for (int s = 0; s < kStages; ++s) k_block(s, phase, full_next, lo_c, now_c);
+              for (int s = 0; s < kStages; ++s) k_block(s, phase, full_next, lo_c, now_c, s == 0);
+              phase ^= 1;
+              kb = kStages;
+            }
+            for (; kb < Kb; kb += kStages) {
+#pragma unroll
+              for (int s = 0; s < kStages; ++s) k_block(s, phase, full_next, lo_c, now_c, false);
               phase ^= 1;
             }
           } else {
-            for (int kb = 0; kb < Kb; ++kb) {
-              k_block(stage, phase, full_next, lo_c, now_c);
+            int kb = 0;
+            if constexpr (Cfg::kDeferEpilogue) {
+              k_block(stage, phase, full_next, lo_c, now_c, true);
+              if (++stage == kStages) stage = 0, phase ^= 1;
+              kb = 1;
+            }
+            for (; kb < Kb; ++kb) {
+              k_block(stage, phase, full_next, lo_c, now_c, false);
               if (++stage == kStages) stage = 0, phase ^= 1;
             }
           }
         };
+        if constexpr (Cfg::kDeferEpilogue) {  // the tile's first chain, then the previous tile's epilogue while it runs
+          issue_chain(stage, 0);
+          epilogue(finished);
+          zero_out();
+        }
         using C16 = std::integral_constant<int, 16>;
         using C8 = std::integral_constant<int, 8>;
         using One = std::integral_constant<int, 1>;
@@ -493,6 +580,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           k_loop(C16{}, One{});
         }
       } else {  // all of this warpgroup's rows lie past its expert's end
+        if constexpr (Cfg::kDeferEpilogue) epilogue(finished);
         for (int kb = 0; kb < Kb; ++kb) {
           Barrier::wait(&full[stage], phase);
           release(stage);
@@ -500,48 +588,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         }
       }
 
-      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one part at a time
-      const bool store = g * kCluster + rank < num_tiles;
-      const int stored = store ? rows : 0;
-      const int wg_row0 = row0 + warpgroup * Cfg::kWarpgroupRows;
-#pragma unroll
-      for (int h = 0; h < Cfg::kParts; ++h) {
-        if (h >= parts) break;
-        const int col0 = n0 + h * Cfg::kPartN;
-        if (tid == 0) cute::tma_store_wait<0>();  // the previous part's stores have read shared memory
-        cutlass::arch::NamedBarrier::sync(128, warpgroup);
-        if (stored > 0) {
-          const int r = warp * 16 + lane / 4;
-          if (p.bias != nullptr)
-            detail::add_bias<Cfg::kPartN>(out[h], p.bias, p.bias_f32, int64_t(expert) * N, col0 + (lane % 4) * 2, N);
-#pragma unroll
-          for (int j = 0; j < Cfg::kPartN / 8; ++j)
-#pragma unroll
-            for (int v = 0; v < 2; ++v)
-              *reinterpret_cast<uint32_t*>(smem_d_wg + epilogue_offset(r + 8 * v, j * 8 + (lane % 4) * 2)) =
-                  pack_bf16x2(out[h][j * 4 + v * 2], out[h][j * 4 + v * 2 + 1]);
-          cutlass::arch::fence_view_async_shared();
-        }
-        cutlass::arch::NamedBarrier::sync(128, warpgroup);
-        if (stored == Cfg::kWarpgroupRows) {
-          if (tid == 0) {
-#pragma unroll
-            for (int c = 0; c < Cfg::kPartN / Cfg::kStoreCols; ++c)
-              if (col0 + c * Cfg::kStoreCols < N)
-                cute::SM90_TMA_STORE_2D::copy(&p.d, smem_d_wg + c * (64 * 128), col0 + c * Cfg::kStoreCols, wg_row0);
-            cute::tma_store_arrive();
-          }
-        } else if (stored > 0) {
-          constexpr int kUnits = Cfg::kPartN / 8;  // 16-byte units per row
-          for (int u = tid; u < stored * kUnits; u += 128) {
-            const int r = u / kUnits, col = (u % kUnits) * 8;
-            if (col0 + col < N)
-              *reinterpret_cast<uint4*>(p.out + int64_t(wg_row0 + r) * N + col0 + col) =
-                  *reinterpret_cast<const uint4*>(smem_d_wg + epilogue_offset(r, col));
-          }
-        }
-      }
+      // ---- this tile's epilogue: now, or (deferred) once the next tile's first chain is issued
+      const Finished done{g * kCluster + rank < num_tiles ? rows : 0, row0, n0, parts, expert};
+      if constexpr (Cfg::kDeferEpilogue) finished = done;
+      else epilogue(done);
     }
+    if constexpr (Cfg::kDeferEpilogue) epilogue(finished);
     if (tid == 0) cute::tma_store_wait<0>();
   }
   // No CTA of a cluster leaves while its peer may still arrive on its barriers.

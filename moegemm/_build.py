@@ -653,12 +653,25 @@ def _remove(path: str) -> None:
         pass
 
 
+# What ptxas says (even without -v) when it makes wgmma wait where a kernel meant it to run asynchronously: an
+# injected warpgroup.wait (C7517, seen when a register of a chain in flight is touched) or serialized wgmma
+# instructions. The kernels overlap work with chains in flight (csrc/kernels/gemm/sm90/), so the compile check fails
+# on either.
+WGMMA_SERIALIZED = ("(C7517)", "wgmma.mma_async instructions are serialized")
+
+
+def wgmma_serialized(compiler_output: str) -> list[str]:
+    """The lines of a compiler's output that say ptxas serialized wgmma or made it wait (``WGMMA_SERIALIZED``)."""
+    return [line for line in compiler_output.splitlines() if any(m in line for m in WGMMA_SERIALIZED)]
+
+
 def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only: bool = False) -> int:
     """Compile every translation unit of csrc/ without linking (no GPU and no CUDA build of torch
     needed): the .cu kernels with nvcc for sm_90a, the binding with the host compiler against torch's
     headers (syntax only) in the standard those headers demand. ``torch_include``: another torch's
     ``include`` folder for the binding (e.g. unpacked from a wheel); ``binding_only``: skip the
-    kernels (they include no torch header). Returns the number of failures."""
+    kernels (they include no torch header). A kernel whose wgmma ptxas serialized (``WGMMA_SERIALIZED``)
+    counts as a failure. Returns the number of failures."""
     import shutil
     import subprocess
     import sysconfig
@@ -690,11 +703,16 @@ def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only:
         start = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         name = Path(cmd[-3] if cmd[-2] == "-o" else cmd[-1]).name
-        status = "ok" if proc.returncode == 0 else "FAILED"
+        serialized = wgmma_serialized(proc.stdout + proc.stderr)
+        failed = proc.returncode != 0 or bool(serialized)
+        status = "FAILED" if failed else "ok"
         print(f"compile {name}: {status} ({time.time() - start:.0f} s)", flush=True)
         if proc.returncode:
             print(proc.stdout + proc.stderr, flush=True)
-        return proc.returncode != 0
+        elif serialized:
+            print("ptxas serialized wgmma (a register of an accumulator in flight was touched, or a chain cannot be "
+                  "proven asynchronous):\n" + "\n".join(serialized), flush=True)
+        return failed
 
     with ThreadPoolExecutor(jobs) as pool:
         failures = sum(pool.map(run, cmds))

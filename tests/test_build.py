@@ -61,3 +61,18 @@ def test_build_command_fails_fast_in_one_sentence():
 def test_build_command_help():
     proc, _ = _run("--help")
     assert proc.returncode == 0 and "--check" in proc.stdout
+
+
+def test_compile_check_refuses_serialized_wgmma():
+    """The compile check counts a kernel whose wgmma ptxas made wait or serialized as a failure. The first line as
+    nvcc 13.0 printed it here, without -v, for a probe that touched the accumulator of the deferred epilogue's wgmma
+    chain (csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh); the second in the form of ptxas's serialization warnings
+    (C7511, C7515 in public reports; not seen here)."""
+    injected = ("ptxas info    : (C7517) warpgroup.wait is injected in around line 97450 by compiler to allow use of "
+                "registers defined by GMMA in function '_ZN7moegemm4sm9022fp8_ragged_rows_kernel'")
+    serialized = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+                  "to non wgmma instructions defining accumulator registers of a wgmma between start and end of the "
+                  "pipeline stage in the function 'k'")
+    plain = "ptxas info    : Used 168 registers, used 16 barriers\nptxas info    : Compiling entry function 'k' for 'sm_90a'"
+    assert _build.wgmma_serialized(plain) == []
+    assert _build.wgmma_serialized("\n".join([plain, injected, serialized])) == [injected, serialized]

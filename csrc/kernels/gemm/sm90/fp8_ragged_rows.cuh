@@ -35,10 +35,13 @@
 //   memory, before the rounding), bf16 into 128B-swizzled shared memory, then one TMA store
 //   per 64 columns when the warpgroup's 64 rows all belong to the expert, else 16-byte stores of the
 //   expert's rows only (the rows past them belong to the next expert). The wait for a TMA store's reads
-//   is deferred to the next part or tile, so the last store overlaps the next tile's main loop; one
-//   part's buffer (not the whole tile's) leaves shared memory for another pipeline stage. In tiles of one part
-//   (128, 192 columns) the whole epilogue of a tile is deferred until the next tile's first wgmma chain is issued,
-//   so that the tensor cores work while it runs (bench/NOTES.md, thirty-sixth session: +1 %).
+//   comes only when the buffer is written next (the next part's or tile's epilogue), so the store runs on
+//   while the main loop does; one part's buffer (not the whole tile's) leaves shared memory for another
+//   pipeline stage. In tiles of one part (128, 192 columns) a tile's whole epilogue is deferred until the next
+//   tile's first wgmma chain is issued (or, for a warpgroup with no rows in that tile, before it drains its
+//   stages; after the last tile, at the end), so that the tensor cores work while it runs (bench/NOTES.md,
+//   thirty-sixth session: +1 %). Nothing may touch the accumulator of that chain meanwhile: ptxas would
+//   make the chain wait (C7517), which the compile check (moegemm/_build.py) refuses.
 // - The producer's TMA warp and scale warp each walk the tile list in the plan (global memory): each looks the
 //   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
 //   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that
@@ -588,7 +591,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         }
       }
 
-      // ---- this tile's epilogue: now, or (deferred) once the next tile's first chain is issued
+      // ---- this tile's epilogue: now, or deferred (at the next tile, once its first chain is issued or before a
+      // warpgroup with no rows drains its stages; after the last tile, below)
       const Finished done{g * kCluster + rank < num_tiles ? rows : 0, row0, n0, parts, expert};
       if constexpr (Cfg::kDeferEpilogue) finished = done;
       else epilogue(done);

@@ -33,7 +33,10 @@ inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock
 //   bench/results/ragged_rows_h200.md at c87f490, again at 4167bd9) a 2-CTA form was the fastest tiling on 4 of
 //   42 problems (256 columns, by at most 3.5 %), never 128 or 192 columns in clusters; the costs are the ones that
 //   picked the fastest of the three most often there (192 columns 0.80 and 256 columns 0.84 of 128's time per
-//   column);
+//   column). At 999d86d (the K loop specialized; bench/NOTES.md, thirty-sixth session) they still picked within 0.5 % of
+//   the best of the three over the table's 42 rows (geometric mean; no other pair of costs did better); 256 columns in
+//   clusters were the fastest tiling on 13 rows, 0.9 % over the best single-CTA one (geometric mean over all 42), and
+//   their largest lead (Mixtral's fc1 dgrad, 9-14 %) did not come back in a sweep of long-K problems;
 // - below it (H100 SXM, 3.35 TB/s): 256 columns were the fastest single-CTA tiling on all but one of the quick
 //   table's 26 problems in two runs (within 3.4 % on that one; bench/NOTES.md twenty-ninth session), 192 columns
 //   up to 19 % slower on the large shapes (Mixtral-8x7B, DeepSeek-V3-EP8), 128 columns 10-37 % slower: 256 columns,

@@ -7,8 +7,8 @@ decided), and this tool runs both forms side by side in one process.
    tiling and the heuristic's. Ragged rows: the raw GEMM, and the fp8 forward with a bias (its fused one-launch form
    up to 2^23 values of x, the two-launch form past them). Ragged reduction: bf16 and fp32 written, fp32 accumulated.
 2. Timing: the GEMM table's problems (bench/gemm/ragged_rows.py or ragged_reduction.py), each form and tiling
-   interleaved per problem (median over rounds of back-to-back calls), TFLOP/s on real tokens, and each form's
-   geometric mean over the first.
+   interleaved per problem (median over rounds of back-to-back calls), TFLOP/s on real tokens (the ragged reduction
+   accumulating into fp32, as in training), and each form's geometric mean over the first.
 
     python -m bench.gemm.ab --env MOEGEMM_AB_X --values 0,1 [--gemm rows|reduction] [--tilings -1,4,1] [--quick]
 """

@@ -91,23 +91,17 @@ assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s,
 torch.cuda.synchronize()
 print("sanitize case ran every kernel")
 
-# The FP8 ragged-row GEMM in every tiling (the layers above use the heuristic's).
-qx, sx, _, _ = cuda_ops.quantize_act(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), plan, cols=False)
-qw, sw, _, _ = cuda_ops.quantize_weight((torch.randn(E, N, K, device="cuda") * 0.05).to(torch.bfloat16))
-expect = ref.gemm_fp8_ragged_m(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
-for tiling in range(SM90_RAGGED_ROWS_TILINGS):
-    y = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
-    assert ((y.double() - expect).norm() / expect.norm()).item() < 2e-3, tiling
-# K of whole rounds of the stage ring (the K loop unrolled over a round, fp8_ragged_rows.cuh): 4 stages (192 and 256
+# The FP8 ragged-row GEMM in every tiling (the layers above use the heuristic's): at the case's K and N, and at K of
+# whole rounds of the stage ring (the K loop unrolled over a round, fp8_ragged_rows.cuh): 4 stages (192 and 256
 # columns) at K = 512, 5 (128 columns) at K = 640; N = 400: a 192-wide tile at either weight-scale split, a last
 # 256-wide tile of one part.
-for Kr in (512, 640):
-    qx, sx, _, _ = cuda_ops.quantize_act(torch.randn(T, Kr, device="cuda", dtype=torch.bfloat16), plan, cols=False)
-    qw, sw, _, _ = cuda_ops.quantize_weight((torch.randn(E, 400, Kr, device="cuda") * 0.05).to(torch.bfloat16))
+for Kg, Ng in ((K, N), (512, 400), (640, 400)):
+    qx, sx, _, _ = cuda_ops.quantize_act(torch.randn(T, Kg, device="cuda", dtype=torch.bfloat16), plan, cols=False)
+    qw, sw, _, _ = cuda_ops.quantize_weight((torch.randn(E, Ng, Kg, device="cuda") * 0.05).to(torch.bfloat16))
     expect = ref.gemm_fp8_ragged_m(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
     for tiling in range(SM90_RAGGED_ROWS_TILINGS):
         y = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
-        assert ((y.double() - expect).norm() / expect.norm()).item() < 2e-3, (Kr, tiling)
+        assert ((y.double() - expect).norm() / expect.norm()).item() < 2e-3, (Kg, Ng, tiling)
 torch.cuda.synchronize()
 print("every_kernel: the FP8 ragged-row GEMM in every tiling agrees with the reference")
 

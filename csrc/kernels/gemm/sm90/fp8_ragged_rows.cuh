@@ -177,8 +177,9 @@ __device__ __forceinline__ void promote(float* out, const float* acc, float lo0,
 // both its rows), from the expert's row of the bias (`row` its offset); columns at or past N are left alone. The
 // loads of kBatch chunks first, then their additions: few registers, which the epilogue has to spare while the
 // next tile's first wgmma chain holds the accumulator.
-template <int kPartN, int kBatch = 4>
+template <int kPartN>
 __device__ __forceinline__ void add_bias(float* out, const void* bias, bool f32, int64_t row, int c, int N) {
+  constexpr int kBatch = 4;
   static_assert(kPartN / 8 % kBatch == 0, "whole batches of chunks");
 #pragma unroll
   for (int j0 = 0; j0 < kPartN / 8; j0 += kBatch) {

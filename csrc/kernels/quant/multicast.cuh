@@ -137,16 +137,18 @@ struct Fp8RowsLoader {
   }
   __device__ __forceinline__ const uint8_t* row_start(int, int64_t row) const { return q + row * K; }
   __device__ __forceinline__ const float* row_factor(int64_t k0) const { return s + k0 / kBlock * pitch; }
+  // Value i of a row's eight staged bytes, times the row's scale.
+  static __device__ __forceinline__ float value(const uint2& bytes, float scale, int i) {
+    const uint32_t word = i < 4 ? bytes.x : bytes.y;
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(word >> (16 * (i / 2 % 2)));
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));  // exact
+    return (i % 2 ? f.y : f.x) * scale;
+  }
   __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], float scale, int64_t, int64_t,
                                           float (&v)[kVec]) const {
     const uint2 bytes = *reinterpret_cast<const uint2*>(raw[0]);
-    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&bytes);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));  // exact
-      v[2 * i] = f.x * scale;
-      v[2 * i + 1] = f.y * scale;
-    }
+    for (int i = 0; i < kVec; ++i) v[i] = value(bytes, scale, i);
     return 0.f;
   }
 };
@@ -531,7 +533,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 //             quantized into the swizzled FP8 column tile                                      | barrier
 //   the column tile out to qT.
 // bf16 staged as is (PlainLoader<bf16>) keeps its values as packed pairs until they are quantized: the row
-// and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them).
+// and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them). An FP8 row copy
+// (Fp8RowsLoader) keeps each row's eight bytes and its scale, decoded where a value is used (the same arithmetic
+// as its floats): 64 registers, 4 CTAs per SM instead of 3 (requantize_cols +7.8 % on the memory-bound table's
+// points; 5 CTAs at 48 registers spill and gave +4.5 %: bench/NOTES.md, thirty-seventh session).
 
 // Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one staged input, one
 // output block, no per-row extra.
@@ -545,12 +550,22 @@ constexpr int kTileThreads = kTileWarps * 32;                // 256
 constexpr int kTileGroups = kBlock / kRows;                  // 32 groups of 4 rows
 constexpr int kTilePasses = kTileGroups / (2 * kTileWarps);  // 2 groups per thread
 
-// Eight values of a row (columns 8 hl .. 8 hl + 7) and the column maxima over a thread's rows: floats from
-// the loader, or bf16 pairs as staged.
-template <bool kPacked>
+// How a per-tile CTA keeps a row's eight values (columns 8 hl .. 8 hl + 7) between the stage and the quantizer:
+// as floats from the loader, as the staged bf16 pairs (PlainLoader<bf16>), or as the staged e4m3 bytes and the
+// row's scale (Fp8RowsLoader), decoded where used. The two staged forms take fewer registers: more CTAs per SM.
+enum class Kept { kFloats, kBf16Pairs, kFp8Bytes };
+template <class Loader>
+constexpr Kept kept_form() {
+  if constexpr (std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>) return Kept::kBf16Pairs;
+  else if constexpr (std::is_same_v<Loader, Fp8RowsLoader>) return Kept::kFp8Bytes;
+  else return Kept::kFloats;
+}
+
+// A row's eight values, and the column maxima over a thread's rows.
+template <Kept kForm>
 struct Row8;
 template <>
-struct Row8<false> {
+struct Row8<Kept::kFloats> {
   float v[kVec];
   __device__ __forceinline__ float at(int i) const { return v[i]; }
   __device__ __forceinline__ float amax() const {
@@ -565,7 +580,7 @@ struct Row8<false> {
   }
 };
 template <>
-struct Row8<true> {
+struct Row8<Kept::kBf16Pairs> {
   uint32_t w[kVec / 2];
   __device__ __forceinline__ float at(int i) const { return i % 2 ? bf16_hi(w[i / 2]) : bf16_lo(w[i / 2]); }
   __device__ __forceinline__ float amax() const {
@@ -577,29 +592,40 @@ struct Row8<true> {
     for (int i = 0; i < kVec / 2; ++i) w[i] = 0u;
   }
 };
-template <bool kPacked>
-struct ColMax8;
 template <>
-struct ColMax8<false> {
+struct Row8<Kept::kFp8Bytes> {
+  uint2 bytes;
+  float scale;
+  __device__ __forceinline__ float at(int i) const { return Fp8RowsLoader::value(bytes, scale, i); }
+  __device__ __forceinline__ float amax() const {  // (the floats' order: the same maximum, NaN included)
+    float a = fabsf(at(0));
+#pragma unroll
+    for (int i = 1; i < kVec; ++i) a = nan_max(a, fabsf(at(i)));
+    return a;
+  }
+  __device__ __forceinline__ void zero() { bytes = make_uint2(0u, 0u), scale = 0.f; }
+};
+template <Kept kForm>
+struct ColMax8 {  // (the floats and the FP8 bytes: on the values)
   float m[kVec];
   __device__ __forceinline__ ColMax8() {
 #pragma unroll
     for (int i = 0; i < kVec; ++i) m[i] = 0.f;
   }
-  __device__ __forceinline__ void fold(const Row8<false>& r) {
+  __device__ __forceinline__ void fold(const Row8<kForm>& r) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) m[i] = nan_max(m[i], fabsf(r.v[i]));
+    for (int i = 0; i < kVec; ++i) m[i] = nan_max(m[i], fabsf(r.at(i)));
   }
   __device__ __forceinline__ float get(int i) const { return m[i]; }
 };
 template <>
-struct ColMax8<true> {
+struct ColMax8<Kept::kBf16Pairs> {  // on the pairs
   uint32_t m[kVec / 2];
   __device__ __forceinline__ ColMax8() {
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) m[i] = 0u;
   }
-  __device__ __forceinline__ void fold(const Row8<true>& r) {
+  __device__ __forceinline__ void fold(const Row8<Kept::kBf16Pairs>& r) {
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) m[i] = abs_max_bf16x2(m[i], r.w[i]);
   }
@@ -621,12 +647,12 @@ constexpr __host__ __device__ TileLayout tile_layout(bool cols) {
   return TileLayout(cols, stage_bytes<Loader>());
 }
 
-// CTAs of the per-tile form per SM: as many as their shared memory allows, at most 4 for bf16 kept packed (64
-// registers a thread) and 3 otherwise (80: the values as floats).
+// CTAs of the per-tile form per SM: as many as their shared memory allows, at most 4 for the values kept as staged
+// (64 registers a thread) and 3 otherwise (80: the values as floats).
 template <class Loader>
 constexpr int tile_ctas_per_sm() {
   constexpr int64_t per_cta = tile_layout<Loader>(true).total + 1024;  // (1 KB reserved per CTA)
-  constexpr int64_t fit = 228 * 1024 / per_cta, most = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>> ? 4 : 3;
+  constexpr int64_t fit = 228 * 1024 / per_cta, most = kept_form<Loader>() == Kept::kFloats ? 3 : 4;
   return fit < 1 ? 1 : static_cast<int>(fit > most ? most : fit);
 }
 
@@ -644,7 +670,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap, const PlanBuild build) {
   using Raw = typename Loader::Raw;
   static_assert(per_tile<Loader>(), "the per-tile form takes one staged input and makes one output block");
-  constexpr bool kPacked = std::is_same_v<Loader, PlainLoader<__nv_bfloat16>>;
+  constexpr Kept kForm = kept_form<Loader>();
+  constexpr bool kPacked = kForm == Kept::kBf16Pairs;  // (quantized as pairs too)
   constexpr int kStageElems = kBlock * kBlock;  // per input
   extern __shared__ __align__(128) unsigned char smem[];
   const TileLayout layout = tile_layout<Loader>(qT != nullptr);
@@ -698,7 +725,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     const bool lane_active = kWhole || kVec * hl < nk;  // nk is a multiple of 16
     auto row_in = [&](int r) { return kWhole || r < nr; };
     // Rows 4g .. 4g + 3 (thread's columns) from the stage; zeros outside the tile.
-    auto values = [&](int g, Row8<kPacked> (&v)[kRows]) {
+    auto values = [&](int g, Row8<kForm> (&v)[kRows]) {
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
@@ -707,6 +734,9 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
           if constexpr (kPacked) {
             const uint4 w = *reinterpret_cast<const uint4*>(at);
             v[jr].w[0] = w.x; v[jr].w[1] = w.y; v[jr].w[2] = w.z; v[jr].w[3] = w.w;
+          } else if constexpr (kForm == Kept::kFp8Bytes) {
+            v[jr].bytes = *reinterpret_cast<const uint2*>(at);
+            v[jr].scale = row_factor_of(src, staged, r, k0);
           } else {
             const Raw* raw[Loader::kInputs];
 #pragma unroll
@@ -721,12 +751,12 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     auto group = [&](int p) { return (kTileGroups / kTilePasses) * p + 2 * warp + half; };
 
     // Row pass.
-    ColMax8<kPacked> cmax;
+    ColMax8<kForm> cmax;
     float* s_block = s + kb * row_scale_pitch(T) + row0;
 #pragma unroll 1
     for (int p = 0; p < kTilePasses; ++p) {
       const int g = group(p);
-      Row8<kPacked> v[kRows];
+      Row8<kForm> v[kRows];
       values(g, v);
       float a[kRows];
 #pragma unroll
@@ -813,7 +843,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 #pragma unroll 1
       for (int p = 0; p < kTilePasses; ++p) {
         const int g = group(p);
-        Row8<kPacked> v[kRows];
+        Row8<kForm> v[kRows];
         values(g, v);
         uint32_t word[kVec];
         if (simple) {

@@ -40,6 +40,7 @@ ENTRY_POINTS = _entry_points()
 # Those that need a CUDA GPU for any run, with the arguments of a plain run.
 NEED_A_GPU = {"bench.suite": ["--quick"], "bench.suite.profile_mlp": [], "bench.suite.host_breakdown": [],
               "bench.gemm.breakdown": [], "bench.gemm.ab": ["--env", "MOEGEMM_AB", "--values", "0,1"],
+              "bench.bandwidth.ab": ["--env", "MOEGEMM_AB", "--values", "0,1"],
               "bench.gemm.ragged_rows": [], "bench.gemm.ragged_reduction": [], "bench.gemm.vs_deepgemm": ["peer.json"],
               "bench.gemm.tile_probe": ["Small experts E=64 zipf fc1 fprop"], "bench.gemm.power": [],
               "bench.peers.deepgemm": [], "bench.examples.megatron_ep": [], "bench.examples.megatron_ep_train": [],

@@ -128,7 +128,7 @@ def main() -> int:
     require_cuda_gpu(PROG, hopper=True)
     import torch
 
-    from bench.bandwidth.table import graph_of, kernels
+    from bench.bandwidth.table import graph_of, kernels, replay_interleaved
     from bench.suite.measure import measure_ceilings
     from bench.workloads import table_points
     from moegemm import reference as ref
@@ -159,15 +159,7 @@ def main() -> int:
             for v in values:
                 use(v)  # captured with the form it launches
                 graphs[(k, v)] = graph_of(fn, args.iters, torch)
-        times = {key: [] for key in graphs}
-        for _ in range(args.rounds):
-            for key, graph in graphs.items():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times[key].append(a.elapsed_time(b) / args.iters)
+        times = replay_interleaved(graphs, args.rounds, args.iters, torch)
         for k, (_, nbytes) in ks.items():
             ms = {v: statistics.median(times[(k, v)]) for v in values}
             for v in values[1:]:

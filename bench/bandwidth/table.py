@@ -102,6 +102,20 @@ def graph_of(fn, iters: int, torch):
     return graph
 
 
+def replay_interleaved(graphs: dict, rounds: int, iters: int, torch) -> dict:
+    """key -> ms per call of each replay: the graphs (of `iters` calls each) replayed in turn, `rounds` times."""
+    times = {key: [] for key in graphs}
+    for _ in range(rounds):
+        for key, graph in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times[key].append(a.elapsed_time(b) / iters)
+    return times
+
+
 def main() -> int:
     args = parse_args()
     require_cuda_gpu(PROG, hopper=True)
@@ -123,15 +137,7 @@ def main() -> int:
         if args.kernels:
             ks = {k: v for k, v in ks.items() if any(sub.strip() in k for sub in args.kernels.split(","))}
         graphs = {k: graph_of(fn, args.iters, torch) for k, (fn, _) in ks.items()}
-        times = {k: [] for k in ks}
-        for _ in range(rounds):
-            for k, gr in graphs.items():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                gr.replay()
-                b.record()
-                b.synchronize()
-                times[k].append(a.elapsed_time(b) / args.iters)
+        times = replay_interleaved(graphs, rounds, args.iters, torch)
         for k, (_, nbytes) in ks.items():
             ms = statistics.median(times[k])
             gbps = nbytes / ms / 1e6

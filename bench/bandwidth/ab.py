@@ -72,7 +72,7 @@ def defined_bytes(outs, segments, torch):
             parts += [flat(qT.view(torch.uint8)[:, col: col + w]), flat(sT[blk: blk + nb])]
     if len(outs) > 4 and outs[4] is not None:
         parts.append(flat(outs[4]))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=q.device if q is not None else "cuda")
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device="cuda")
 
 
 def bitwise(values, use, torch, ops, ref) -> int:

@@ -23,7 +23,7 @@
 // it has one fp32 factor per row of a tile (its row_factor(k0), row r's at [r]: the router probs, an FP8 row
 // copy's scales of the tile's column block, or null for none), staged beside the inputs so that no global load
 // sits among the values; from the staged rows and the row's factor (1 without
-// one) it computes eight values (values). It may also return a per-element "extra" whose per-row sums over
+// one) it computes eight values (values; Fp8RowsLoader one value of a row's staged bytes: value). It may also return a per-element "extra" whose per-row sums over
 // each tile are written to row_extra [T, Kb]: the probs gradient of the activation backward (a GLU's forward, and
 // its backward with F % 128 == 0, have kernels of their own: glu_forward.cuh, glu_backward.cuh).
 #pragma once
@@ -126,7 +126,7 @@ struct Fp8RowsLoader {
   using Raw = uint8_t;
   static constexpr int kInputs = 1;
   static constexpr bool kExtra = false;
-  static constexpr bool kPerTile = true;    // (measured faster per tile)
+  static constexpr bool kPerTile = true;    // (measured faster per tile; the only form: tile_kernel keeps the bytes)
   static constexpr bool kRowFactor = true;  // the row scales
   const uint8_t* q;
   const float* s;
@@ -137,19 +137,13 @@ struct Fp8RowsLoader {
   }
   __device__ __forceinline__ const uint8_t* row_start(int, int64_t row) const { return q + row * K; }
   __device__ __forceinline__ const float* row_factor(int64_t k0) const { return s + k0 / kBlock * pitch; }
-  // Value i of a row's eight staged bytes, times the row's scale.
+  // Value i of a row's eight staged bytes, times the row's scale (in place of values(): the per-tile kernel keeps
+  // the bytes and decodes each value where it is used).
   static __device__ __forceinline__ float value(const uint2& bytes, float scale, int i) {
     const uint32_t word = i < 4 ? bytes.x : bytes.y;
     const auto pair = static_cast<__nv_fp8x2_storage_t>(word >> (16 * (i / 2 % 2)));
     const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));  // exact
     return (i % 2 ? f.y : f.x) * scale;
-  }
-  __device__ __forceinline__ float values(const uint8_t* const (&raw)[kInputs], float scale, int64_t, int64_t,
-                                          float (&v)[kVec]) const {
-    const uint2 bytes = *reinterpret_cast<const uint2*>(raw[0]);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = value(bytes, scale, i);
-    return 0.f;
   }
 };
 

@@ -190,6 +190,34 @@ def test_requantize_cols_bitwise(K, E):
         cuda_ops.requantize_cols(x, s, plan)
 
 
+@pytest.mark.parametrize("low,spread", [(-7, 0), (-7, 14), (-7, 15), (-117, 14), (-118, 14), (104, 14), (105, 14),
+                                        (13, 2), (16, 0)])
+@pytest.mark.parametrize("specials", [False, True])
+def test_requantize_cols_power_of_two_scales(low, spread, specials):
+    """Row scales that are powers of two 2^low .. 2^(low + spread) per row: the kernel's f16 path where a tile's
+    scales lie within 2^14 of each other and fp32's range (multicast.cuh, Fp8Window), its fp32 path where they do
+    not, near fp32's limits, with columns of zeros (their factor 2^eS, beyond f16 from 2^16) and of values far
+    below the rest (beyond f16 too), subnormal FP8 bytes and, with specials, NaN and -0 bytes: the reference's
+    bytes."""
+    gen = torch.Generator(device=DEV).manual_seed(1000 * low + spread + specials)
+    T, K, E = 1500, 384, 5
+    splits = zipf_splits(E, T)
+    plan, plan_ref = device_plan(splits, T)
+    byte = torch.randint(0, 0x7F, (T, K), device=DEV, generator=gen, dtype=torch.int32)  # finite magnitudes
+    byte |= torch.randint(0, 2, (T, K), device=DEV, generator=gen, dtype=torch.int32) << 7
+    byte[:, 5] = 0  # a column of zeros
+    byte[: T // 2, 131] = torch.randint(1, 8, (T // 2,), device=DEV, generator=gen, dtype=torch.int32)  # subnormals
+    byte[:, 260] &= 0x87  # a column of subnormals and zeros only (2^-6 of a tile's largest row scale and below)
+    if specials:
+        at = torch.randint(0, T * K, (T * K // 300,), device=DEV, generator=gen)
+        byte.view(-1)[at] = torch.tensor([0x7F, 0xFF, 0x80], device=DEV, dtype=torch.int32)[at % 3]
+    q = byte.to(torch.uint8).view(torch.float8_e4m3fn)
+    e = low + torch.randint(0, spread + 1, (T, K // 128), device=DEV, generator=gen)
+    s = torch.pow(2.0, e.double()).float()
+    expect = ref.requantize_cols(q, s, plan_ref)
+    assert_cols_equal(cuda_ops.requantize_cols(q, s, plan), expect, plan_ref, T)
+
+
 @pytest.mark.parametrize("N,K", [(128, 128), (144, 272), (1408, 2048), (2048, 7168)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_weight_bitwise(N, K, dtype):

@@ -104,6 +104,32 @@ __device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {  // (powers 
 __device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the low byte
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
+// f16 pairs (the first value in the low half), as requantize_cols' per-tile kernel keeps an FP8 row copy's values
+// when its tile allows (multicast.cuh, Fp8Window): e4m3 is a subset of f16, so the decode is exact, and products by
+// powers of two are exact wherever they stay above f16's smallest subnormal by e4m3's 3 fraction bits.
+__device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t pair) {  // bytes 0, 1 of pair -> low, high half
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+  return uint32_t(h.x) | uint32_t(h.y) << 16;
+}
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// max(|a|, |b|) of each f16 half (NaN if either is; the sign bit is not the maximum's: read with |.|).
+__device__ __forceinline__ uint32_t abs_max_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t e4m3x2_of_f16x2(uint32_t h) {  // low half -> the low byte; RNE, saturating
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(h));
+  return d;
+}
+__device__ __forceinline__ float f16_lo(uint32_t w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))); }
+__device__ __forceinline__ float f16_hi(uint32_t w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))); }
+
 // The activation gradient dh as the FP8 copies quantize it, rounded to bf16 to nearest even
 // (docs/design.md#fp8-recipe): one value (as a float), or a pair (a -> the low half).
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }

@@ -10,7 +10,7 @@
 // tile's values from the stage into registers (4 rows x 8 columns per thread), write the row copy, reduce
 // the column maxima through shared memory (every warp taking 8 columns), and write the column copy through
 // a swizzled shared-memory tile with full-line stores: three CTA barriers per tile.
-// Per tile (tile_kernel): one CTA of 8 warps per tile, up to four per SM (see there); the loaders whose
+// Per tile (tile_kernel): one CTA of 8 warps per tile, up to five per SM (see there); the loaders whose
 // kPerTile says so (16-bit x for quantize_act, an FP8 row copy for requantize_cols).
 //
 // Loaders say what is staged and how values are made of it:
@@ -528,9 +528,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 //   the column tile out to qT.
 // bf16 staged as is (PlainLoader<bf16>) keeps its values as packed pairs until they are quantized: the row
 // and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them). An FP8 row copy
-// (Fp8RowsLoader) keeps each row's eight bytes and its scale, decoded where a value is used (the same arithmetic
-// as its floats): 64 registers, 4 CTAs per SM instead of 3 (requantize_cols +7.8 % on the memory-bound table's
-// points; 5 CTAs at 48 registers spill and gave +4.5 %: bench/NOTES.md, thirty-seventh session).
+// (Fp8RowsLoader) keeps each row's eight bytes and its scale, decoded where a value is used, and makes no row copy;
+// where the tile's row scales allow (Fp8Window: quantize_act's powers of two within 2^14 of each other) its
+// values are f16 pairs, else floats with the same arithmetic: 48 registers, 5 CTAs per SM (bench/NOTES.md,
+// thirty-seventh and thirty-eighth sessions).
 
 // Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one staged input, one
 // output block, no per-row extra.
@@ -626,12 +627,59 @@ struct ColMax8<Kept::kBf16Pairs> {  // on the pairs
   __device__ __forceinline__ float get(int i) const { return fabsf(i % 2 ? bf16_hi(m[i / 2]) : bf16_lo(m[i / 2])); }
 };
 
-// The shared memory of a per-tile CTA: the per-warp column maxima, the column multipliers, the FP8 column
-// tile (when the column copy is made), then the stage.
+// An FP8 row copy's tile on f16 pairs (the per-tile kernel of requantize_cols). When every row scale of the tile is
+// a power of two 2^e_r (quantize_act's always are) with the e_r at most 14 below their largest, eS, and every
+// dequantized value q * 2^e_r a normal float (-117 <= e_r <= 118), a row's values are kept as the f16 pairs
+// y = q * 2^(e_r - eS), exact: e4m3 is a subset of f16 and 2^(e_r - eS) >= 2^-14 keeps the lowest bit of the smallest
+// e4m3 subnormal (2^-9) at or above f16's smallest subnormal (2^-24). So a column's maximum is 2^eS times its f16
+// maximum, the same float as the maximum of the dequantized values, and the column copy's byte is e4m3(y * F_c) with
+// F_c = 2^eS * mul_hi_c (a normal column block, mul_lo 1), which is exact too: F_c > 1/2 when the column has a
+// nonzero value (its scale is at most twice its maximum over 448), so every nonzero product keeps its lowest bit
+// above 2^-24. Columns of zeros (F_c = 2^eS, at most 2^15 here) or NaNs (mul_hi = 0: F_c = 0) come out as before;
+// a column whose F_c exceeds f16 (2^15; only one whose values all lie below 2^-6 of the tile's largest row scale)
+// sends its whole tile down the fp32 path, as does any other row scale.
+struct Fp8Window {
+  bool on = false;
+  uint32_t top = 0;  // eS's fp32 exponent field
+  // The f16 ratio 2^(e_r - eS) of row scale s (in the window) in the low half of the result.
+  __device__ __forceinline__ uint32_t ratio(float s) const { return ((__float_as_uint(s) >> 23) + 15u - top) << 10; }
+  __device__ __forceinline__ float largest() const { return __uint_as_float(top << 23); }  // 2^eS
+  // F = 2^eS * mul as an f16 (mul 0 or a normal power of two; 0 below f16's subnormals); false beyond f16.
+  __device__ __forceinline__ bool factor(float mul, uint32_t& f16) const {
+    const int e = static_cast<int>(top + (__float_as_uint(mul) >> 23)) - 254;
+    f16 = mul == 0.f || e < -24 ? 0u : e < -14 ? 1u << (e + 24) : static_cast<uint32_t>(e + 15) << 10;
+    return mul == 0.f || e <= 15;
+  }
+};
+// The window of a staged tile's nr row scales, the same in every thread (every thread must call it).
+__device__ __forceinline__ Fp8Window fp8_window(const float* scales, int nr) {
+  const int lane = threadIdx.x % 32;
+  uint32_t top = 0, low = 255, fraction = 0;
+#pragma unroll
+  for (int i = 0; i < kBlock / 32; ++i) {
+    const int r = lane + 32 * i;
+    if (r < nr) {
+      const uint32_t bits = __float_as_uint(scales[r]);  // (a sign bit puts the field past 255: outside)
+      fraction |= bits & 0x7fffffu;
+      top = max(top, bits >> 23);
+      low = min(low, bits >> 23);
+    }
+  }
+  top = __reduce_max_sync(0xffffffffu, top);
+  low = __reduce_min_sync(0xffffffffu, low);
+  Fp8Window w;
+  w.on = __reduce_or_sync(0xffffffffu, fraction) == 0 && low >= 127 - 117 && top <= 127 + 118 && top - low <= 14;
+  w.top = top;
+  return w;
+}
+
+// The shared memory of a per-tile CTA: the per-warp column maxima, the column multipliers (and an FP8 row copy's
+// f16 factor pairs: Fp8Window), the FP8 column tile (when the column copy is made), then the stage.
 struct TileLayout {
   static constexpr int kPartial = 0;                               // [8 warps][128] floats
   static constexpr int kMul = kPartial + kTileWarps * kBlock * 4;  // [2][128] floats
-  static constexpr int kColTile = kMul + 2 * kBlock * 4;
+  static constexpr int kFactor16 = kMul + 2 * kBlock * 4;          // [128] f16 pairs
+  static constexpr int kColTile = kFactor16 + kBlock * 4;
   int stage, total;
   constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes)
       : stage(kColTile + (cols ? kColTileBytes : 0)), total(stage + int(stage_bytes)) {}
@@ -641,12 +689,14 @@ constexpr __host__ __device__ TileLayout tile_layout(bool cols) {
   return TileLayout(cols, stage_bytes<Loader>());
 }
 
-// CTAs of the per-tile form per SM: as many as their shared memory allows, at most 4 for the values kept as staged
-// (64 registers a thread) and 3 otherwise (80: the values as floats).
+// CTAs of the per-tile form per SM: as many as their shared memory allows, at most 5 for an FP8 row copy (48 registers a
+// thread, no spills; 1.06x the 4 CTAs of 64 registers on the memory-bound table, bench/NOTES.md), 4 for bf16 kept as
+// pairs (64) and 3 for the values as floats (80).
 template <class Loader>
 constexpr int tile_ctas_per_sm() {
+  constexpr Kept kForm = kept_form<Loader>();
   constexpr int64_t per_cta = tile_layout<Loader>(true).total + 1024;  // (1 KB reserved per CTA)
-  constexpr int64_t fit = 228 * 1024 / per_cta, most = kept_form<Loader>() == Kept::kFloats ? 3 : 4;
+  constexpr int64_t fit = 228 * 1024 / per_cta, most = kForm == Kept::kFloats ? 3 : kForm == Kept::kFp8Bytes ? 5 : 4;
   return fit < 1 ? 1 : static_cast<int>(fit > most ? most : fit);
 }
 
@@ -672,6 +722,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   float* partial = reinterpret_cast<float*>(smem + TileLayout::kPartial);
   float* mul_hi = reinterpret_cast<float*>(smem + TileLayout::kMul);
   float* mul_lo = mul_hi + kBlock;
+  uint32_t* factor16 = reinterpret_cast<uint32_t*>(smem + TileLayout::kFactor16);
   uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + TileLayout::kColTile);
   Raw* staged = reinterpret_cast<Raw*>(smem + layout.stage);
 
@@ -711,6 +762,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
   if (!fits || !has_tile) return;
   __syncthreads();
+  Fp8Window window;  // (an FP8 row copy's: its values as f16 pairs where the tile allows)
+  if constexpr (kForm == Kept::kFp8Bytes) window = fp8_window(staged_factors<Loader>(staged), nr);
 
   const int warp = tid / 32, lane = tid % 32;
   const int half = lane / kLanesPerRow, hl = lane % kLanesPerRow;
@@ -743,22 +796,61 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
       }
     };
     auto group = [&](int p) { return (kTileGroups / kTilePasses) * p + 2 * warp + half; };
+    // An FP8 row copy's rows 4g .. 4g + 3 (thread's columns) as staged and their f16 ratios (Fp8Window); zeros outside.
+    auto fp8_rows = [&](int g, uint2 (&bytes)[kRows], uint32_t (&ratio)[kRows]) {
+#pragma unroll
+      for (int jr = 0; jr < kRows; ++jr) {
+        const int r = kRows * g + jr;
+        const bool in = row_in(r) && lane_active;
+        bytes[jr] = in ? *reinterpret_cast<const uint2*>(staged + r * kBlock + kVec * hl) : make_uint2(0u, 0u);
+        ratio[jr] = in ? window.ratio(staged_factors<Loader>(staged)[r]) : 0u;
+      }
+    };
 
-    // Row pass.
+    // Row pass (an FP8 row copy makes none: launch_tiles).
+    constexpr bool kRowCopy = kForm != Kept::kFp8Bytes;
     ColMax8<kForm> cmax;
+    bool folded = false;
+    if constexpr (kForm == Kept::kFp8Bytes) {
+      if (window.on) {  // the column maxima on f16 pairs
+        uint32_t top2[kVec / 2] = {0u, 0u, 0u, 0u};
+#pragma unroll 1
+        for (int p = 0; p < kTilePasses; ++p) {
+          uint2 bytes[kRows];
+          uint32_t ratio[kRows];
+          fp8_rows(group(p), bytes, ratio);
+#pragma unroll
+          for (int jr = 0; jr < kRows; ++jr) {
+            const uint32_t r2 = ratio[jr] * 0x10001u;
+#pragma unroll
+            for (int i = 0; i < kVec / 2; ++i) {
+              const uint32_t word = i < 2 ? bytes[jr].x : bytes[jr].y;
+              top2[i] = abs_max_f16x2(top2[i], mul_f16x2(f16x2_of_e4m3x2(word >> (16 * (i % 2))), r2));
+            }
+          }
+        }
+        const float largest = window.largest();
+#pragma unroll
+        for (int i = 0; i < kVec / 2; ++i) {
+          cmax.m[2 * i] = fabsf(f16_lo(top2[i])) * largest;
+          cmax.m[2 * i + 1] = fabsf(f16_hi(top2[i])) * largest;
+        }
+        folded = true;
+      }
+    }
     float* s_block = s + kb * row_scale_pitch(T) + row0;
 #pragma unroll 1
-    for (int p = 0; p < kTilePasses; ++p) {
+    for (int p = 0; p < kTilePasses && !folded; ++p) {
       const int g = group(p);
       Row8<kForm> v[kRows];
       values(g, v);
       float a[kRows];
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
-        a[jr] = v[jr].amax();
+        if constexpr (kRowCopy) a[jr] = v[jr].amax();
         if (qT != nullptr) cmax.fold(v[jr]);
       }
-      if (q != nullptr) {  // as the persistent kernel's row copy
+      if (kRowCopy && q != nullptr) {  // as the persistent kernel's row copy
         const float amax = scatter_amax4(a, hl);
         const BlockQuant quant(amax);
         const int mine = hl / 4;
@@ -812,6 +904,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     }
     __syncthreads();
     // Column scales: threads 2c and 2c + 1 take warps 0-3 and 4-7 of column c.
+    bool f16_cols = false;  // (uniform)
     {
       const int c = tid / 2, part = tid % 2;
       float a = partial[tile_partial_index(4 * part, c)];
@@ -824,10 +917,65 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
         mul_lo[c] = quant.mul_lo;
         if (kWhole || c < nk) sT[int64_t(b) * K + k0 + c] = quant.scale;
       }
+      if constexpr (kForm == Kept::kFp8Bytes) {  // and the f16 factors, where every column has one
+        bool fits = true;
+        if (window.on && part == 0) {
+          uint32_t f16 = 0u;
+          fits = quant.mul_lo == 1.f && window.factor(quant.mul_hi, f16);
+          factor16[c] = f16 * 0x10001u;
+        }
+        f16_cols = __syncthreads_and(window.on && fits);
+      } else {
+        __syncthreads();
+      }
     }
-    __syncthreads();
-    // Column pass: the values again, one word (4 rows) per column into the swizzled column tile.
-    {
+    // One word (4 rows) of column c into the swizzled column tile.
+    auto store_words = [&](int g, const uint32_t (&word)[kVec]) {
+      uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = word[c];
+    };
+    // Column pass of an FP8 row copy on f16 pairs: the bytes of two rows interleaved so that each 16-bit pair holds
+    // one column's two rows, decoded, times the rows' ratios and the column's factor, and each word's two FP8 pairs
+    // made in place (rows 4g, 4g + 1 in its low half).
+    if constexpr (kForm == Kept::kFp8Bytes) {
+      if (f16_cols) {
+        uint32_t factor[kVec];
+        {
+          const uint4 f0 = *reinterpret_cast<const uint4*>(factor16 + kVec * hl);
+          const uint4 f1 = *reinterpret_cast<const uint4*>(factor16 + kVec * hl + 4);
+          factor[0] = f0.x; factor[1] = f0.y; factor[2] = f0.z; factor[3] = f0.w;
+          factor[4] = f1.x; factor[5] = f1.y; factor[6] = f1.z; factor[7] = f1.w;
+        }
+#pragma unroll 1
+        for (int p = 0; p < kTilePasses; ++p) {
+          const int g = group(p);
+          uint2 bytes[kRows];
+          uint32_t ratio[kRows];
+          fp8_rows(g, bytes, ratio);
+          uint32_t word[kVec];
+#pragma unroll
+          for (int rp = 0; rp < 2; ++rp) {  // rows 4g + 2rp, 4g + 2rp + 1
+            const uint32_t r2 = ratio[2 * rp] | ratio[2 * rp + 1] << 16;
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {  // columns 4x .. 4x + 3
+              const uint32_t lo = x ? bytes[2 * rp].y : bytes[2 * rp].x, hi = x ? bytes[2 * rp + 1].y : bytes[2 * rp + 1].x;
+              const uint32_t cols[2] = {__byte_perm(lo, hi, 0x5140), __byte_perm(lo, hi, 0x7362)};  // 4x, 4x+1 | 4x+2, 4x+3
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const int c = 4 * x + j;
+                const uint32_t y = mul_f16x2(mul_f16x2(f16x2_of_e4m3x2(cols[j / 2] >> (16 * (j % 2))), r2), factor[c]);
+                const uint32_t e = e4m3x2_of_f16x2(y);
+                word[c] = rp ? word[c] | e << 16 : e;
+              }
+            }
+          }
+          store_words(g, word);
+        }
+      }
+    }
+    // Column pass: the values again.
+    if (!f16_cols) {
       float hi[kVec];
       load8(mul_hi + kVec * hl, hi);
       bool normal = true;
@@ -860,9 +1008,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
           for (int c = 0; c < kVec; ++c)
             word[c] = BlockQuant(hi[c], mul_lo[kVec * hl + c]).pack4({v[0].at(c), v[1].at(c), v[2].at(c), v[3].at(c)});
         }
-        uint32_t* words = col_tile + kVec * hl * (kBlock / 4) + (g ^ col_swizzle(kVec * hl));
-#pragma unroll
-        for (int c = 0; c < kVec; ++c) words[c * (kBlock / 4)] = word[c];
+        store_words(g, word);
       }
     }
     __syncthreads();
@@ -894,9 +1040,11 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 template <class Loader>
 void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
                   float* sT, const PlanBuild& build, cudaStream_t stream, const char* name) {
+  if (kept_form<Loader>() == Kept::kFp8Bytes && q != nullptr)
+    throw std::runtime_error(std::string("moegemm: ") + name + ": an FP8 row copy is requantized into columns only");
   const int smem = tile_layout<Loader>(qT != nullptr).total;
-  allow_shared_memory<tile_kernel<Loader>>(tile_layout<Loader>(true).total, name);
   const int64_t grid = std::max<int64_t>(1, block_capacity(T, E) * ceil_div(K, kBlock));
+  allow_shared_memory<tile_kernel<Loader>>(tile_layout<Loader>(true).total, name);
   tile_kernel<Loader><<<static_cast<unsigned>(grid), kTileThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
                                                                                    col_capacity(T, E), build);
   check_launch(name);

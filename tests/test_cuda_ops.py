@@ -193,14 +193,15 @@ def test_requantize_cols_bitwise(K, E):
 @pytest.mark.parametrize("low,spread", [(-7, 0), (-7, 14), (-7, 15), (-117, 14), (-118, 14), (104, 14), (105, 14),
                                         (13, 2), (16, 0)])
 @pytest.mark.parametrize("specials", [False, True])
-def test_requantize_cols_power_of_two_scales(low, spread, specials):
+@pytest.mark.parametrize("K", [384, 272])
+def test_requantize_cols_power_of_two_scales(low, spread, specials, K):
     """Row scales that are powers of two 2^low .. 2^(low + spread) per row: the kernel's f16 path where a tile's
     scales lie within 2^14 of each other and fp32's range (multicast.cuh, Fp8Window), its fp32 path where they do
     not, near fp32's limits, with columns of zeros (their factor 2^eS, beyond f16 from 2^16) and of values far
     below the rest (beyond f16 too), subnormal FP8 bytes and, with specials, NaN and -0 bytes: the reference's
-    bytes."""
-    gen = torch.Generator(device=DEV).manual_seed(1000 * low + spread + specials)
-    T, K, E = 1500, 384, 5
+    bytes; K = 272 ends in a partial column block (16 columns)."""
+    gen = torch.Generator(device=DEV).manual_seed(1000 * low + spread + specials + K)
+    T, E = 1500, 5
     splits = zipf_splits(E, T)
     plan, plan_ref = device_plan(splits, T)
     byte = torch.randint(0, 0x7F, (T, K), device=DEV, generator=gen, dtype=torch.int32)  # finite magnitudes
@@ -212,7 +213,7 @@ def test_requantize_cols_power_of_two_scales(low, spread, specials):
         at = torch.randint(0, T * K, (T * K // 300,), device=DEV, generator=gen)
         byte.view(-1)[at] = torch.tensor([0x7F, 0xFF, 0x80], device=DEV, dtype=torch.int32)[at % 3]
     q = byte.to(torch.uint8).view(torch.float8_e4m3fn)
-    e = low + torch.randint(0, spread + 1, (T, K // 128), device=DEV, generator=gen)
+    e = low + torch.randint(0, spread + 1, (T, -(-K // 128)), device=DEV, generator=gen)
     s = torch.pow(2.0, e.double()).float()
     expect = ref.requantize_cols(q, s, plan_ref)
     assert_cols_equal(cuda_ops.requantize_cols(q, s, plan), expect, plan_ref, T)

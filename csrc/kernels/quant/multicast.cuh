@@ -918,13 +918,13 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
         if (kWhole || c < nk) sT[int64_t(b) * K + k0 + c] = quant.scale;
       }
       if constexpr (kForm == Kept::kFp8Bytes) {  // and the f16 factors, where every column has one
-        bool fits = true;
+        bool column_fits = true;
         if (window.on && part == 0) {
           uint32_t f16 = 0u;
-          fits = quant.mul_lo == 1.f && window.factor(quant.mul_hi, f16);
+          column_fits = quant.mul_lo == 1.f && window.factor(quant.mul_hi, f16);
           factor16[c] = f16 * 0x10001u;
         }
-        f16_cols = __syncthreads_and(window.on && fits);
+        f16_cols = __syncthreads_and(window.on && column_fits);
       } else {
         __syncthreads();
       }

@@ -18,11 +18,11 @@ decided), and this tool runs the forms side by side in one process (the ragged G
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
 
+from bench.ab_switch import add_switch_arguments, switch_setter, switch_values
 from bench.preflight import require_cuda_gpu
 
 PROG = "python -m bench.bandwidth.ab"
@@ -32,15 +32,13 @@ SPECIAL_SCALES = (float("inf"), 0.0, 1e-40, 3e38, 0.3, float("nan"))
 
 def parse_args():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--env", required=True, help="the environment variable the kernel's launcher reads at each launch")
-    ap.add_argument("--values", required=True, help="its values, comma-separated: the first is the reference form")
+    add_switch_arguments(ap)
     ap.add_argument("--kernels", default=None,
                     help="comma-separated substrings of the table's kernel names to time (default: all of them)")
     ap.add_argument("--quick", action="store_true", help="the table's Zipf points only")
     ap.add_argument("--shapes", default=None, help="only points whose label contains one of these (comma-separated)")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved replays per form and kernel (default 9)")
     ap.add_argument("--iters", type=int, default=20, help="calls per CUDA graph (default 20)")
-    ap.add_argument("--no-bitwise", action="store_true", help="skip the bitwise comparison")
     return ap.parse_args()
 
 
@@ -134,11 +132,7 @@ def main() -> int:
     from moegemm import reference as ref
     from moegemm.backends import cuda as ops
 
-    values = [v.strip() for v in args.values.split(",") if v.strip()]
-
-    def use(v):
-        os.environ[args.env] = v
-
+    values, use = switch_values(args), switch_setter(args)
     bad = 0 if args.no_bitwise else bitwise(values, use, torch, ops, ref)
 
     ce = measure_ceilings({"ceiling_n": 8192, "ceiling_s": 0.3, "copy_elems": 1 << 29})

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import time
 
+from bench.ab_switch import add_switch_arguments, switch_setter, switch_values
 from bench.preflight import require_cuda_gpu
 
 PROG = "python -m bench.gemm.ab"
@@ -28,8 +28,7 @@ PROG = "python -m bench.gemm.ab"
 
 def parse_args():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--env", required=True, help="the environment variable the kernel's launcher reads at each launch")
-    ap.add_argument("--values", required=True, help="its values, comma-separated: the first is the reference form")
+    add_switch_arguments(ap)
     ap.add_argument("--gemm", choices=("rows", "reduction"), default="rows",
                     help="the ragged-row GEMM (fprop, dgrad; default) or the ragged reduction (wgrad)")
     ap.add_argument("--tilings", default="-1",
@@ -38,7 +37,6 @@ def parse_args():
     ap.add_argument("--shapes", default=None, help="only problems whose label contains one of these (comma-separated)")
     ap.add_argument("--rounds", type=int, default=7, help="rounds per problem (default 7)")
     ap.add_argument("--iters", type=int, default=10, help="back-to-back calls per form and round (default 10)")
-    ap.add_argument("--no-bitwise", action="store_true", help="skip the bitwise comparison")
     return ap.parse_args()
 
 
@@ -64,15 +62,12 @@ def main() -> int:
     from bench.suite.measure import time_interleaved
     from moegemm.layout import FP8_BLOCKWISE, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS, SM90_RAGGED_ROWS_TILINGS
 
-    values = [v.strip() for v in args.values.split(",") if v.strip()]
+    values, use = switch_values(args), switch_setter(args)
     tilings = [int(t) for t in args.tilings.split(",")]
     rows_gemm = args.gemm == "rows"
     every_tiling = range(-1, SM90_RAGGED_ROWS_TILINGS if rows_gemm else SM90_RAGGED_REDUCTION_TILINGS)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
-
-    def use(v):
-        os.environ[args.env] = v
 
     def gemm(operands, plan, tiling, mode, out=None):
         """One call of the GEMM under test (mode: rows; bf16 / f32 written or f32_accumulate into `out`)."""

@@ -140,10 +140,8 @@ struct Fp8RowsLoader {
   // Value i of a row's eight staged bytes, times the row's scale (in place of values(): the per-tile kernel keeps
   // the bytes and decodes each value where it is used).
   static __device__ __forceinline__ float value(const uint2& bytes, float scale, int i) {
-    const uint32_t word = i < 4 ? bytes.x : bytes.y;
-    const auto pair = static_cast<__nv_fp8x2_storage_t>(word >> (16 * (i / 2 % 2)));
-    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));  // exact
-    return (i % 2 ? f.y : f.x) * scale;
+    const uint32_t h = f16x2_of_e4m3x2((i < 4 ? bytes.x : bytes.y) >> (16 * (i / 2 % 2)));  // exact
+    return (i % 2 ? f16_hi(h) : f16_lo(h)) * scale;
   }
 };
 
@@ -592,12 +590,6 @@ struct Row8<Kept::kFp8Bytes> {
   uint2 bytes;
   float scale;
   __device__ __forceinline__ float at(int i) const { return Fp8RowsLoader::value(bytes, scale, i); }
-  __device__ __forceinline__ float amax() const {  // (the floats' order: the same maximum, NaN included)
-    float a = fabsf(at(0));
-#pragma unroll
-    for (int i = 1; i < kVec; ++i) a = nan_max(a, fabsf(at(i)));
-    return a;
-  }
   __device__ __forceinline__ void zero() { bytes = make_uint2(0u, 0u), scale = 0.f; }
 };
 template <Kept kForm>
@@ -1043,8 +1035,8 @@ void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t*
   if (kept_form<Loader>() == Kept::kFp8Bytes && q != nullptr)
     throw std::runtime_error(std::string("moegemm: ") + name + ": an FP8 row copy is requantized into columns only");
   const int smem = tile_layout<Loader>(qT != nullptr).total;
-  const int64_t grid = std::max<int64_t>(1, block_capacity(T, E) * ceil_div(K, kBlock));
   allow_shared_memory<tile_kernel<Loader>>(tile_layout<Loader>(true).total, name);
+  const int64_t grid = std::max<int64_t>(1, block_capacity(T, E) * ceil_div(K, kBlock));
   tile_kernel<Loader><<<static_cast<unsigned>(grid), kTileThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
                                                                                    col_capacity(T, E), build);
   check_launch(name);

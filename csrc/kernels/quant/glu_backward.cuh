@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   float* p_s = reinterpret_cast<float*>(smem + 3 * kInputBytes);
   const int64_t Kt = F / kBlock, K = 2 * F, Kb = 2 * Kt;  // tile columns; dh's columns and column blocks
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int b = static_cast<int>(blockIdx.x / Kt), kt = static_cast<int>(blockIdx.x % Kt);  // (blocks < 2^31)
+  const int b = tile_block(), kt = static_cast<int>(blockIdx.x);  // token block, column block (tile_grid)
   const int64_t k0 = int64_t(kt) * kBlock;
 
   const Found found = find_tile(b, true, E, T, plan, [&](const TileSpot& spot) {
@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   const int64_t row0 = spot.row0, covered = found.covered;
   const int nr = spot.nr;
   if (covered < T)
-    zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + tid,
-                                   int64_t(gridDim.x) * kThreads);
+    zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, tile_cta() * kThreads + tid, tile_ctas() * kThreads);
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
   if (!found.fits || !spot.has_tile) return;
   __syncthreads();
@@ -176,10 +175,10 @@ template <class Act>
 void launch(const void* da, const void* h, const float* probs, int64_t T, int64_t F, int E, const int32_t* plan,
             uint8_t* q, float* s, uint8_t* qT, float* sT, float* row_extra, cudaStream_t stream, const char* name) {
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr && row_extra == nullptr)) return;
-  const int64_t grid = block_capacity(T, E) * (F / kBlock);
-  check_launch_size(F, grid, name);
+  const int64_t tiles = block_capacity(T, E) * (F / kBlock);
+  check_launch_size(F, tiles, name);
   allow_shared_memory<kernel<Act>>(kSmemBytes, name);
-  kernel<Act><<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(
+  kernel<Act><<<tile_grid(block_capacity(T, E), F / kBlock), kThreads, kSmemBytes, stream>>>(
       static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT,
       col_capacity(T, E), row_extra);
   check_launch(name);

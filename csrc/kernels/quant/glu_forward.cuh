@@ -40,8 +40,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   float* p_s = reinterpret_cast<float*>(smem + 2 * kInputBytes);
   const int64_t Kt = (F + kBlock - 1) / kBlock;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int b = Kt > 0 ? static_cast<int>(blockIdx.x / Kt) : 0;
-  const int kt = static_cast<int>(blockIdx.x - int64_t(b) * Kt);
+  const int b = tile_block(), kt = static_cast<int>(blockIdx.x);  // token block, column block (tile_grid)
   const int64_t k0 = int64_t(kt) * kBlock;
   const int nk = static_cast<int>(imin64(kBlock, F - k0));
   const Found found = find_tile(b, Kt > 0, E, T, plan, [&](const TileSpot& spot) {
@@ -55,8 +54,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     if (probs != nullptr && tid < spot.nr) async_copy::load4(p_s + tid, probs + spot.row0 + tid);
   });
   if (found.covered < T)
-    zero_uncovered_rows(found.covered, T, F, Kt, q, s, nullptr, int64_t(blockIdx.x) * kThreads + tid,
-                                   int64_t(gridDim.x) * kThreads);
+    zero_uncovered_rows(found.covered, T, F, Kt, q, s, nullptr, tile_cta() * kThreads + tid, tile_ctas() * kThreads);
   async_copy::wait_all();
   if (!found.fits || !found.spot.has_tile) return;
   __syncthreads();
@@ -142,10 +140,10 @@ template <class Act>
 void launch(const void* h, const float* probs, int64_t T, int64_t F, int E, const int32_t* plan, uint8_t* q, float* s,
             uint8_t* qT, float* sT, cudaStream_t stream, const char* name) {
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr)) return;
-  const int64_t grid = block_capacity(T, E) * ((F + kBlock - 1) / kBlock);
-  check_launch_size(F, grid, name);
+  const int64_t tiles = block_capacity(T, E) * ((F + kBlock - 1) / kBlock);
+  check_launch_size(F, tiles, name);
   allow_shared_memory<kernel<Act>>(kSmemBytes, name);
-  kernel<Act><<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(
+  kernel<Act><<<tile_grid(block_capacity(T, E), (F + kBlock - 1) / kBlock), kThreads, kSmemBytes, stream>>>(
       static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT, col_capacity(T, E));
   check_launch(name);
 }

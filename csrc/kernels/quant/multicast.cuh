@@ -696,8 +696,8 @@ constexpr int tile_ctas_per_sm() {
 // 16 columns of warps 0..3 and of warps 4..7 meets 32 different banks.
 __device__ __forceinline__ int tile_partial_index(int w, int c) { return w * kBlock + (c + 16 * (w / 4)) % kBlock; }
 
-// Tile blockIdx.x = (128-token block b, column block kb), kb fastest; CTAs past the plan's blocks only zero
-// their share of the uncovered rows. With build.plan set, each CTA
+// A CTA's tile is (128-token block tile_block(), column block blockIdx.x): tile_grid; CTAs past the plan's blocks
+// only zero their share of the uncovered rows. With build.plan set, each CTA
 // derives the plan from m_splits itself (a scan of the counts instead of the given plan's check) and CTA 0
 // writes it to build.plan for the kernels after this one: the plan needs no launch of its own.
 template <class Loader>
@@ -720,8 +720,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // column blocks = tile columns
   const unsigned tid = threadIdx.x;
-  const int b = Kb > 0 ? static_cast<int>(blockIdx.x / Kb) : 0;  // (blocks < 2^31: plan values are int32)
-  const int kb = static_cast<int>(blockIdx.x - int64_t(b) * Kb);
+  const int b = tile_block(), kb = static_cast<int>(blockIdx.x);  // (blocks < 2^31: plan values are int32)
+  const int64_t cta = tile_cta();
   const int64_t k0 = int64_t(kb) * kBlock;
   const int nk = static_cast<int>(imin64(kBlock, K - k0));
   TileSpot spot;
@@ -731,7 +731,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     // The plan derived here: made by the scan, it fits by construction.
     __shared__ PlanEntry owner;
     const PlanTotals totals = scan_plan<kTileThreads>(build.m_splits, build.m_is_int64, E, T, [&](const PlanEntry& x) {
-      if (blockIdx.x == 0) write_plan_entry(x, E, build.plan);
+      if (cta == 0) write_plan_entry(x, E, build.plan);
       if (x.blk0 <= b && b < x.blk1) owner = x;  // one expert owns block b < blk[E]
     });
     __syncthreads();
@@ -749,8 +749,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   const bool has_tile = spot.has_tile;
   const int64_t row0 = spot.row0, qt_col = spot.qt_col;
   const int nr = spot.nr;
-  if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, nullptr, int64_t(blockIdx.x) * kTileThreads + tid,
-                                       int64_t(gridDim.x) * kTileThreads);
+  if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, nullptr, cta * kTileThreads + tid,
+                                       tile_ctas() * kTileThreads);
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
   if (!fits || !has_tile) return;
   __syncthreads();
@@ -1036,9 +1036,8 @@ void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t*
     throw std::runtime_error(std::string("moegemm: ") + name + ": an FP8 row copy is requantized into columns only");
   const int smem = tile_layout<Loader>(qT != nullptr).total;
   allow_shared_memory<tile_kernel<Loader>>(tile_layout<Loader>(true).total, name);
-  const int64_t grid = std::max<int64_t>(1, block_capacity(T, E) * ceil_div(K, kBlock));
-  tile_kernel<Loader><<<static_cast<unsigned>(grid), kTileThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
-                                                                                   col_capacity(T, E), build);
+  tile_kernel<Loader><<<tile_grid(block_capacity(T, E), ceil_div(K, kBlock)), kTileThreads, smem, stream>>>(
+      src, T, K, E, plan, q, s, qT, sT, col_capacity(T, E), build);
   check_launch(name);
 }
 

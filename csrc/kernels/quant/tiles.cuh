@@ -49,11 +49,25 @@ __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, 
     for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) row_extra[i] = 0.f;
 }
 
+// The grid of a per-tile kernel: x the tile's column block (fastest: the tiles of one token block read the same rows),
+// y the 128-token block, continued in z past 65535 blocks (CTAs past `blocks` in the last z row have no tile). No
+// division per CTA: tile_block() and the linear CTA id come from the grid itself.
+inline dim3 tile_grid(int64_t blocks, int64_t col_blocks) {
+  constexpr int64_t kMaxY = 65535;
+  const int64_t y = blocks < 1 ? 1 : blocks < kMaxY ? blocks : kMaxY;
+  return dim3(static_cast<unsigned>(col_blocks < 1 ? 1 : col_blocks), static_cast<unsigned>(y),
+              static_cast<unsigned>((blocks + y - 1) / y < 1 ? 1 : (blocks + y - 1) / y));
+}
+__device__ __forceinline__ int tile_block() { return static_cast<int>(blockIdx.y + blockIdx.z * gridDim.y); }
+__device__ __forceinline__ int64_t tile_cta() { return int64_t(tile_block()) * gridDim.x + blockIdx.x; }
+__device__ __forceinline__ int64_t tile_ctas() { return int64_t(gridDim.x) * gridDim.y * gridDim.z; }
+
 // A per-tile CTA's tile under a given plan: block b's tokens [row0, row0 + nr) (nr 0 past the plan's blocks or with
-// no columns), the plan checked (fits) and the tokens it covers. The tile's loads (load(spot)) are issued before the
-// plan is checked, so that their latency hides the check's: the rows they read are clamped into the tensors (tile_spot's row0 and nr),
-// so a foreign plan's loads stay inside them; such a plan (fits false) writes nothing but zeros, and a caller
-// takes anything else from the spot (qt_col) only once fits holds.
+// no columns), the plan checked (fits) and the tokens it covers. One pass of the CTA's threads over the experts
+// reads every plan entry at once, checks the plan as plan_fits does and finds block b's owner (the one expert
+// with blk[e] <= b < blk[e + 1] in a plan that fits), whose thread leaves its offsets in shared memory; the check's
+// barrier publishes both. The tile's loads (load(spot)) are issued only under a plan that fits, so a foreign plan
+// never steers a load (it writes nothing but zeros).
 struct Found {
   TileSpot spot;
   bool fits = true;
@@ -61,17 +75,30 @@ struct Found {
 };
 template <class Load>
 __device__ __forceinline__ Found find_tile(int b, bool any_cols, int E, int64_t T, const int32_t* plan, Load&& load) {
+  __shared__ int4 owner_s;  // block b's expert: its first token, end token, first column, first block
   const int32_t* tok = plan;
   const int32_t* col = plan + (E + 1);
   const int32_t* blk = plan + 2 * (E + 1);
-  Found f;
-  if (any_cols && b < blk[E]) {
-    const int e = expert_of(blk, E, b);
-    f.spot = tile_spot(b, tok[e], tok[e + 1], col[e], blk[e], T);
+  const PlanLimits limits = token_limit(T);
+  const int tok_end = tok[E], col_end = col[E], blk_end = blk[E];
+  int bad = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int t0 = tok[e], t1 = tok[e + 1], c0 = col[e], c1 = col[e + 1], b0 = blk[e], b1 = blk[e + 1];
+    const int64_t m = int64_t(t1) - t0;
+    bad |= m < 0 || int64_t(c1) - c0 != (m + kColAlign - 1) / kColAlign * kColAlign ||
+           int64_t(b1) - b0 != (m + kBlock - 1) / kBlock;
+    if (b0 <= b && b < b1) owner_s = make_int4(t0, t1, c0, b0);
   }
-  if (f.spot.has_tile) load(f.spot);
-  f.fits = plan_fits(plan, E, token_limit(T));
-  f.covered = f.fits ? tok[E] : 0;
+  if (threadIdx.x == 0)
+    bad |= tok[0] != 0 || col[0] != 0 || blk[0] != 0 || tok_end > limits.tok || col_end > limits.col || blk_end > limits.blk;
+  Found f;
+  f.fits = !__syncthreads_or(bad);
+  f.covered = f.fits ? tok_end : 0;
+  if (f.fits && any_cols && b < blk_end) {
+    const int4 o = owner_s;
+    f.spot = tile_spot(b, o.x, o.y, o.z, o.w, T);
+    load(f.spot);
+  }
   return f;
 }
 

@@ -371,6 +371,67 @@ def test_quantize_weight_past_2_31_elements():
     torch.cuda.empty_cache()
 
 
+@requires_cuda
+def test_quantizers_past_65535_token_blocks():
+    """More 128-token blocks than a grid's y dimension holds (65535): the per-tile quantizers' grids continue in z
+    (tile_grid). The last expert's blocks from 65500 on against the reference of those rows alone (an expert's
+    column blocks start at its first token, so a slice from one of its block starts is quantized alike):
+    quantize_act and requantize_cols bitwise, the GLU activation forward and backward (dprobs too) as the
+    fused-kernel tests compare them; the uncovered rows zero."""
+    need_free_gb(60)
+    from moegemm.backends import cuda as ops
+    from moegemm.layout import COL_ALIGN
+
+    Tb, K = 65535 * 128 + 3000, 128
+    splits = [1000, 0, Tb - 1005]                            # 5 rows of no expert at the end
+    torch.manual_seed(42)
+    x = (torch.randn(Tb, K, device="cuda") * torch.rand(Tb, 1, device="cuda") * 10).to(torch.bfloat16)
+    plan = ops.make_plan(torch.tensor(splits, device="cuda"), Tb)
+    tok, col, blk = plan.cpu().tolist()
+    first = 65500 - blk[2]                                   # the last expert's blocks from 65500 on
+    assert blk[3] > 65535
+    r0, n = tok[2] + 128 * first, tok[3] - (tok[2] + 128 * first)
+    tail = slice(r0, Tb)
+    plan_tail = R.make_plan(torch.tensor([n], device="cuda"), Tb - r0)  # n tokens, then the 5 of no expert
+    c0, w, nb = col[2] + 128 * first, -(-n // COL_ALIGN) * COL_ALIGN, -(-n // 128)
+
+    def cols_of(qT, sT, at=0, b=0):
+        return qT[:, at:at + w].view(torch.uint8), sT[b:b + nb]
+
+    def cols_dequant(qT, sT, at=0, b=0):
+        return qT[:, at:at + n].float().t() * sT[b:b + nb].repeat_interleave(128, 0)[:n]
+
+    q, s, qT, sT = ops.quantize_act(x, plan, True, True)
+    rq, rs, rqT, rsT = R.quantize_act(x[tail], plan_tail, True, True)
+    assert torch.equal(q[tail].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[tail], rs)
+    assert (q[-5:].view(torch.uint8) == 0).all() and (s[-5:] == 0).all()
+    for a, b in zip(cols_of(qT, sT, c0, blk[2] + first), cols_of(rqT, rsT)):
+        assert torch.equal(a, b)
+    got, exp = ops.requantize_cols(q, s, plan), R.requantize_cols(q[tail], s[tail], plan_tail)
+    for a, b in zip(cols_of(*got, c0, blk[2] + first), cols_of(*exp)):
+        assert torch.equal(a, b)
+    del x, q, s, qT, sT, got, exp
+    torch.cuda.empty_cache()
+
+    h = torch.randn(Tb, 2 * K, device="cuda", dtype=torch.bfloat16) * 2
+    da = torch.randn(Tb, K, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(Tb, device="cuda")
+    for got, exp in [(ops.act_quantize(h, probs, "swiglu", plan), R.act_quantize(h[tail], probs[tail], "swiglu", plan_tail)),
+                     (ops.act_backward_quantize(da, h, probs, "swiglu", plan),
+                      R.act_backward_quantize(da[tail], h[tail], probs[tail], "swiglu", plan_tail))]:
+        gq, gs, gqT, gsT = got[:4]
+        eq, es, eqT, esT = exp[:4]
+        assert rel(R.dequantize_rows(gq[tail], gs[tail]), R.dequantize_rows(eq, es)) <= 5e-3
+        assert (gq[tail].view(torch.uint8) == eq.view(torch.uint8)).float().mean() > 0.995
+        assert (gq[-5:].view(torch.uint8) == 0).all()
+        assert rel(cols_dequant(gqT, gsT, c0, blk[2] + first), cols_dequant(eqT, esT)) <= 5e-3
+        if len(got) > 4:
+            assert rel(got[4][tail], exp[4]) <= 1e-5 and (got[4][-5:] == 0).all()
+        del got, exp
+    del h, da, probs
+    torch.cuda.empty_cache()
+
+
 # ================================================================ streams, devices, torch.compile
 def _linear_step(x, w, b, m, dy, recipe):
     xl, wl, bl = (t.clone().requires_grad_() for t in (x, w, b))

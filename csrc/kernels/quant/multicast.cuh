@@ -222,8 +222,11 @@ __device__ __forceinline__ void load_tile_rows(const Loader& src, typename Loade
     for (int x = 0; x < 2; ++x)  // (constant indices: the segments stay in registers)
       if (x < nseg && cc >= seg[x].dst && cc < seg[x].dst + seg[x].n) from = seg[x].src + (cc - seg[x].dst);
     if (from < 0) continue;
-    for (int r = r0; r < nr; r += kRowStep)
-      async_copy::load16(stage + in * kBlock * kBlock + r * kBlock + cc, src.row_start(in, row0 + r) + from);
+    // One row's address, then a step per kRowStep rows (no 64-bit product per copy).
+    const typename Loader::Raw* g = src.row_start(in, row0 + r0) + from;
+    const int64_t step = src.row_start(in, row0 + r0 + kRowStep) - src.row_start(in, row0 + r0);
+    typename Loader::Raw* d = stage + in * kBlock * kBlock + r0 * kBlock + cc;
+    for (int r = r0; r < nr; r += kRowStep, g += step, d += kRowStep * kBlock) async_copy::load16(d, g);
   }
   if constexpr (Loader::kRowFactor) {
     static_assert(kThreads >= kBlock, "a thread per row of the tile");
@@ -895,31 +898,29 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
           make_float4(kept[0], kept[1], kept[2], kept[3]);
     }
     __syncthreads();
-    // Column scales: threads 2c and 2c + 1 take warps 0-3 and 4-7 of column c.
+    // Column scales: thread c < 128 (warps 0-3) takes column c's maxima of the 8 warps; warps 4-7 only wait.
     bool f16_cols = false;  // (uniform)
     {
-      const int c = tid / 2, part = tid % 2;
-      float a = partial[tile_partial_index(4 * part, c)];
+      bool column_fits = true;
+      if (tid < kBlock) {
+        const int c = tid;
+        float a = partial[tile_partial_index(0, c)];
 #pragma unroll
-      for (int w = 1; w < 4; ++w) a = nan_max(a, partial[tile_partial_index(4 * part + w, c)]);
-      a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, 1));
-      const BlockQuant quant(a);
-      if (part == 0) {
+        for (int w = 1; w < kTileWarps; ++w) a = nan_max(a, partial[tile_partial_index(w, c)]);
+        const BlockQuant quant(a);
         mul_hi[c] = quant.mul_hi;
         mul_lo[c] = quant.mul_lo;
         if (kWhole || c < nk) sT[int64_t(b) * K + k0 + c] = quant.scale;
-      }
-      if constexpr (kForm == Kept::kFp8Bytes) {  // and the f16 factors, where every column has one
-        bool column_fits = true;
-        if (window.on && part == 0) {
-          uint32_t f16 = 0u;
-          column_fits = quant.mul_lo == 1.f && window.factor(quant.mul_hi, f16);
-          factor16[c] = f16 * 0x10001u;
+        if constexpr (kForm == Kept::kFp8Bytes) {  // and the f16 factors, where every column has one
+          if (window.on) {
+            uint32_t f16 = 0u;
+            column_fits = quant.mul_lo == 1.f && window.factor(quant.mul_hi, f16);
+            factor16[c] = f16 * 0x10001u;
+          }
         }
-        f16_cols = __syncthreads_and(window.on && column_fits);
-      } else {
-        __syncthreads();
       }
+      if constexpr (kForm == Kept::kFp8Bytes) f16_cols = __syncthreads_and(window.on && column_fits);
+      else __syncthreads();
     }
     // One word (4 rows) of column c into the swizzled column tile.
     auto store_words = [&](int g, const uint32_t (&word)[kVec]) {

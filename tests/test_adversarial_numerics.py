@@ -374,7 +374,7 @@ def test_quantize_weight_past_2_31_elements():
 @requires_cuda
 def test_quantizers_past_65535_token_blocks():
     """More 128-token blocks than a grid's y dimension holds (65535): the per-tile quantizers' grids continue in z
-    (tile_grid). The last expert's blocks from 65500 on against the reference of those rows alone (an expert's
+    (tile_grid; two column blocks, so x is 2 as well). The last expert's blocks from 65500 on against the reference of those rows alone (an expert's
     column blocks start at its first token, so a slice from one of its block starts is quantized alike):
     quantize_act and requantize_cols bitwise, the GLU activation forward and backward (dprobs too) as the
     fused-kernel tests compare them; the uncovered rows zero."""
@@ -382,7 +382,7 @@ def test_quantizers_past_65535_token_blocks():
     from moegemm.backends import cuda as ops
     from moegemm.layout import COL_ALIGN
 
-    Tb, K = 65535 * 128 + 3000, 128
+    Tb, K = 65535 * 128 + 3000, 256                      # two column blocks: the grid's x is 2
     splits = [1000, 0, Tb - 1005]                            # 5 rows of no expert at the end
     torch.manual_seed(42)
     x = (torch.randn(Tb, K, device="cuda") * torch.rand(Tb, 1, device="cuda") * 10).to(torch.bfloat16)

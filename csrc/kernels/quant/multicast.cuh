@@ -901,7 +901,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
     // Column scales: thread c < 128 (warps 0-3) takes column c's maxima of the 8 warps; warps 4-7 only wait.
     bool f16_cols = false;  // (uniform)
     {
-      bool column_fits = true;
+      [[maybe_unused]] bool column_fits = true;  // (an FP8 row copy's)
       if (tid < kBlock) {
         const int c = tid;
         float a = partial[tile_partial_index(0, c)];

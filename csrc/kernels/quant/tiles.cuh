@@ -50,13 +50,13 @@ __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, 
 }
 
 // The grid of a per-tile kernel: x the tile's column block (fastest: the tiles of one token block read the same rows),
-// y the 128-token block, continued in z past 65535 blocks (CTAs past `blocks` in the last z row have no tile). No
-// division per CTA: tile_block() and the linear CTA id come from the grid itself.
+// y the 128-token block, continued in z past 65535 blocks, the blocks spread evenly over the z rows (CTAs past
+// `blocks` in the last z row, fewer than z, have no tile). No division per CTA: tile_block() and the linear CTA id
+// come from the grid itself.
 inline dim3 tile_grid(int64_t blocks, int64_t col_blocks) {
   constexpr int64_t kMaxY = 65535;
-  const int64_t y = blocks < 1 ? 1 : blocks < kMaxY ? blocks : kMaxY;
-  return dim3(static_cast<unsigned>(col_blocks < 1 ? 1 : col_blocks), static_cast<unsigned>(y),
-              static_cast<unsigned>((blocks + y - 1) / y < 1 ? 1 : (blocks + y - 1) / y));
+  const int64_t n = blocks < 1 ? 1 : blocks, z = (n + kMaxY - 1) / kMaxY, y = (n + z - 1) / z;
+  return dim3(static_cast<unsigned>(col_blocks < 1 ? 1 : col_blocks), static_cast<unsigned>(y), static_cast<unsigned>(z));
 }
 __device__ __forceinline__ int tile_block() { return static_cast<int>(blockIdx.y + blockIdx.z * gridDim.y); }
 __device__ __forceinline__ int64_t tile_cta() { return int64_t(tile_block()) * gridDim.x + blockIdx.x; }
@@ -67,7 +67,8 @@ __device__ __forceinline__ int64_t tile_ctas() { return int64_t(gridDim.x) * gri
 // reads every plan entry at once, checks the plan as plan_fits does and finds block b's owner (the one expert
 // with blk[e] <= b < blk[e + 1] in a plan that fits), whose thread leaves its offsets in shared memory; the check's
 // barrier publishes both. The tile's loads (load(spot)) are issued only under a plan that fits, so a foreign plan
-// never steers a load (it writes nothing but zeros).
+// never steers a load (it writes nothing but zeros). (Under a foreign plan several threads may write owner_s,
+// unordered; it is then never read. racecheck would name that write-after-write; the tests run it on make_plan's plans.)
 struct Found {
   TileSpot spot;
   bool fits = true;

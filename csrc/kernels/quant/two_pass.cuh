@@ -94,7 +94,7 @@ __device__ __forceinline__ void row_block(const Values& v, float amax, bool scal
 }
 
 // A launch's host-side checks: the tile columns F a multiple of 16 (the kernels' 8-column loads and 16-column lanes),
-// fewer than 2^31 tiles (the grid).
+// fewer than 2^31 tiles (the plan's values are int32).
 inline void check_launch_size(int64_t F, int64_t tiles, const char* name) {
   if (F % kDimAlign != 0) throw std::runtime_error(std::string("moegemm: ") + name + ": ffn must be a multiple of 16");
   if (tiles > INT32_MAX) throw std::runtime_error(std::string("moegemm: ") + name + ": 2^31 tiles or more");

@@ -140,8 +140,7 @@ template <class Act>
 void launch(const void* h, const float* probs, int64_t T, int64_t F, int E, const int32_t* plan, uint8_t* q, float* s,
             uint8_t* qT, float* sT, cudaStream_t stream, const char* name) {
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr)) return;
-  const int64_t tiles = block_capacity(T, E) * ((F + kBlock - 1) / kBlock);
-  check_launch_size(F, tiles, name);
+  check_launch_size(F, name);
   allow_shared_memory<kernel<Act>>(kSmemBytes, name);
   kernel<Act><<<tile_grid(block_capacity(T, E), (F + kBlock - 1) / kBlock), kThreads, kSmemBytes, stream>>>(
       static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT, col_capacity(T, E));

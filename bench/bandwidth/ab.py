@@ -6,8 +6,9 @@ decided), and this tool runs the forms side by side in one process (the ragged G
    127, 128, 129 tokens, one expert with every token, E = 1024, K of one and several column blocks), rows only,
    columns only and both: quantize_act of bf16, requantize_cols (FP8 rows with special bytes and scales: NaN,
    infinite, zero, subnormal), the GLU activation forward (act_quantize) and backward (act_backward_quantize, its
-   dprobs too). Compared: the row copy whole, the column copy on each expert's padded columns and scale blocks
-   (the rest of its buffer is unspecified).
+   dprobs too), and the bias kernels (add_bias with bf16 and fp32 biases, bias_grad). Compared: the row copy whole,
+   the column copy on each expert's padded columns and scale blocks (the rest of its buffer is unspecified), the bias
+   kernels' outputs whole.
 2. Timing: the memory-bound table's points (bench/bandwidth/table.py, its minimal bytes), each kernel's calls in a
    CUDA graph per form, the graphs of a point replayed interleaved over rounds, the median per call, % of the copy
    bandwidth of the same run, and each form's geometric mean of speed over the first per kernel.
@@ -56,14 +57,17 @@ def edge_problems(rng: random.Random) -> list:
 
 
 def defined_bytes(outs, segments, torch):
-    """The specified bytes of a quantizer's (q, s, qT, sT[, dprobs]), as one uint8 tensor."""
+    """The specified bytes of a quantizer's (q, s, qT, sT[, dprobs]) (a bias kernel's output as q), as one uint8
+    tensor."""
     def flat(t):
         return t.reshape(-1).contiguous().view(torch.uint8)
 
     q, s, qT, sT = outs[:4]
     parts = []
     if q is not None:
-        parts += [flat(q.view(torch.uint8)), flat(s)]
+        parts.append(flat(q.view(torch.uint8)))
+    if s is not None:
+        parts.append(flat(s))
     if qT is not None:
         for _start, m, col, blk in segments:
             w, nb = -(-m // 32) * 32, -(-m // 128)
@@ -71,6 +75,15 @@ def defined_bytes(outs, segments, torch):
     if len(outs) > 4 and outs[4] is not None:
         parts.append(flat(outs[4]))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device="cuda")
+
+
+def _added(y, bias, plan):
+    """add_bias_ on a copy of y."""
+    import torch
+
+    out = y.clone()
+    torch.ops.moegemm.add_bias_(out, bias, plan)
+    return out
 
 
 def bitwise(values, use, torch, ops, ref) -> int:
@@ -87,6 +100,8 @@ def bitwise(values, use, torch, ops, ref) -> int:
         h = (torch.randn(max(T, 1), 2 * K, device=dev, generator=gen) * 2).to(torch.bfloat16)[:T]
         da = torch.randn(max(T, 1), K, device=dev, generator=gen).to(torch.bfloat16)[:T]
         probs = torch.rand(max(T, 1), device=dev, generator=gen)[:T]
+        y = torch.randn(max(T, 1), 2 * K, device=dev, generator=gen).to(torch.bfloat16)[:T]
+        bias = torch.randn(E, 2 * K, device=dev, generator=gen)
         use(values[0])
         qx, sx = ops.quantize_act(x, plan, True, False)[:2]
         if T > 0:  # special bytes and scales in the FP8 rows requantize_cols reads
@@ -105,6 +120,9 @@ def bitwise(values, use, torch, ops, ref) -> int:
             "act_quantize geglu cols, no probs": lambda: ops.act_quantize(h, None, "geglu", plan, False, True),
             "act_backward_quantize swiglu": lambda: ops.act_backward_quantize(da, h, probs, "swiglu", plan),
             "act_backward_quantize swiglu rows": lambda: ops.act_backward_quantize(da, h, probs, "swiglu", plan, True, False),
+            "add_bias bf16": lambda: (_added(y, bias.to(torch.bfloat16), plan), None, None, None),
+            "add_bias fp32": lambda: (_added(y, bias, plan), None, None, None),
+            "bias_grad": lambda: (torch.ops.moegemm.bias_grad(y, plan), None, None, None),
         }
         for name, fn in calls.items():
             outs = []

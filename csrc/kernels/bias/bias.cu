@@ -8,10 +8,13 @@
 
 #include "moegemm.h"
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/plan/plan.cuh"
+#include "kernels/plan/tile_lookup.cuh"
 
 namespace moegemm {
 namespace {
+
 
 // A CTA of 4 warps takes one 128-token block x 256 columns: each lane 8 columns (16 bytes of bf16), the warps
 // the block's rows w, w + 4, ... in turn, kRowsInFlight rows' loads issued before their first use, so that
@@ -27,16 +30,6 @@ struct BlockRows {
   int e;
   int64_t row0, row1;
 };
-
-// The expert and token rows of 128-token block b (b < blk[E]).
-__device__ __forceinline__ BlockRows block_rows(const int32_t* plan, int E, int64_t b) {
-  const int32_t* tok = plan;
-  const int32_t* blk = plan + 2 * (E + 1);
-  const int e = find_expert(blk, E, b);
-  const int64_t row0 = tok[e] + (b - blk[e]) * kBlock;
-  const int64_t row1 = row0 + kBlock < tok[e + 1] ? row0 + kBlock : tok[e + 1];
-  return {e, row0, row1};
-}
 
 // 8 bf16 values <-> fp32
 __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
@@ -63,13 +56,14 @@ __device__ __forceinline__ void load_bias(const __nv_bfloat16* bias, int64_t i, 
   unpack8(*reinterpret_cast<const uint4*>(bias + i), f);
 }
 
-// The CTA's block and this lane's columns; false (after the plan check, which every thread takes part in)
-// when there is nothing to do.
+// The CTA's block (tile_block(): the grid is tile_grid's) and this lane's columns (blockIdx.x the 256-column block),
+// found with the plan checked in one pass (find_tile); false, after that pass, which every thread takes part in,
+// when there is nothing to do (past the plan's blocks, past N, or a foreign plan: no tokens).
 __device__ __forceinline__ bool block_cols(const int32_t* plan, int E, int64_t T, int64_t N, BlockRows& r, int64_t& n) {
-  const int64_t b = blockIdx.x;
-  n = (int64_t(blockIdx.y) * 32 + threadIdx.x % 32) * kColsPerLane;
-  if (!plan_fits(plan, E, token_limit(T)) || b >= plan[2 * (E + 1) + E] || n >= N) return false;  // foreign plan: no tokens
-  r = block_rows(plan, E, b);
+  n = (int64_t(blockIdx.x) * 32 + threadIdx.x % 32) * kColsPerLane;
+  const Found f = find_tile<true>(tile_block(), true, E, T, plan, [](const TileSpot&) {});
+  if (!f.spot.has_tile || f.spot.nr == 0 || n >= N) return false;
+  r = {f.expert, f.spot.row0, f.spot.row0 + f.spot.nr};
   return true;
 }
 
@@ -97,6 +91,8 @@ __device__ __forceinline__ void for_rows(const __nv_bfloat16* src, const BlockRo
 template <class Bias>
 __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, const Bias* bias, const int32_t* plan, int E,
                                                             int64_t T, int64_t N) {
+  grid_wait();  // (launched dependent: nothing read or written before)
+  grid_release();
   BlockRows r;
   int64_t n;
   if (!block_cols(plan, E, T, N, r, n)) return;
@@ -116,6 +112,8 @@ __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, co
 // no faster: bench/NOTES.md.)
 __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat16* dy, const int32_t* plan, int E,
                                                               int64_t T, int64_t N, float* partial) {
+  grid_wait();  // (launched dependent: nothing read or written before)
+  grid_release();
   __shared__ float4 sums[kWarps - 1][32][kColsPerLane / 4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   BlockRows r;
@@ -141,32 +139,41 @@ __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat1
     const float4 lo = sums[w][lane][0], hi = sums[w][lane][1];
     acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w, acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
   }
-  float4* out = reinterpret_cast<float4*>(partial + int64_t(blockIdx.x) * N + n);
+  float4* out = reinterpret_cast<float4*>(partial + int64_t(tile_block()) * N + n);
   out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
   out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
 }
 
 constexpr int kSumThreads = 128;  // expert_sums_kernel: two columns per thread
+constexpr int kSumsAhead = 8;     // and 8 blocks' partials in flight (one at a time left a Zipf expert's many
+                                  // blocks a chain of dependent loads: bias_grad 1.01-1.04x on the Zipf points)
 
 __global__ void __launch_bounds__(kSumThreads) expert_sums_kernel(const float* partial, const int32_t* plan, int E, int64_t T,
                                                                   int64_t N, float* db) {
   const int e = blockIdx.y;
   const int64_t n = (int64_t(blockIdx.x) * kSumThreads + threadIdx.x) * 2;
+  // Launched dependent on block_sums_kernel (or, with no tokens, on whatever came before): the plan, which
+  // block_sums_kernel does not write and whose writer finished before block_sums_kernel passed its own wait, is
+  // checked while block_sums_kernel's last CTAs still run; the partials only after the wait.
   const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: no tokens, zeros
+  grid_wait();
+  grid_release();
   if (n >= N) return;
   const int32_t* blk = plan + 2 * (E + 1);
   float2 acc = make_float2(0.f, 0.f);
-  for (int64_t b = fits ? blk[e] : 0, end = fits ? blk[e + 1] : 0; b < end; ++b) {
-    const float2 v = *reinterpret_cast<const float2*>(partial + b * N + n);
-    acc.x += v.x;
-    acc.y += v.y;
+  for (int64_t b = fits ? blk[e] : 0, end = fits ? blk[e + 1] : 0; b < end; b += kSumsAhead) {
+    float2 v[kSumsAhead];  // the loads of kSumsAhead partials issued, then added in block order
+#pragma unroll
+    for (int i = 0; i < kSumsAhead; ++i)
+      if (b + i < end) v[i] = *reinterpret_cast<const float2*>(partial + (b + i) * N + n);
+#pragma unroll
+    for (int i = 0; i < kSumsAhead; ++i)
+      if (b + i < end) acc.x += v[i].x, acc.y += v[i].y;
   }
   *reinterpret_cast<float2*>(db + int64_t(e) * N + n) = acc;
 }
 
-dim3 block_grid(int64_t T, int E, int64_t N) {
-  return dim3(static_cast<unsigned>(block_capacity(T, E)), static_cast<unsigned>(ceil_div(N, kCols)));
-}
+dim3 block_grid(int64_t T, int E, int64_t N) { return tile_grid(block_capacity(T, E), ceil_div(N, kCols)); }
 
 __global__ void sum_rows_kernel(const float* in, int64_t rows, int64_t cols, float* out) {
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -190,23 +197,21 @@ void add_bias(void* y_bf16, const void* bias, bool bias_is_f32, const int32_t* p
   if (T == 0 || N == 0) return;
   auto* y = static_cast<__nv_bfloat16*>(y_bf16);
   if (bias_is_f32)
-    add_bias_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(y, static_cast<const float*>(bias), plan, E, T, N);
+    launch_dependent(add_bias_kernel<float>, block_grid(T, E, N), kThreads, 0, stream, "add_bias", y,
+                     static_cast<const float*>(bias), plan, E, T, N);
   else
-    add_bias_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(y, static_cast<const __nv_bfloat16*>(bias), plan, E, T, N);
-  check_launch("add_bias");
+    launch_dependent(add_bias_kernel<__nv_bfloat16>, block_grid(T, E, N), kThreads, 0, stream, "add_bias", y,
+                     static_cast<const __nv_bfloat16*>(bias), plan, E, T, N);
 }
 
 void bias_grad(const void* dy_bf16, const int32_t* plan, int E, int64_t T, int64_t N, float* db, float* partial,
                cudaStream_t stream) {
   if (N == 0) return;
-  if (T > 0) {
-    block_sums_kernel<<<block_grid(T, E, N), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(dy_bf16), plan, E,
-                                                                    T, N, partial);
-    check_launch("bias_grad block sums");
-  }
-  expert_sums_kernel<<<dim3(static_cast<unsigned>(ceil_div(N, 2 * kSumThreads)), E), kSumThreads, 0, stream>>>(partial, plan, E, T,
-                                                                                                         N, db);
-  check_launch("bias_grad expert sums");
+  if (T > 0)
+    launch_dependent(block_sums_kernel, block_grid(T, E, N), kThreads, 0, stream, "bias_grad block sums",
+                     static_cast<const __nv_bfloat16*>(dy_bf16), plan, E, T, N, partial);
+  launch_dependent(expert_sums_kernel, dim3(static_cast<unsigned>(ceil_div(N, 2 * kSumThreads)), E), kSumThreads, 0, stream,
+                   "bias_grad expert sums", static_cast<const float*>(partial), plan, E, T, N, db);
 }
 
 }  // namespace moegemm

@@ -16,6 +16,7 @@
 #include "kernels/common/async_copy.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/plan/plan.cuh"
 #include "kernels/quant/act_functions.cuh"
 #include "kernels/quant/fp8_block.cuh"
@@ -36,6 +37,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     const __nv_bfloat16* __restrict__ h, const float* __restrict__ probs, int64_t T, int64_t F, int E,
     const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT,
     float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra) {
+  grid_wait();  // (launched dependent: nothing read or written before)
+  grid_release();
   extern __shared__ __align__(128) unsigned char smem[];
   uint4* staged = reinterpret_cast<uint4*>(smem);  // [3][128 rows][16 chunks], swizzled
   float* p_s = reinterpret_cast<float*>(smem + 3 * kInputBytes);
@@ -177,10 +180,9 @@ void launch(const void* da, const void* h, const float* probs, int64_t T, int64_
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr && row_extra == nullptr)) return;
   check_launch_size(F, name);
   allow_shared_memory<kernel<Act>>(kSmemBytes, name);
-  kernel<Act><<<tile_grid(block_capacity(T, E), F / kBlock), kThreads, kSmemBytes, stream>>>(
-      static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT,
-      col_capacity(T, E), row_extra);
-  check_launch(name);
+  launch_kernel(ab_dependent(), kernel<Act>, tile_grid(block_capacity(T, E), F / kBlock), kThreads, kSmemBytes, stream,
+                name, static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q,
+                s, qT, sT, col_capacity(T, E), row_extra);
 }
 
 }  // namespace moegemm::glu_backward

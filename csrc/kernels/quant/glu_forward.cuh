@@ -17,6 +17,7 @@
 #include "kernels/common/async_copy.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/two_pass.cuh"
 
@@ -34,6 +35,8 @@ template <class Act>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat16* __restrict__ h,
     const float* __restrict__ probs, int64_t T, int64_t F, int E, const int32_t* __restrict__ plan,
     uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap) {
+  grid_wait();  // (launched dependent: nothing read or written before)
+  grid_release();
   extern __shared__ __align__(128) unsigned char smem[];
   uint4* gate_s = reinterpret_cast<uint4*>(smem);  // [128 rows][16 chunks], swizzled
   uint4* up_s = gate_s + kInputBytes / 16;
@@ -142,9 +145,9 @@ void launch(const void* h, const float* probs, int64_t T, int64_t F, int E, cons
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr)) return;
   check_launch_size(F, name);
   allow_shared_memory<kernel<Act>>(kSmemBytes, name);
-  kernel<Act><<<tile_grid(block_capacity(T, E), (F + kBlock - 1) / kBlock), kThreads, kSmemBytes, stream>>>(
-      static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT, col_capacity(T, E));
-  check_launch(name);
+  launch_kernel(ab_dependent(), kernel<Act>, tile_grid(block_capacity(T, E), (F + kBlock - 1) / kBlock), kThreads,
+                kSmemBytes, stream, name, static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT,
+                col_capacity(T, E));
 }
 
 }  // namespace moegemm::glu_forward

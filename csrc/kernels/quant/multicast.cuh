@@ -36,6 +36,7 @@
 #include "kernels/common/async_copy.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/tiles.cuh"
 #include "kernels/plan/build.cuh"
@@ -721,6 +722,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + TileLayout::kColTile);
   Raw* staged = reinterpret_cast<Raw*>(smem + layout.stage);
 
+  grid_wait();  // (launched dependent: nothing read or written before)
+  grid_release();
   const int64_t Kb = (K + kBlock - 1) / kBlock;  // column blocks = tile columns
   const unsigned tid = threadIdx.x;
   const int b = tile_block(), kb = static_cast<int>(blockIdx.x);  // (blocks < 2^31: plan values are int32)
@@ -1037,9 +1040,8 @@ void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t*
     throw std::runtime_error(std::string("moegemm: ") + name + ": an FP8 row copy is requantized into columns only");
   const int smem = tile_layout<Loader>(qT != nullptr).total;
   allow_shared_memory<tile_kernel<Loader>>(tile_layout<Loader>(true).total, name);
-  tile_kernel<Loader><<<tile_grid(block_capacity(T, E), ceil_div(K, kBlock)), kTileThreads, smem, stream>>>(
-      src, T, K, E, plan, q, s, qT, sT, col_capacity(T, E), build);
-  check_launch(name);
+  launch_dependent(tile_kernel<Loader>, tile_grid(block_capacity(T, E), ceil_div(K, kBlock)), kTileThreads, smem, stream,
+                   name, src, T, K, E, plan, q, s, qT, sT, col_capacity(T, E), build);
 }
 
 // Stages of the ring for a launch: as many as fit next to the rest (at most kMaxStages).

@@ -11,6 +11,7 @@
 #include "kernels/common/async_copy.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/plan/build.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/multicast.cuh"
@@ -77,6 +78,8 @@ __device__ __forceinline__ WeightQuant weight_of(const WeightLaunch& launch, boo
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight_kernel(const WeightLaunch launch) {
+  grid_wait();  // (launched dependent: nothing read or written before)
+  grid_release();
   int64_t block = blockIdx.x;
   if (launch.plan.plan != nullptr) {
     if (block == 0) return build_plan<kThreads>(launch.plan);
@@ -187,8 +190,8 @@ PlanBuild plan_build(DeviceSplits plan_from, int E, int64_t T, int32_t* plan) {
 template <typename T>
 void launch_weights(const WeightLaunch& launch, int64_t grid, cudaStream_t stream) {
   allow_shared_memory<quantize_weight_kernel<T>>(kWeightSmemBytes<T>, "quantize_weight");
-  quantize_weight_kernel<T><<<static_cast<unsigned>(grid), kThreads, kWeightSmemBytes<T>, stream>>>(launch);
-  check_launch("quantize_weight");
+  launch_kernel(ab_dependent(), quantize_weight_kernel<T>, static_cast<unsigned>(grid), kThreads, kWeightSmemBytes<T>, stream,
+                "quantize_weight", launch);
 }
 
 }  // namespace

@@ -5,12 +5,12 @@
 // visible), then grid_release() (never before its own wait, so that a kernel that starts early after it still finds
 // every kernel before this one finished), which lets the next dependent kernel be scheduled. Launched the ordinary
 // way, both are no-ops. The dependency is captured into CUDA graphs as a programmatic edge.
+// Launched dependent: the quantizers' per-tile kernels, the GLU kernels, the weight quantizer and the bias kernels
+// (bench/NOTES.md, fortieth session: 1.00-1.03x per kernel on the H200, most on the small-experts rows; a kernel of
+// a graph costs ~1.15 us there even when it does nothing).
 #pragma once
 
 #include <cuda_runtime.h>
-
-#include <cstdlib>
-#include <utility>
 
 #include "kernels/common/cuda_check.h"
 
@@ -21,29 +21,17 @@ __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;
 __device__ __forceinline__ void grid_release() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 #endif
 
-// kernel<<<grid, block, smem, stream>>>(args...), dependent on the kernel before it when `dependent` is set.
+// kernel<<<grid, block, smem, stream>>>(args...), dependent on the kernel before it.
 template <class... Params, class... Args>
-void launch_kernel(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                   const char* name, Args&&... args) {
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, const char* name,
+                      Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = static_cast<size_t>(smem), config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute, config.numAttrs = dependent ? 1 : 0;
+  config.attrs = attribute, config.numAttrs = 1;
   check_cuda(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...), name);
-}
-template <class... Params, class... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, const char* name,
-                      Args&&... args) {
-  launch_kernel(true, kernel, grid, block, smem, stream, name, std::forward<Args>(args)...);
-}
-
-// TEMPORARY A/B switch (bench.bandwidth.ab --env MOEGEMM_AB_PDL --values 0,2): 0 = the launches that read it the
-// ordinary way; unset or anything else = dependent.
-inline bool ab_dependent() {
-  const char* v = std::getenv("MOEGEMM_AB_PDL");
-  return v == nullptr || std::atoi(v) != 0;
 }
 
 }  // namespace moegemm

@@ -180,9 +180,9 @@ void launch(const void* da, const void* h, const float* probs, int64_t T, int64_
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr && row_extra == nullptr)) return;
   check_launch_size(F, name);
   allow_shared_memory<kernel<Act>>(kSmemBytes, name);
-  launch_kernel(ab_dependent(), kernel<Act>, tile_grid(block_capacity(T, E), F / kBlock), kThreads, kSmemBytes, stream,
-                name, static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q,
-                s, qT, sT, col_capacity(T, E), row_extra);
+  launch_dependent(kernel<Act>, tile_grid(block_capacity(T, E), F / kBlock), kThreads, kSmemBytes, stream, name,
+                   static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s,
+                   qT, sT, col_capacity(T, E), row_extra);
 }
 
 }  // namespace moegemm::glu_backward

@@ -145,9 +145,8 @@ void launch(const void* h, const float* probs, int64_t T, int64_t F, int E, cons
   if (T == 0 || F == 0 || (q == nullptr && qT == nullptr)) return;
   check_launch_size(F, name);
   allow_shared_memory<kernel<Act>>(kSmemBytes, name);
-  launch_kernel(ab_dependent(), kernel<Act>, tile_grid(block_capacity(T, E), (F + kBlock - 1) / kBlock), kThreads,
-                kSmemBytes, stream, name, static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT,
-                col_capacity(T, E));
+  launch_dependent(kernel<Act>, tile_grid(block_capacity(T, E), (F + kBlock - 1) / kBlock), kThreads, kSmemBytes, stream,
+                   name, static_cast<const __nv_bfloat16*>(h), probs, T, F, E, plan, q, s, qT, sT, col_capacity(T, E));
 }
 
 }  // namespace moegemm::glu_forward

@@ -190,8 +190,8 @@ PlanBuild plan_build(DeviceSplits plan_from, int E, int64_t T, int32_t* plan) {
 template <typename T>
 void launch_weights(const WeightLaunch& launch, int64_t grid, cudaStream_t stream) {
   allow_shared_memory<quantize_weight_kernel<T>>(kWeightSmemBytes<T>, "quantize_weight");
-  launch_kernel(ab_dependent(), quantize_weight_kernel<T>, static_cast<unsigned>(grid), kThreads, kWeightSmemBytes<T>, stream,
-                "quantize_weight", launch);
+  launch_dependent(quantize_weight_kernel<T>, static_cast<unsigned>(grid), kThreads, kWeightSmemBytes<T>, stream,
+                   "quantize_weight", launch);
 }
 
 }  // namespace

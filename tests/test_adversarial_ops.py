@@ -416,6 +416,20 @@ def test_aliasing_and_mutation(a, cid, name, build):
 
 
 # ------------------------------------------------------------------------ a plan made for other tensors
+@pytest.mark.parametrize("experts", [1, 5])
+def test_bias_grad_of_no_tokens_is_zeros(experts):
+    """bias_grad of no tokens gives zeros [E, N] under its own plan and under a plan for more tokens made in the
+    launch just before it (its workspace then holds no rows: nothing may be read from it)."""
+    o = ops()
+    dy = torch.randn(1, 48, device=DEV, dtype=torch.bfloat16)[:0]
+    own = o.make_plan(torch.zeros(experts, dtype=torch.int64, device=DEV), 0)
+    for plan in (own, o.make_plan(torch.full((experts,), 300, dtype=torch.int64, device=DEV), 300 * experts)):
+        db = o.bias_grad(dy, plan)
+        assert db.shape == (experts, 48) and db.dtype == torch.float32
+        assert int(db.count_nonzero()) == 0
+    cuda_alive()
+
+
 @pytest.mark.parametrize("which", ["more_tokens", "forged"])
 def test_foreign_plan_gives_zeros(a, which):
     """A plan is device data the host cannot check against T. One made for more tokens than the inputs

@@ -15,7 +15,6 @@
 namespace moegemm {
 namespace {
 
-
 // A CTA of 4 warps takes one 128-token block x 256 columns: each lane 8 columns (16 bytes of bf16), the warps
 // the block's rows w, w + 4, ... in turn, kRowsInFlight rows' loads issued before their first use, so that
 // each thread has 128 bytes in flight (one 4-byte value per thread at a time left the kernels at 50-70 % of
@@ -113,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, co
 __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat16* dy, const int32_t* plan, int E,
                                                               int64_t T, int64_t N, float* partial) {
   grid_wait();  // (launched dependent: nothing read or written before)
-  grid_release();
+  grid_release();  // after the wait, which expert_sums_kernel's plan check before its own wait relies on
   __shared__ float4 sums[kWarps - 1][32][kColsPerLane / 4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   BlockRows r;
@@ -152,9 +151,9 @@ __global__ void __launch_bounds__(kSumThreads) expert_sums_kernel(const float* p
                                                                   int64_t N, float* db) {
   const int e = blockIdx.y;
   const int64_t n = (int64_t(blockIdx.x) * kSumThreads + threadIdx.x) * 2;
-  // Launched dependent on block_sums_kernel (or, with no tokens, on whatever came before): the plan, which
-  // block_sums_kernel does not write and whose writer finished before block_sums_kernel passed its own wait, is
-  // checked while block_sums_kernel's last CTAs still run; the partials only after the wait.
+  // Launched dependent on block_sums_kernel (T > 0): the plan, which block_sums_kernel does not write and whose
+  // writer finished before every block_sums_kernel CTA passed its wait and released this kernel, is checked while
+  // block_sums_kernel's last CTAs still run; the partials only after the wait.
   const bool fits = plan_fits(plan, E, token_limit(T));  // a foreign plan: no tokens, zeros
   grid_wait();
   grid_release();
@@ -207,9 +206,12 @@ void add_bias(void* y_bf16, const void* bias, bool bias_is_f32, const int32_t* p
 void bias_grad(const void* dy_bf16, const int32_t* plan, int E, int64_t T, int64_t N, float* db, float* partial,
                cudaStream_t stream) {
   if (N == 0) return;
-  if (T > 0)
-    launch_dependent(block_sums_kernel, block_grid(T, E, N), kThreads, 0, stream, "bias_grad block sums",
-                     static_cast<const __nv_bfloat16*>(dy_bf16), plan, E, T, N, partial);
+  if (T == 0) {  // no tokens: zeros under any plan (one that fits T = 0 has no blocks)
+    check_cuda(cudaMemsetAsync(db, 0, sizeof(float) * E * N, stream), "bias_grad zeros");
+    return;
+  }
+  launch_dependent(block_sums_kernel, block_grid(T, E, N), kThreads, 0, stream, "bias_grad block sums",
+                   static_cast<const __nv_bfloat16*>(dy_bf16), plan, E, T, N, partial);
   launch_dependent(expert_sums_kernel, dim3(static_cast<unsigned>(ceil_div(N, 2 * kSumThreads)), E), kSumThreads, 0, stream,
                    "bias_grad expert sums", static_cast<const float*>(partial), plan, E, T, N, db);
 }

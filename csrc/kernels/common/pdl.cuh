@@ -12,6 +12,8 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "kernels/common/cuda_check.h"
 
 namespace moegemm {
@@ -31,7 +33,7 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute, config.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...), name);
+  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);  // (converted as <<<>>> would)
 }
 
 }  // namespace moegemm

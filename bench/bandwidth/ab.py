@@ -46,7 +46,7 @@ def parse_args():
 def edge_problems(rng: random.Random) -> list:
     """(splits, K) of the bitwise comparison (K: the columns of x, or the GLU's F)."""
     out = []
-    for K in (128, 256, 384, 1408, 2048, 7168):
+    for K in (128, 256, 272, 384, 400, 1408, 2048, 7168):
         for _ in range(4):
             E, T = rng.choice([1, 3, 8, 17, 64, 1024]), rng.choice([1, 63, 64, 65, 127, 129, 1000, 3000, 9000])
             cuts = sorted(rng.randint(0, T) for _ in range(E - 1))

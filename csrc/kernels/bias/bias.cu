@@ -57,10 +57,12 @@ __device__ __forceinline__ void load_bias(const __nv_bfloat16* bias, int64_t i, 
 
 // The CTA's block (tile_block(): the grid is tile_grid's) and this lane's columns (blockIdx.x the 256-column block),
 // found with the plan checked in one pass (find_tile); false, after that pass, which every thread takes part in,
-// when there is nothing to do (past the plan's blocks, past N, or a foreign plan: no tokens).
+// when there is nothing to do (past the plan's blocks, past N, or a foreign plan: no tokens). kExpert: r.e the
+// block's expert (else 0: block_sums_kernel needs none).
+template <bool kExpert>
 __device__ __forceinline__ bool block_cols(const int32_t* plan, int E, int64_t T, int64_t N, BlockRows& r, int64_t& n) {
   n = (int64_t(blockIdx.x) * 32 + threadIdx.x % 32) * kColsPerLane;
-  const Found f = find_tile<true>(tile_block(), true, E, T, plan, [](const TileSpot&) {});
+  const Found f = find_tile<kExpert>(tile_block(), true, E, T, plan, [](const TileSpot&) {});
   if (!f.spot.has_tile || f.spot.nr == 0 || n >= N) return false;
   r = {f.expert, f.spot.row0, f.spot.row0 + f.spot.nr};
   return true;
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, co
   grid_release();
   BlockRows r;
   int64_t n;
-  if (!block_cols(plan, E, T, N, r, n)) return;
+  if (!block_cols<true>(plan, E, T, N, r, n)) return;
   float bv[kColsPerLane];
   load_bias(bias, r.e * N + n, bv);
   for_rows<false>(y, r, N, n, [&](int64_t t, const uint4& v) {
@@ -117,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat1
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   BlockRows r;
   int64_t n;
-  const bool work = block_cols(plan, E, T, N, r, n);  // the same across the CTA but for n
+  const bool work = block_cols<false>(plan, E, T, N, r, n);  // the same across the CTA but for n
   float acc[kColsPerLane] = {};
   if (work) {
     for_rows<true>(dy, r, N, n, [&](int64_t, const uint4& v) {

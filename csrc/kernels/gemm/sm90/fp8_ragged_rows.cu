@@ -87,16 +87,19 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
   config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = Cfg::kSmemBytes;
   config.stream = stream;
-  cudaLaunchAttribute attrs[1]{};
+  cudaLaunchAttribute attrs[2]{};
+  config.attrs = attrs;
+  config.numAttrs = 1;
   if constexpr (Cfg::kQuantizeA) {  // one CTA per SM, all resident at once: they meet at a grid barrier
     attrs[0].id = cudaLaunchAttributeCooperative;
     attrs[0].val.cooperative = 1;
   } else {
     attrs[0].id = cudaLaunchAttributeClusterDimension;
     attrs[0].val.clusterDim.x = Cfg::kCluster, attrs[0].val.clusterDim.y = 1, attrs[0].val.clusterDim.z = 1;
+    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // launched dependent: kernels/common/pdl.cuh
+    attrs[1].val.programmaticStreamSerializationAllowed = 1;
+    config.numAttrs = 2;
   }
-  config.attrs = attrs;
-  config.numAttrs = 1;
   check_cuda(cudaLaunchKernelEx(&config, kKernel, k), name);
 }
 

@@ -51,6 +51,8 @@
 //   lane 0, which keeps the K loop's stage, branches and wgmma descriptors in uniform registers.
 // - A plan that does not fit T (plan_fits) is taken as the plan of no tokens; rows past the covered
 //   tokens are zeroed.
+// - Launched dependent (kernels/common/pdl.cuh): the barriers' set-up and the descriptors' prefetch (kernel
+//   parameters) overlap the kernel before it; every thread waits for that kernel before the plan check.
 // - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above,
 //   CTA 0 builds the plan from m_splits (unless an earlier launch built it: no counts given) and every warp of
 //   the grid quantizes rows of a bf16 x into A's memory (csrc/kernels/quant/rows.cuh); a cooperative launch whose
@@ -78,6 +80,7 @@
 #include "kernels/gemm/sm90/pipeline.cuh"
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
+#include "kernels/common/pdl.cuh"
 #include "kernels/plan/build.cuh"
 #include "kernels/quant/rows.cuh"
 
@@ -237,8 +240,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     asm volatile("fence.proxy.async.global;" ::: "memory");
     cooperative_groups::this_grid().sync();
   }
-  // A plan that does not fit T tokens counts as the plan of no tokens.
-  const bool fits = plan_fits(p.plan, p.E, token_limit(p.T));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&full[s], 1 + Cfg::kScalesB);                         // the TMA thread (+ bytes), each weight-scale lane
@@ -246,12 +247,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     }
     cutlass::arch::fence_barrier_init();
   }
-  if (threadIdx.x == Cfg::kMathWarpgroups * 128) {
+  if (threadIdx.x == Cfg::kMathWarpgroups * 128) {  // (the descriptors are kernel parameters: no earlier kernel writes them)
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.a));
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.b));
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.d));
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&p.sa));
   }
+  if constexpr (!Cfg::kQuantizeA) {  // launched dependent (kernels/common/pdl.cuh): no memory touched before
+    grid_wait();
+    grid_release();
+  }
+  // A plan that does not fit T tokens counts as the plan of no tokens.
+  const bool fits = plan_fits(p.plan, p.E, token_limit(p.T));
   if constexpr (kCluster > 1) cute::cluster_sync();  // the peer's barriers exist before any remote arrive
   else __syncthreads();
 

@@ -25,15 +25,21 @@ __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;
 __device__ __forceinline__ void grid_release() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 #endif
 
+// The launch attribute that makes a launch dependent (for launches that also carry other attributes).
+inline cudaLaunchAttribute dependent_launch_attribute() {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), dependent on the kernel before it.
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, const char* name,
                       Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = static_cast<size_t>(smem), config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[1] = {dependent_launch_attribute()};
   config.attrs = attribute, config.numAttrs = 1;
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);  // (converted as <<<>>> would)
 }

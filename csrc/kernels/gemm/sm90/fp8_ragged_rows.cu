@@ -9,6 +9,7 @@
 #include "kernels/gemm/variants.h"
 #include "kernels/gemm/sm90/fp8_ragged_rows.cuh"
 #include "kernels/common/device.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/gemm/sm90/tma.h"
 
 namespace moegemm::gemm {
@@ -96,8 +97,7 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
   } else {
     attrs[0].id = cudaLaunchAttributeClusterDimension;
     attrs[0].val.clusterDim.x = Cfg::kCluster, attrs[0].val.clusterDim.y = 1, attrs[0].val.clusterDim.z = 1;
-    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // launched dependent: kernels/common/pdl.cuh
-    attrs[1].val.programmaticStreamSerializationAllowed = 1;
+    attrs[1] = dependent_launch_attribute();  // launched dependent: kernels/common/pdl.cuh
     config.numAttrs = 2;
   }
   check_cuda(cudaLaunchKernelEx(&config, kKernel, k), name);

@@ -76,11 +76,11 @@
 
 #include "moegemm.h"
 #include "kernels/common/device.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/gemm/sm90/cta.h"
 #include "kernels/gemm/sm90/pipeline.cuh"
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
-#include "kernels/common/pdl.cuh"
 #include "kernels/plan/build.cuh"
 #include "kernels/quant/rows.cuh"
 

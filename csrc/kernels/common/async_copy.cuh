@@ -39,6 +39,19 @@ __device__ __forceinline__ void load4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
+// Closes the group of cp.async this thread issued since the last commit (wait_pending counts groups).
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most `n` (0..3) of this thread's committed groups are still in flight.
+__device__ __forceinline__ void wait_pending(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+  }
+}
+
 // Waits until every cp.async this thread issued has landed (its own copies only: a CTA barrier follows
 // before other threads read them).
 __device__ __forceinline__ void wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }

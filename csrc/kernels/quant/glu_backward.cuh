@@ -3,9 +3,11 @@
 // rounded to bf16 (the values the FP8 copies quantize: docs/design.md#fp8-recipe), as the 1x128 row copy and the
 // per-expert 128x1 column copy of each half, plus each row's share of dprobs (da * act(gate) * up summed).
 //
-// One CTA of 8 warps per tile, two per SM, in the two passes of two_pass.cuh. The CTA stages da, gate and up; the
-// row pass writes both halves' values, rounded to bf16, over the row's da and gate (each lane rewrites what it
-// read) and makes each half's row block; the column pass takes the column scales on the packed bf16 pairs.
+// One CTA of 8 warps per tile, three per SM, in the two passes of two_pass.cuh. The CTA stages da and gate; the row
+// pass reads up from global memory (a lane's 32 bytes of its next row loaded while it computes the current one),
+// writes both halves' values, rounded to bf16, over the row's da and gate (each lane rewrites what it read) and
+// makes each half's row block; the column pass takes the column scales on the packed bf16 pairs. (Up staged too,
+// 96 KB a CTA, gave two CTAs per SM: 1.06x slower on the memory-bound table, bench/NOTES.md.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,8 +31,8 @@ using two_pass::kThreads, two_pass::kRowLanes, two_pass::kLaneCols, two_pass::kR
       two_pass::kChunks, two_pass::kInputBytes, two_pass::chunk_at, two_pass::quantize16, two_pass::row_block,
       two_pass::check_launch_size, two_pass::abs_max_of;
 
-constexpr int kSmemBytes = 3 * kInputBytes + kBlock * 4;  // da, gate, up, the probs
-constexpr int kCtasPerSm = 2;
+constexpr int kSmemBytes = 2 * kInputBytes + kBlock * 4;  // da, gate, the probs
+constexpr int kCtasPerSm = 3;                             // (80 registers, no spills for SwiGLU)
 
 template <class Act>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat16* __restrict__ da,
@@ -40,8 +42,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   grid_wait();  // (launched dependent: nothing read or written before)
   grid_release();
   extern __shared__ __align__(128) unsigned char smem[];
-  uint4* staged = reinterpret_cast<uint4*>(smem);  // [3][128 rows][16 chunks], swizzled
-  float* p_s = reinterpret_cast<float*>(smem + 3 * kInputBytes);
+  uint4* staged = reinterpret_cast<uint4*>(smem);  // [2][128 rows][16 chunks], swizzled
+  float* p_s = reinterpret_cast<float*>(smem + 2 * kInputBytes);
   const int64_t Kt = F / kBlock, K = 2 * F, Kb = 2 * Kt;  // tile columns; dh's columns and column blocks
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int b = tile_block(), kt = static_cast<int>(blockIdx.x);  // token block, column block (tile_grid)
@@ -53,34 +55,47 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
       const int64_t t = spot.row0 + r;
       async_copy::load16(staged + chunk_at(r, c), da + t * F + k0 + 8 * c);
       async_copy::load16(staged + kInputBytes / 16 + chunk_at(r, c), h + t * K + k0 + 8 * c);
-      async_copy::load16(staged + 2 * kInputBytes / 16 + chunk_at(r, c), h + t * K + F + k0 + 8 * c);
     }
     if (probs != nullptr && tid < spot.nr) async_copy::load4(p_s + tid, probs + spot.row0 + tid);
   });
   const TileSpot spot = found.spot;
   const int64_t row0 = spot.row0, covered = found.covered;
   const int nr = spot.nr;
+  const bool active = found.fits && spot.has_tile;
+  // Lane l of a row's 8 takes columns 16 l .. 16 l + 15 (chunks 2 l, 2 l + 1) in the row pass: its up values are
+  // the 32 bytes at up_at + (row) * K / 8, the first row's loaded here (over the staging and the zeroing).
+  const int ql = tid % kRowLanes;
+  const uint4* up_at = reinterpret_cast<const uint4*>(h + row0 * K + F + k0) + 2 * ql;
+  uint4 up_next[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+  if (active && tid / kRowLanes < nr) {
+    const uint4* at = up_at + (tid / kRowLanes) * (K / 8);
+    up_next[0] = __ldg(at);
+    up_next[1] = __ldg(at + 1);
+  }
   if (covered < T)
     zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, tile_cta() * kThreads + tid, tile_ctas() * kThreads);
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
-  if (!found.fits || !spot.has_tile) return;
+  if (!active) return;
   __syncthreads();
 
-  // ---- Row pass: lane l of a row's 8 takes columns 16 l .. 16 l + 15 (chunks 2 l, 2 l + 1).
+  // ---- Row pass.
   const int64_t s_pitch = row_scale_pitch(T);
-  const int ql = tid % kRowLanes;
 #pragma unroll 1
   for (int r = tid / kRowLanes; r < kBlock; r += kRowsPerPass) {
     const int at0 = chunk_at(r, 2 * ql), at1 = chunk_at(r, 2 * ql + 1);
     uint4* in_da = staged;
     uint4* in_gate = staged + kInputBytes / 16;
-    const uint4* in_up = staged + 2 * kInputBytes / 16;
+    const uint4 raw_u[2] = {up_next[0], up_next[1]};
+    if (r + kRowsPerPass < nr) {  // the lane's next row's up
+      const uint4* at = up_at + (r + kRowsPerPass) * (K / 8);
+      up_next[0] = __ldg(at);
+      up_next[1] = __ldg(at + 1);
+    }
     uint32_t gw[8], uw[8];  // the row's 16 values of each half, bf16 pairs
     float extra[2] = {0.f, 0.f};  // the dprobs share of each 8-column chunk
     if (r < nr) {
       const float p = probs != nullptr ? p_s[r] : 1.f;
-      const uint4 raw_d[2] = {in_da[at0], in_da[at1]}, raw_g[2] = {in_gate[at0], in_gate[at1]},
-                  raw_u[2] = {in_up[at0], in_up[at1]};
+      const uint4 raw_d[2] = {in_da[at0], in_da[at1]}, raw_g[2] = {in_gate[at0], in_gate[at1]};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float d[8], g[8], u[8];

@@ -3,7 +3,8 @@
 // the per-expert 128x1 column copy (docs/design.md#fp8-recipe: the fp32 values quantized).
 //
 // One CTA of 8 warps per tile, three per SM, in the two passes of two_pass.cuh. The CTA stages the tile's gate
-// columns k0.. and up columns F + k0.. and its probs; the row pass writes a lane's 16 fp32 values over the 64 bytes
+// columns k0.. and up columns F + k0.. and its probs in four cp.async groups, one per row pass step of 32 rows, each
+// step waiting for its own (1.03x over one wait for the whole tile, bench/NOTES.md); the row pass writes a lane's 16 fp32 values over the 64 bytes
 // of gate and up it read: column c of the tile (chunk c / 8) in gate's chunk for c % 8 < 4, in up's for the
 // others, at float c % 4; the column pass reads them there.
 #pragma once
@@ -30,6 +31,7 @@ using two_pass::kThreads, two_pass::kRowLanes, two_pass::kLaneCols, two_pass::kR
 
 constexpr int kSmemBytes = 2 * kInputBytes + kBlock * 4;  // gate, up, the probs
 constexpr int kCtasPerSm = 3;
+constexpr int kRowSteps = kBlock / kRowsPerPass;  // 4 steps of the row pass, a cp.async group each
 
 template <class Act>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat16* __restrict__ h,
@@ -48,19 +50,27 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
   const int nk = static_cast<int>(imin64(kBlock, F - k0));
   const Found found = find_tile(b, Kt > 0, E, T, plan, [&](const TileSpot& spot) {
     const int c = tid % kChunks;
-    if (8 * c < nk)
-      for (int r = tid / kChunks; r < spot.nr; r += kThreads / kChunks) {
-        const __nv_bfloat16* row = h + (spot.row0 + r) * 2 * F + k0 + 8 * c;
-        async_copy::load16(gate_s + chunk_at(r, c), row);
-        async_copy::load16(up_s + chunk_at(r, c), row + F);
+#pragma unroll
+    for (int g = 0; g < kRowSteps; ++g) {  // group g: rows 32 g .. 32 g + 31 (and the probs in the first)
+#pragma unroll
+      for (int i = 0; i < kRowsPerPass / (kThreads / kChunks); ++i) {
+        const int r = g * kRowsPerPass + i * (kThreads / kChunks) + tid / kChunks;
+        if (8 * c < nk && r < spot.nr) {
+          const __nv_bfloat16* row = h + (spot.row0 + r) * 2 * F + k0 + 8 * c;
+          async_copy::load16(gate_s + chunk_at(r, c), row);
+          async_copy::load16(up_s + chunk_at(r, c), row + F);
+        }
       }
-    if (probs != nullptr && tid < spot.nr) async_copy::load4(p_s + tid, probs + spot.row0 + tid);
+      if (g == 0 && probs != nullptr && tid < spot.nr) async_copy::load4(p_s + tid, probs + spot.row0 + tid);
+      async_copy::commit();
+    }
   });
   if (found.covered < T)
     zero_uncovered_rows(found.covered, T, F, Kt, q, s, nullptr, tile_cta() * kThreads + tid, tile_ctas() * kThreads);
-  async_copy::wait_all();
-  if (!found.fits || !found.spot.has_tile) return;
-  __syncthreads();
+  if (!found.fits || !found.spot.has_tile) {
+    async_copy::wait_all();  // (no copy may land after the CTA)
+    return;
+  }
   const int64_t row0 = found.spot.row0;
   const int nr = found.spot.nr;
 
@@ -71,6 +81,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     float* s_block = s + kt * row_scale_pitch(T) + row0;
 #pragma unroll 1
     for (int r = tid / kRowLanes; r < kBlock; r += kRowsPerPass) {
+      // This step's rows landed (every thread takes the kRowSteps steps; the last waits for all of its copies).
+      async_copy::wait_pending(kRowSteps - 1 - r / kRowsPerPass);
+      __syncthreads();
       const int at0 = chunk_at(r, 2 * ql), at1 = chunk_at(r, 2 * ql + 1);
       float v[16];
       float amax = 0.f;

@@ -3,10 +3,10 @@
 // the per-expert 128x1 column copy (docs/design.md#fp8-recipe: the fp32 values quantized).
 //
 // One CTA of 8 warps per tile, three per SM, in the two passes of two_pass.cuh. The CTA stages the tile's gate
-// columns k0.. and up columns F + k0.. and its probs in four cp.async groups, one per row pass step of 32 rows, each
-// step waiting for its own (1.03x over one wait for the whole tile, bench/NOTES.md); the row pass writes a lane's 16 fp32 values over the 64 bytes
-// of gate and up it read: column c of the tile (chunk c / 8) in gate's chunk for c % 8 < 4, in up's for the
-// others, at float c % 4; the column pass reads them there.
+// columns k0.. and up columns F + k0.. and its probs in four cp.async groups, one per row pass step of 32 rows,
+// each step waiting for its own (1.03x over one wait for the whole tile, bench/NOTES.md). The row pass writes a
+// lane's 16 fp32 values over the 64 bytes of gate and up it read: column c of the tile (chunk c / 8) in gate's
+// chunk for c % 8 < 4, in up's for the others, at float c % 4; the column pass reads them there.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,6 +32,7 @@ using two_pass::kThreads, two_pass::kRowLanes, two_pass::kLaneCols, two_pass::kR
 constexpr int kSmemBytes = 2 * kInputBytes + kBlock * 4;  // gate, up, the probs
 constexpr int kCtasPerSm = 3;
 constexpr int kRowSteps = kBlock / kRowsPerPass;  // 4 steps of the row pass, a cp.async group each
+static_assert(kRowSteps <= 4, "async_copy::wait_pending waits on at most 3 newer groups");
 
 template <class Act>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat16* __restrict__ h,

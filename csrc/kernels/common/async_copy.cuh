@@ -42,7 +42,8 @@ __device__ __forceinline__ void load4(void* dst, const void* src) {
 // Closes the group of cp.async this thread issued since the last commit (wait_pending counts groups).
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-// Waits until at most `n` (0..3) of this thread's committed groups are still in flight.
+// Waits until at most `n` of this thread's committed groups are still in flight (n > 3 waits as 3 does:
+// more landed, never fewer).
 __device__ __forceinline__ void wait_pending(int n) {
   switch (n) {
     case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;

@@ -6,8 +6,8 @@
 // One CTA of 8 warps per tile, three per SM, in the two passes of two_pass.cuh. The CTA stages da and gate; the row
 // pass reads up from global memory (a lane's 32 bytes of its next row loaded while it computes the current one),
 // writes both halves' values, rounded to bf16, over the row's da and gate (each lane rewrites what it read) and
-// makes each half's row block; the column pass takes the column scales on the packed bf16 pairs. (Up staged too,
-// 96 KB a CTA, gave two CTAs per SM: 1.06x slower on the memory-bound table, bench/NOTES.md.)
+// makes each half's row block; the column pass takes the column scales on the packed bf16 pairs. (1.06x faster
+// on the memory-bound table than staging up too: 96 KB a CTA, two CTAs per SM; bench/NOTES.md.)
 #pragma once
 
 #include <cuda_bf16.h>

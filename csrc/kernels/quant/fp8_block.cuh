@@ -107,9 +107,18 @@ __device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the l
 // f16 pairs (the first value in the low half), as requantize_cols' per-tile kernel keeps an FP8 row copy's values
 // when its tile allows (multicast.cuh, Fp8Window): e4m3 is a subset of f16, so the decode is exact, and products by
 // powers of two are exact wherever they stay above f16's smallest subnormal by e4m3's 3 fraction bits.
-__device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t pair) {  // bytes 0, 1 of pair -> low, high half
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
-  return uint32_t(h.x) | uint32_t(h.y) << 16;
+// Bytes 2 kHalf, 2 kHalf + 1 of word -> the low, high half. The half is the conversion's operand (sm_90's F2FP reads a
+// register's upper half, .H1), so no shift goes before it (bench/NOTES.md, forty-third session: 1.02x on
+// requantize_cols).
+template <int kHalf>
+__device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t word) {
+  static_assert(kHalf == 0 || kHalf == 1, "a word has two halves");
+  uint32_t d;
+  if constexpr (kHalf == 0)
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(d) : "r"(word));
+  else
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(d) : "r"(word));
+  return d;
 }
 __device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
   uint32_t d;

@@ -141,7 +141,8 @@ struct Fp8RowsLoader {
   // Value i of a row's eight staged bytes, times the row's scale (in place of values(): the per-tile kernel keeps
   // the bytes and decodes each value where it is used).
   static __device__ __forceinline__ float value(const uint2& bytes, float scale, int i) {
-    const uint32_t h = f16x2_of_e4m3x2((i < 4 ? bytes.x : bytes.y) >> (16 * (i / 2 % 2)));  // exact
+    const uint32_t word = i < 4 ? bytes.x : bytes.y;
+    const uint32_t h = i / 2 % 2 ? f16x2_of_e4m3x2<1>(word) : f16x2_of_e4m3x2<0>(word);  // exact
     return (i % 2 ? f16_hi(h) : f16_lo(h)) * scale;
   }
 };
@@ -823,7 +824,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 #pragma unroll
             for (int i = 0; i < kVec / 2; ++i) {
               const uint32_t word = i < 2 ? bytes[jr].x : bytes[jr].y;
-              top2[i] = abs_max_f16x2(top2[i], mul_f16x2(f16x2_of_e4m3x2(word >> (16 * (i % 2))), r2));
+              const uint32_t pair = i % 2 ? f16x2_of_e4m3x2<1>(word) : f16x2_of_e4m3x2<0>(word);
+              top2[i] = abs_max_f16x2(top2[i], mul_f16x2(pair, r2));
             }
           }
         }
@@ -960,7 +962,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 #pragma unroll
               for (int j = 0; j < 4; ++j) {
                 const int c = 4 * x + j;
-                const uint32_t y = mul_f16x2(mul_f16x2(f16x2_of_e4m3x2(cols[j / 2] >> (16 * (j % 2))), r2), factor[c]);
+                const uint32_t pair = j % 2 ? f16x2_of_e4m3x2<1>(cols[j / 2]) : f16x2_of_e4m3x2<0>(cols[j / 2]);
+                const uint32_t y = mul_f16x2(mul_f16x2(pair, r2), factor[c]);
                 const uint32_t e = e4m3x2_of_f16x2(y);
                 word[c] = rp ? word[c] | e << 16 : e;
               }

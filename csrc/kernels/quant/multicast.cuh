@@ -671,12 +671,13 @@ __device__ __forceinline__ Fp8Window fp8_window(const float* scales, int nr) {
 }
 
 // The shared memory of a per-tile CTA: the per-warp column maxima, the column multipliers (and an FP8 row copy's
-// f16 factor pairs: Fp8Window), the FP8 column tile (when the column copy is made), then the stage.
+// f16 factor pairs and its rows' f16 ratios in pairs, for the column pass: Fp8Window), the FP8 column tile (when the column copy is made), then the stage.
 struct TileLayout {
   static constexpr int kPartial = 0;                               // [8 warps][128] floats
   static constexpr int kMul = kPartial + kTileWarps * kBlock * 4;  // [2][128] floats
   static constexpr int kFactor16 = kMul + 2 * kBlock * 4;          // [128] f16 pairs
-  static constexpr int kColTile = kFactor16 + kBlock * 4;
+  static constexpr int kRatio2 = kFactor16 + kBlock * 4;           // [64] f16 pairs
+  static constexpr int kColTile = kRatio2 + kBlock * 2;
   int stage, total;
   constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes)
       : stage(kColTile + (cols ? kColTileBytes : 0)), total(stage + int(stage_bytes)) {}
@@ -720,6 +721,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   float* mul_hi = reinterpret_cast<float*>(smem + TileLayout::kMul);
   float* mul_lo = mul_hi + kBlock;
   uint32_t* factor16 = reinterpret_cast<uint32_t*>(smem + TileLayout::kFactor16);
+  uint32_t* ratio2 = reinterpret_cast<uint32_t*>(smem + TileLayout::kRatio2);
   uint32_t* col_tile = reinterpret_cast<uint32_t*>(smem + TileLayout::kColTile);
   Raw* staged = reinterpret_cast<Raw*>(smem + layout.stage);
 
@@ -903,7 +905,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
           make_float4(kept[0], kept[1], kept[2], kept[3]);
     }
     __syncthreads();
-    // Column scales: thread c < 128 (warps 0-3) takes column c's maxima of the 8 warps; warps 4-7 only wait.
+    // Column scales: thread c < 128 (warps 0-3) takes column c's maxima of the 8 warps; warps 4-7 wait (4 and 5 stage
+    // an FP8 row copy's row ratios for its column pass on f16 pairs).
     bool f16_cols = false;  // (uniform)
     {
       [[maybe_unused]] bool column_fits = true;  // (an FP8 row copy's)
@@ -922,6 +925,12 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
             column_fits = quant.mul_lo == 1.f && window.factor(quant.mul_hi, f16);
             factor16[c] = f16 * 0x10001u;
           }
+        }
+      } else if constexpr (kForm == Kept::kFp8Bytes) {  // warps 4 and 5: the rows' f16 ratios, in pairs
+        const int pr = tid - kBlock;  // rows 2 pr, 2 pr + 1 (0 past the tile's rows)
+        if (window.on && pr < kBlock / 2) {
+          const float* sf = staged_factors<Loader>(staged);
+          ratio2[pr] = (2 * pr < nr ? window.ratio(sf[2 * pr]) : 0u) | (2 * pr + 1 < nr ? window.ratio(sf[2 * pr + 1]) : 0u) << 16;
         }
       }
       if constexpr (kForm == Kept::kFp8Bytes) f16_cols = __syncthreads_and(window.on && column_fits);
@@ -949,12 +958,13 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
         for (int p = 0; p < kTilePasses; ++p) {
           const int g = group(p);
           uint2 bytes[kRows];
-          uint32_t ratio[kRows];
-          fp8_rows(g, bytes, ratio);
+          uint32_t unused[kRows];  // (the ratios: staged above, in pairs)
+          fp8_rows(g, bytes, unused);
           uint32_t word[kVec];
+          const uint2 rr = *reinterpret_cast<const uint2*>(ratio2 + 2 * g);  // rows 4g, 4g + 1 | 4g + 2, 4g + 3
 #pragma unroll
           for (int rp = 0; rp < 2; ++rp) {  // rows 4g + 2rp, 4g + 2rp + 1
-            const uint32_t r2 = ratio[2 * rp] | ratio[2 * rp + 1] << 16;
+            const uint32_t r2 = rp ? rr.y : rr.x;
 #pragma unroll
             for (int x = 0; x < 2; ++x) {  // columns 4x .. 4x + 3
               const uint32_t lo = x ? bytes[2 * rp].y : bytes[2 * rp].x, hi = x ? bytes[2 * rp + 1].y : bytes[2 * rp + 1].x;

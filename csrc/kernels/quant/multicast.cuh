@@ -670,14 +670,17 @@ __device__ __forceinline__ Fp8Window fp8_window(const float* scales, int nr) {
   return w;
 }
 
-// The shared memory of a per-tile CTA: the per-warp column maxima, the column multipliers (and an FP8 row copy's
-// f16 factor pairs and its rows' f16 ratios in pairs, for the column pass: Fp8Window), the FP8 column tile (when the column copy is made), then the stage.
+// The shared memory of a per-tile CTA: the column multipliers (and an FP8 row copy's f16 factor pairs and its rows'
+// f16 ratios in pairs, for the column pass: Fp8Window), the FP8 column tile (when the column copy is made), then the
+// stage. The per-warp column maxima lie in the column tile's first 4 KB (only a tile with a column copy takes them):
+// they are read before the barrier after which the column pass writes the tile.
 struct TileLayout {
-  static constexpr int kPartial = 0;                               // [8 warps][128] floats
-  static constexpr int kMul = kPartial + kTileWarps * kBlock * 4;  // [2][128] floats
+  static constexpr int kMul = 0;                                   // [2][128] floats
   static constexpr int kFactor16 = kMul + 2 * kBlock * 4;          // [128] f16 pairs
   static constexpr int kRatio2 = kFactor16 + kBlock * 4;           // [64] f16 pairs
   static constexpr int kColTile = kRatio2 + kBlock * 2;
+  static constexpr int kPartial = kColTile;                        // [8 warps][128] floats
+  static_assert(kTileWarps * kBlock * 4 <= kColTileBytes, "the column maxima fit in the column tile");
   int stage, total;
   constexpr __host__ __device__ TileLayout(bool cols, int64_t stage_bytes)
       : stage(kColTile + (cols ? kColTileBytes : 0)), total(stage + int(stage_bytes)) {}
@@ -687,14 +690,15 @@ constexpr __host__ __device__ TileLayout tile_layout(bool cols) {
   return TileLayout(cols, stage_bytes<Loader>());
 }
 
-// CTAs of the per-tile form per SM: as many as their shared memory allows, at most 5 for an FP8 row copy (48 registers a
-// thread, no spills; 1.06x the 4 CTAs of 64 registers on the memory-bound table, bench/NOTES.md), 4 for bf16 kept as
-// pairs (64) and 3 for the values as floats (80).
+// CTAs of the per-tile form per SM: as many as their shared memory allows, at most 6 for an FP8 row copy (40 registers a
+// thread, 48 bytes of spills outside the passes; 1.017x its 5 CTAs of 48 registers on the memory-bound table, which
+// were 1.06x 4 CTAs of 64: bench/NOTES.md), 4 for bf16 kept as pairs (64) and 3 for the values as floats (80).
 template <class Loader>
 constexpr int tile_ctas_per_sm() {
   constexpr Kept kForm = kept_form<Loader>();
   constexpr int64_t per_cta = tile_layout<Loader>(true).total + 1024;  // (1 KB reserved per CTA)
-  constexpr int64_t fit = 228 * 1024 / per_cta, most = kForm == Kept::kFloats ? 3 : kForm == Kept::kFp8Bytes ? 5 : 4;
+  constexpr int64_t fit = 228 * 1024 / per_cta, most = kForm == Kept::kFloats ? 3 : kForm == Kept::kFp8Bytes ? 6 : 4;
+  static_assert(kForm != Kept::kFp8Bytes || fit >= most, "an FP8 row copy's six CTAs fit");
   return fit < 1 ? 1 : static_cast<int>(fit > most ? most : fit);
 }
 

@@ -10,7 +10,7 @@
 // tile's values from the stage into registers (4 rows x 8 columns per thread), write the row copy, reduce
 // the column maxima through shared memory (every warp taking 8 columns), and write the column copy through
 // a swizzled shared-memory tile with full-line stores: three CTA barriers per tile.
-// Per tile (tile_kernel): one CTA of 8 warps per tile, up to five per SM (see there); the loaders whose
+// Per tile (tile_kernel): one CTA of 8 warps per tile, up to six per SM (see there); the loaders whose
 // kPerTile says so (16-bit x for quantize_act, an FP8 row copy for requantize_cols).
 //
 // Loaders say what is staged and how values are made of it:
@@ -533,8 +533,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 // and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them). An FP8 row copy
 // (Fp8RowsLoader) keeps each row's eight bytes and its scale, decoded where a value is used, and makes no row copy;
 // where the tile's row scales allow (Fp8Window: quantize_act's powers of two within 2^14 of each other) its
-// values are f16 pairs, else floats with the same arithmetic: 48 registers, 5 CTAs per SM (bench/NOTES.md,
-// thirty-seventh and thirty-eighth sessions).
+// values are f16 pairs, else floats with the same arithmetic: 40 registers, 6 CTAs per SM (bench/NOTES.md,
+// thirty-seventh, thirty-eighth and forty-third sessions).
 
 // Which loaders take the per-tile form (their kPerTile, set where it was measured faster): one staged input, one
 // output block, no per-row extra.
@@ -934,7 +934,9 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
         const int pr = tid - kBlock;  // rows 2 pr, 2 pr + 1 (0 past the tile's rows)
         if (window.on && pr < kBlock / 2) {
           const float* sf = staged_factors<Loader>(staged);
-          ratio2[pr] = (2 * pr < nr ? window.ratio(sf[2 * pr]) : 0u) | (2 * pr + 1 < nr ? window.ratio(sf[2 * pr + 1]) : 0u) << 16;
+          const uint32_t first = 2 * pr < nr ? window.ratio(sf[2 * pr]) : 0u;
+          const uint32_t second = 2 * pr + 1 < nr ? window.ratio(sf[2 * pr + 1]) : 0u;
+          ratio2[pr] = first | second << 16;
         }
       }
       if constexpr (kForm == Kept::kFp8Bytes) f16_cols = __syncthreads_and(window.on && column_fits);

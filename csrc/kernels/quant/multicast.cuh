@@ -801,14 +801,15 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
       }
     };
     auto group = [&](int p) { return (kTileGroups / kTilePasses) * p + 2 * warp + half; };
-    // An FP8 row copy's rows 4g .. 4g + 3 (thread's columns) as staged and their f16 ratios (Fp8Window); zeros outside.
-    auto fp8_rows = [&](int g, uint2 (&bytes)[kRows], uint32_t (&ratio)[kRows]) {
+    // An FP8 row copy's rows 4g .. 4g + 3 (thread's columns) as staged and, unless `ratio` is null, their f16 ratios
+    // (Fp8Window); zeros outside.
+    auto fp8_rows = [&](int g, uint2 (&bytes)[kRows], uint32_t* ratio) {
 #pragma unroll
       for (int jr = 0; jr < kRows; ++jr) {
         const int r = kRows * g + jr;
         const bool in = row_in(r) && lane_active;
         bytes[jr] = in ? *reinterpret_cast<const uint2*>(staged + r * kBlock + kVec * hl) : make_uint2(0u, 0u);
-        ratio[jr] = in ? window.ratio(staged_factors<Loader>(staged)[r]) : 0u;
+        if (ratio != nullptr) ratio[jr] = in ? window.ratio(staged_factors<Loader>(staged)[r]) : 0u;
       }
     };
 
@@ -964,8 +965,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
         for (int p = 0; p < kTilePasses; ++p) {
           const int g = group(p);
           uint2 bytes[kRows];
-          uint32_t unused[kRows];  // (the ratios: staged above, in pairs)
-          fp8_rows(g, bytes, unused);
+          fp8_rows(g, bytes, nullptr);  // (the ratios: staged above, in pairs)
           uint32_t word[kVec];
           const uint2 rr = *reinterpret_cast<const uint2*>(ratio2 + 2 * g);  // rows 4g, 4g + 1 | 4g + 2, 4g + 3
 #pragma unroll

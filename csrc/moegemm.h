@@ -139,7 +139,8 @@ void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t b
                         cudaStream_t stream);
 
 // ---- grouped GEMMs. A problem travels as one struct; `workspace` (the device-built arguments of the
-// CUTLASS kernels) has the size the matching *_workspace_size returns (0: none needed).
+// CUTLASS kernels, or the tile counter of moegemm's sm90 ragged reduction) has the size the matching
+// *_workspace_size returns (0: none needed).
 
 // An FP8 operand: e4m3 bytes and their fp32 block scales.
 struct Fp8Operand {

@@ -33,7 +33,7 @@ bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K) {
 int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }
 
 size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice) {
-  if (gemm::fp8_ragged_reduction_kernel(choice.kernel) != GemmKernel::kCutlass) return 0;
+  if (gemm::fp8_ragged_reduction_kernel(choice.kernel) != GemmKernel::kCutlass) return gemm::kSm90RaggedReductionWorkspace;
   return p.out_kind == WgradOut::kBF16 ? gemm::cutlass_fp8_ragged_k_bf16_workspace_size(p.E)
                                        : gemm::cutlass_fp8_ragged_k_f32_workspace_size(p.E);
 }
@@ -47,7 +47,7 @@ void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, Gem
   if (choice.tiling >= gemm::kNumRaggedReductionTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: no such tiling");
   const gemm::RaggedReductionTiling tiling = choice.tiling >= 0 ? gemm::kRaggedReductionTilings[choice.tiling]
                                                                 : gemm::ragged_reduction_tiling(p, sm_count());
-  gemm::sm90_fp8_ragged_reduction(p, a, b, tiling, stream);
+  gemm::sm90_fp8_ragged_reduction(p, a, b, tiling, workspace, stream);
 }
 
 size_t gemm_bf16_ragged_m_workspace_size(int E, bool dgrad) {

@@ -20,7 +20,8 @@ void cutlass_bf16_ragged_k_f32(const RaggedReduction& p, const void* a, const vo
 size_t cutlass_bf16_ragged_k_bf16_workspace_size(int E);
 void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
 
-// moegemm's own persistent sm90 kernels (csrc/kernels/gemm/sm90/); no workspace.
+// moegemm's own persistent sm90 kernels (csrc/kernels/gemm/sm90/): no workspace, but the ragged reduction's
+// tile counter (kSm90RaggedReductionWorkspace bytes, zeroed by the launch).
 struct RaggedRowsTiling;  // heuristics.h
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
                           cudaStream_t stream);
@@ -34,7 +35,8 @@ struct RowsPrologue {
 void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& prologue, Fp8Operand b, ExpertBias bias,
                                      const RaggedRowsTiling& tiling, cudaStream_t stream);
 struct RaggedReductionTiling;  // heuristics.h
+constexpr size_t kSm90RaggedReductionWorkspace = sizeof(int);
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
-                               cudaStream_t stream);
+                               void* workspace, cudaStream_t stream);
 
 }  // namespace moegemm::gemm

@@ -15,11 +15,12 @@ template <int kBlockN, WgradOut kOut>
 using Config = sm90::Fp8RaggedReductionConfig<kBlockN, kOut>;
 
 template <class Cfg>
-void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream) {
+void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_counter, cudaStream_t stream) {
   constexpr auto kKernel = sm90::fp8_ragged_reduction_kernel<Cfg>;
   const char* name = "gemm_fp8_ragged_k (sm90)";
   const int64_t tiles = p.E * ceil_div(p.N, Cfg::kBlockM) * ceil_div(p.K, Cfg::kBlockN);
-  if (tiles > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: 2^31 tiles or more (the scheduler's ids are 32-bit)");
+  // the tile counter draws up to two ids per CTA past the last tile
+  if (tiles > INT32_MAX - 2 * 65536) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: 2^31 tiles or more (the scheduler's ids are 32-bit)");
   if (p.cols > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: the column copy exceeds the TMA coordinate range");
   sm90::Fp8RaggedReductionParams k{};
   const uint64_t N = p.N, K = p.K, cols = p.cols;
@@ -37,21 +38,23 @@ void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream_t s
   k.sa = a.s;
   k.sb = b.s;
   k.plan = p.plan;
+  k.tile_counter = tile_counter;
   k.E = p.E, k.N = int(p.N), k.K = int(p.K);
   k.band = ragged_reduction_band(p.K, Cfg::kBlockN);
   k.cols = p.cols, k.blocks = p.blocks;
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles)));
+  if (tile_counter != nullptr) check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), name);
   kKernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(k);
   check_launch(name);
 }
 
 template <int kBlockN>
-void launch_out(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream_t stream) {
+void launch_out(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_counter, cudaStream_t stream) {
   switch (p.out_kind) {
-    case WgradOut::kF32: return launch<Config<kBlockN, WgradOut::kF32>>(p, a, b, stream);
-    case WgradOut::kF32Accumulate: return launch<Config<kBlockN, WgradOut::kF32Accumulate>>(p, a, b, stream);
-    case WgradOut::kBF16: return launch<Config<kBlockN, WgradOut::kBF16>>(p, a, b, stream);
+    case WgradOut::kF32: return launch<Config<kBlockN, WgradOut::kF32>>(p, a, b, tile_counter, stream);
+    case WgradOut::kF32Accumulate: return launch<Config<kBlockN, WgradOut::kF32Accumulate>>(p, a, b, tile_counter, stream);
+    case WgradOut::kBF16: return launch<Config<kBlockN, WgradOut::kBF16>>(p, a, b, tile_counter, stream);
   }
   throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): unknown output kind");
 }
@@ -59,11 +62,12 @@ void launch_out(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, cudaStream
 }  // namespace
 
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
-                               cudaStream_t stream) {
+                               void* workspace, cudaStream_t stream) {
+  int* tile_counter = static_cast<int*>(workspace);
   // one instantiation per entry of heuristics.h's kRaggedReductionTilings and output kind
-  if (tiling.block_n == 128) return launch_out<128>(p, a, b, stream);
-  if (tiling.block_n == 160) return launch_out<160>(p, a, b, stream);
-  if (tiling.block_n == 256) return launch_out<256>(p, a, b, stream);
+  if (tiling.block_n == 128) return launch_out<128>(p, a, b, tile_counter, stream);
+  if (tiling.block_n == 160) return launch_out<160>(p, a, b, tile_counter, stream);
+  if (tiling.block_n == 256) return launch_out<256>(p, a, b, tile_counter, stream);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): no kernel built for this tiling");
 }
 

@@ -11,9 +11,12 @@
 //   the expert's tokens are skipped, and in its last step the math warpgroups set the bytes past them to
 //   zero in both operands in shared memory (none when the tokens end on a step), so nothing is padded in
 //   global memory and no size goes to the host.
-// - Every expert owns the same output tiles (scheduler.cuh, RaggedReductionTiles), walked statically by
-//   the persistent grid, row-major or in bands of row blocks (heuristics.h); a tile's reduction is its
-//   expert's tokens. An empty expert's tiles read nothing: they store zeros (written outputs) or are
+// - Every expert owns the same output tiles (scheduler.cuh, RaggedReductionTiles), row-major or in bands of
+//   row blocks (heuristics.h); a tile's reduction is its expert's tokens. The persistent grid walks them
+//   dynamically: the producer's TMA thread draws each CTA's next id from a tile counter (the launch's
+//   workspace, zeroed before it) and hands it to the other roles through a ring of shared-memory slots
+//   (pipeline.cuh, TileIdRing), so that a CTA held up by a long reduction takes fewer tiles (static
+//   c, c + grid, ... when no counter is given). An empty expert's tiles read nothing: they store zeros (written outputs) or are
 //   skipped (accumulated outputs keep their values).
 // - A producer warpgroup: one thread issues the TMA copies of A (128 gradient rows) and B (BLOCK_N
 //   columns) per 128-token block into a ring of stages; one warp loads the stage's scales (saT of the
@@ -122,7 +125,11 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;      // fp32 [kStages][kBlockM]
   static constexpr int kOffsetScalesB = kOffsetScalesA + kStages * kBlockM * 4;  // fp32 [kStages][kBlockN]
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kBlockN * 4;
-  static constexpr int kSmemBytes = kOffsetBarriers + (2 * kStages + kMathWarpgroups) * 8;
+  // the tile-id ring (TileIdRing): its full and empty barriers, then its slots
+  static constexpr int kIdSlots = 4;
+  static constexpr int kIdReaders = 32 * (1 + kMathWarpgroups * 4);  // the lanes of the scale warp and of every math warp
+  static constexpr int kOffsetIdRing = kOffsetBarriers + (2 * kStages + kMathWarpgroups) * 8;
+  static constexpr int kSmemBytes = kOffsetIdRing + TileIdRing<kIdSlots>::kBytes;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
   static_assert(kSmemBytes <= kSharedBytes, "shared memory per block on sm90");
 };
@@ -134,6 +141,7 @@ struct Fp8RaggedReductionParams {
   const float* sa;  // saT [blocks, N]
   const float* sb;  // sbT [blocks, K]
   const int32_t* plan;
+  int* tile_counter;  // the dynamic walk's tile counter, zero at launch; null: the static walk
   int E, N, K;
   int band;  // the tile walk's row blocks per band (0: row-major), heuristics.h
   int64_t cols, blocks;
@@ -209,6 +217,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetBarriers);
   uint64_t* empty = full + kStages;
   uint64_t* c_full = empty + kStages;  // per math warpgroup: its tile's gradient values loaded (kLoadC)
+  uint64_t* id_full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetIdRing);
+  uint64_t* id_empty = id_full + Cfg::kIdSlots;
+  TileIdRing<Cfg::kIdSlots> id_ring{reinterpret_cast<int*>(id_empty + Cfg::kIdSlots), id_full, id_empty};
 
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
 
@@ -220,6 +231,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       Barrier::init(&empty[s], Cfg::kMathWarpgroups * 4);     // each math warp
     }
     for (int w = 0; w < Cfg::kMathWarpgroups; ++w) Barrier::init(&c_full[w], 1);
+    TileIdRing<Cfg::kIdSlots>::init(id_full, id_empty, Cfg::kIdReaders);
     cutlass::arch::fence_barrier_init();
   }
   if (threadIdx.x == Cfg::kMathWarpgroups * 128) {
@@ -239,14 +251,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     tiles = {p.E, (N + Cfg::kBlockM - 1) / Cfg::kBlockM, (K + Cfg::kBlockN - 1) / Cfg::kBlockN, p.band};
     num_tiles = tiles.count();
   };
-  // A role's walk over its tiles: the tile after the current one, with its expert's tokens and its column
-  // (or scale-block) start, loaded while the current tile runs (dependent global loads, hidden behind it).
+  // A role's walk over its tiles (ids from the tile-id ring): the tile after the current one, with its expert's
+  // tokens and its column (or scale-block) start, loaded while the current tile runs (dependent global loads,
+  // hidden behind it).
   struct Walk {
+    int id;
     ReductionTile t;
     int m, start;
   };
   auto walk = [&](int id, const int32_t* starts) {
     Walk w{};
+    w.id = id;
     if (id < num_tiles) {
       w.t = tiles.at(id);
       w.m = fits ? tok[w.t.expert + 1] - tok[w.t.expert] : 0;
@@ -264,10 +279,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       constexpr uint64_t kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
       int stage = 0;
       uint32_t phase = 0;
-      Walk next = walk(blockIdx.x, col);
-      for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+      // The walk's ids, drawn here and handed to the other roles: from the tile counter (each CTA takes the next
+      // tile when it needs one, so that a long reduction holds up only its own CTA) or statically (c, c + grid,
+      // ...). Each id is drawn a tile ahead of its hand-over (the counter's latency hidden behind a tile), and
+      // handed over as the tile before it starts, so that every role loads its expert's plan entries in time.
+      int drawn = 0;
+      auto draw = [&] {
+        return p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1) : int(blockIdx.x + gridDim.x * drawn++);
+      };
+      int pending = draw();
+      id_ring.put(pending);
+      Walk next = walk(pending, col);
+      if (pending < num_tiles) pending = draw();
+      for (int id = next.id, nxt; id < num_tiles; id = nxt) {
+        nxt = pending;
+        id_ring.put(nxt);
+        if (nxt < num_tiles) pending = draw();
         const Walk cur = next;
-        next = walk(id + gridDim.x, col);
+        next = walk(nxt, col);
         const ReductionTile t = cur.t;
         const int m = cur.m, c0 = cur.start;
         if (m == 0) continue;
@@ -283,10 +312,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     } else if (warp == 1) {
       int stage = 0;
       uint32_t phase = 0;
-      Walk next = walk(blockIdx.x, blk);
-      for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+      Walk next = walk(id_ring.take(), blk);
+      for (int id = next.id, nxt; id < num_tiles; id = nxt) {
+        nxt = id_ring.take();
         const Walk cur = next;
-        next = walk(id + gridDim.x, blk);
+        next = walk(nxt, blk);
         const ReductionTile t = cur.t;
         const int m = __shfl_sync(0xffffffff, cur.m, 0);  // warp-uniform to the compiler
         if (m == 0) continue;
@@ -357,10 +387,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     // of a last box, kTurnBarrier + w for warpgroup w's turn to issue (kPingPong; warpgroup 0 issues first)
     constexpr int kEpilogueBarrier = 0, kZeroBarrier = 2, kTurnBarrier = 3;
     if (Cfg::kPingPong && warpgroup == 1) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier);
-    Walk next = walk(blockIdx.x, tok);
-    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+    Walk next = walk(id_ring.take(), tok);
+    for (int id = next.id, nxt; id < num_tiles; id = nxt) {
+      nxt = id_ring.take();
       const Walk cur = next;
-      next = walk(id + gridDim.x, tok);
+      next = walk(nxt, tok);
       const ReductionTile t = cur.t;
       // broadcast from lane 0: warp-uniform to the compiler, which keeps the K loop's values in uniform registers
       const int m = __shfl_sync(0xffffffff, cur.m, 0);

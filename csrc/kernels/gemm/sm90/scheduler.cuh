@@ -88,8 +88,9 @@ __device__ __forceinline__ Shared shared_operand(const RowTile& t, const RowTile
 // tokens of the expert are the tile's reduction, so its length is the expert's (none for an empty expert).
 // Ids run expert by expert; within an expert row-major (band 0: the CTAs working at one time share a few A
 // row tiles and stream the expert's B) or in bands of `band` row blocks walked column by column (they share
-// about `band` row tiles and a few column tiles; heuristics.h chooses). The grid walks the ids statically,
-// CTA c taking c, c + grid, ...
+// about `band` row tiles and a few column tiles; heuristics.h chooses). The grid walks the ids dynamically:
+// each CTA draws the next id from a tile counter when it needs one (fp8_ragged_reduction.cuh), so that the
+// CTAs working at one time hold consecutive ids and a long reduction holds up only its own CTA.
 struct ReductionTile {
   int expert;
   int m_block;

@@ -15,9 +15,9 @@
 //   row blocks (heuristics.h); a tile's reduction is its expert's tokens. The persistent grid walks them
 //   dynamically: the producer's TMA thread draws each CTA's next id from a tile counter (the launch's
 //   workspace, zeroed before it) and hands it to the other roles through a ring of shared-memory slots
-//   (pipeline.cuh, TileIdRing), so that a CTA held up by a long reduction takes fewer tiles (static
-//   c, c + grid, ... when no counter is given). An empty expert's tiles read nothing: they store zeros (written outputs) or are
-//   skipped (accumulated outputs keep their values).
+//   (pipeline.cuh, TileIdRing), so that a CTA held up by a long reduction takes fewer tiles. An empty
+//   expert's tiles read nothing: they store zeros (written outputs) or are skipped (accumulated outputs keep
+//   their values).
 // - A producer warpgroup: one thread issues the TMA copies of A (128 gradient rows) and B (BLOCK_N
 //   columns) per 128-token block into a ring of stages; one warp loads the stage's scales (saT of the
 //   tile's rows, sbT of its columns, 16-byte loads) into shared memory beside them.
@@ -141,7 +141,7 @@ struct Fp8RaggedReductionParams {
   const float* sa;  // saT [blocks, N]
   const float* sb;  // sbT [blocks, K]
   const int32_t* plan;
-  int* tile_counter;  // the dynamic walk's tile counter, zero at launch; null: the static walk
+  int* tile_counter;  // the tile walk's counter, zero at launch
   int E, N, K;
   int band;  // the tile walk's row blocks per band (0: row-major), heuristics.h
   int64_t cols, blocks;
@@ -279,14 +279,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       constexpr uint64_t kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
       int stage = 0;
       uint32_t phase = 0;
-      // The walk's ids, drawn here and handed to the other roles: from the tile counter (each CTA takes the next
-      // tile when it needs one, so that a long reduction holds up only its own CTA) or statically (c, c + grid,
-      // ...). Each id is drawn a tile ahead of its hand-over (the counter's latency hidden behind a tile), and
-      // handed over as the tile before it starts, so that every role loads its expert's plan entries in time.
-      int drawn = 0;
-      auto draw = [&] {
-        return p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1) : int(blockIdx.x + gridDim.x * drawn++);
-      };
+      // The walk's ids, drawn here from the tile counter (each CTA takes the next tile when it needs one, so that
+      // a long reduction holds up only its own CTA) and handed to the other roles. Each id is drawn a tile ahead
+      // of its hand-over (the counter's latency hidden behind a tile), and handed over as the tile before it
+      // starts, so that every role loads its expert's plan entries in time.
+      auto draw = [&] { return atomicAdd(p.tile_counter, 1); };
       int pending = draw();
       id_ring.put(pending);
       Walk next = walk(pending, col);

@@ -19,10 +19,10 @@ __device__ __forceinline__ bool next_stage_full(uint64_t* full, int stage, uint3
   return cutlass::arch::ClusterBarrier::test_wait(&full[next], next == 0 ? phase ^ 1 : phase, 1);
 }
 
-// The tile ids of a CTA's walk, handed by the one thread that draws them (drawer) to the warps that walk the same
-// tiles (readers) through a ring of kSlots shared-memory slots, each with a full barrier (the drawer's arrival)
-// and an empty one (one arrival per lane of each reading warp). Ids go in the order drawn; the walk ends with an id past the
-// last tile, which every reader receives once.
+// The tile ids of a CTA's walk, handed by the one thread that draws them (drawer) to the warps that walk the
+// same tiles (readers) through a ring of kSlots shared-memory slots, each with a full barrier (the drawer's
+// arrival) and an empty one (one arrival per lane of each reading warp). Ids go in the order drawn; the walk
+// ends with an id past the last tile, which every reader receives once.
 template <int kSlots>
 struct TileIdRing {
   int* ids;         // [kSlots]
@@ -33,7 +33,8 @@ struct TileIdRing {
 
   static constexpr int kBytes = kSlots * (4 + 2 * 8);
 
-  __device__ static void init(uint64_t* full, uint64_t* empty, int readers) {  // readers: lanes  // one thread, before the CTA's barrier
+  // one thread, before the CTA's barrier; readers: the reading lanes
+  __device__ static void init(uint64_t* full, uint64_t* empty, int readers) {
     for (int s = 0; s < kSlots; ++s) {
       cutlass::arch::ClusterBarrier::init(&full[s], 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], readers);

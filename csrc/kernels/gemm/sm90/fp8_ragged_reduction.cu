@@ -20,7 +20,8 @@ void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_coun
   const char* name = "gemm_fp8_ragged_k (sm90)";
   const int64_t tiles = p.E * ceil_div(p.N, Cfg::kBlockM) * ceil_div(p.K, Cfg::kBlockN);
   // the tile counter draws up to two ids per CTA past the last tile
-  if (tiles > INT32_MAX - 2 * 65536) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: 2^31 tiles or more (the scheduler's ids are 32-bit)");
+  if (tiles > INT32_MAX - 2 * 65536)
+    throw std::runtime_error("moegemm: gemm_fp8_ragged_k: too many tiles for the scheduler's 32-bit ids (2^31 less two per CTA)");
   if (p.cols > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: the column copy exceeds the TMA coordinate range");
   sm90::Fp8RaggedReductionParams k{};
   const uint64_t N = p.N, K = p.K, cols = p.cols;

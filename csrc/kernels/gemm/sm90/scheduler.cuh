@@ -97,7 +97,7 @@ struct ReductionTile {
   int n_block;
 };
 
-// Tile ids are 32-bit: the launcher refuses problems of 2^31 tiles or more.
+// Tile ids are 32-bit: the launcher refuses problems of 2^31 tiles less two per CTA or more (the counter draws past the last).
 struct RaggedReductionTiles {
   int E;
   int m_blocks;

@@ -63,20 +63,27 @@ struct PlanBuild {
   int32_t* plan = nullptr;
 };
 
+// Words a quantizer's launch zeroes besides its outputs (none when count is 0): the workspace of the wgrad GEMM
+// launched after it on the stream (gemm_fp8_ragged_k needs it zeroed), which then needs no launch of its own to zero it.
+struct ZeroFill {
+  int32_t* words = nullptr;
+  int64_t count = 0;
+};
+
 // Multi-cast activation quantization of x [T, K] in one launch. Either output pair may be null.
 //   rows: q [T, K] e4m3, s [T, ceil(K/128)] (K-major, row_scale_pitch)
 //   cols: qT [K, col_capacity] e4m3, sT [block_capacity, K]
 // With plan_from.m_splits set, `plan` is built from those counts first (else only read): by the quantizer's
-// own CTAs where its form allows (16-bit x), else by make_plan's kernel before it.
+// own CTAs where its form allows (16-bit x), else by make_plan's kernel before it. `zero`: see ZeroFill.
 void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, int32_t* plan,
-                  uint8_t* q, float* s, uint8_t* qT, float* sT, DeviceSplits plan_from, cudaStream_t stream);
+                  uint8_t* q, float* s, uint8_t* qT, float* sT, DeviceSplits plan_from, ZeroFill zero, cudaStream_t stream);
 
 // The column copy of an FP8 input given as its row copy (q [T, K] e4m3 with 1x128 scales s [T, ceil(K/128)],
 // quantize_act's row layout (K-major scales), e.g. from an FP8 dispatcher): each value is dequantized (q * s, exact in fp32)
 // and quantized again in per-expert 128x1 blocks, written as quantize_act's cols (qT [K, col_capacity],
-// sT [block_capacity, K]), over a plan built earlier on the stream.
+// sT [block_capacity, K]), over a plan built earlier on the stream. `zero`: see ZeroFill.
 void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
-                     float* sT, cudaStream_t stream);
+                     float* sT, ZeroFill zero, cudaStream_t stream);
 
 // Activations of the expert MLP. GLU variants read fc1's output h [T, 2F] as Megatron lays it out:
 // gate = h[:, :F], up = h[:, F:]; the others read h [T, F].
@@ -140,7 +147,8 @@ void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t b
 
 // ---- grouped GEMMs. A problem travels as one struct; `workspace` (the device-built arguments of the
 // CUTLASS kernels, or the tile counter of moegemm's sm90 ragged reduction) has the size the matching
-// *_workspace_size returns (0: none needed).
+// *_workspace_size returns (0: none needed); gemm_fp8_ragged_k's is zeroed by the caller (a memset, or the
+// ZeroFill of the quantizer launched before it).
 
 // An FP8 operand: e4m3 bytes and their fp32 block scales.
 struct Fp8Operand {
@@ -214,6 +222,7 @@ struct GemmChoice {
 };
 int num_ragged_reduction_tilings();
 size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice);
+// workspace: zeroed before the launch (the sm90 kernel's tile walk draws from a counter that starts at 0).
 void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
                        cudaStream_t stream);
 size_t gemm_bf16_ragged_m_workspace_size(int E, bool dgrad);

@@ -134,12 +134,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
       }
       if (need_dw) {
         const Quantized rows = wgrad_x_rows(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, dy);
-        const Quantized xT = run_requantize_cols(rows.q, rows.s, plan);
+        const Tensor ws = fp8_wgrad_workspace(!defer, plan);  // zeroed by requantize_cols' launch
+        const Quantized xT = run_requantize_cols(rows.q, rows.s, plan, ws);
         if (defer) {
           made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
           made[made_fp8::kQxT] = xT.qT, made[made_fp8::kSxT] = xT.sT;
         } else {
-          dw = fp8_weight_grad(weight, main_grad, dy, qdy.qT, qdy.sT, xT.qT, xT.sT, plan);
+          dw = fp8_weight_grad(weight, main_grad, dy, qdy.qT, qdy.sT, xT.qT, xT.sT, plan, ws);
         }
       }
     }

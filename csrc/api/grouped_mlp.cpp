@@ -205,13 +205,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       t.reset();
       if (!given) drop_saved(slot);
     };
-    Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2);
+    const Tensor ws2 = fp8_wgrad_workspace(need_dw2 && !defer, plan);  // fc2 wgrad's, zeroed by dy's quantizer
+    Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2, {}, ws2);
     if (need_dw2 && defer) {
       made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
       keep(fp8::kQaT), keep(fp8::kSaT);
     } else if (need_dw2) {
       dw2 = fp8_weight_grad(fc2_weight, mg2, dy, qdy.qT, qdy.sT, aligned(saved[fp8::kQaT]), aligned(saved[fp8::kSaT]),
-                            plan);
+                            plan, ws2);
     }
     qdy.qT.reset(), qdy.sT.reset(), drop_saved(fp8::kQaT), drop_saved(fp8::kSaT);
     if (need_da) {
@@ -229,13 +230,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, fp8::kQw1T), drop_weight(w1T.sT, fp8::kSw1T);
       if (need_dw1) {  // x's column copy, made from its row copy
-        const Quantized xT = run_requantize_cols(x_rows.q, x_rows.s, plan);
+        const Tensor ws1 = fp8_wgrad_workspace(!defer, plan);  // fc1 wgrad's, zeroed by requantize_cols' launch
+        const Quantized xT = run_requantize_cols(x_rows.q, x_rows.s, plan, ws1);
         x_rows = {}, drop_saved(fp8::kQx), drop_saved(fp8::kSx);
         if (defer) {
           made[made_fp8::kQdhT] = qdh.qT, made[made_fp8::kSdhT] = qdh.sT;
           made[made_fp8::kQxT] = xT.qT, made[made_fp8::kSxT] = xT.sT;
         } else {
-          dw1 = fp8_weight_grad(fc1_weight, mg1, dy, qdh.qT, qdh.sT, xT.qT, xT.sT, plan);
+          dw1 = fp8_weight_grad(fc1_weight, mg1, dy, qdh.qT, qdh.sT, xT.qT, xT.sT, plan, ws1);
         }
       }
       dprobs = dprobs_of(partial, need_dprobs);

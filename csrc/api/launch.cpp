@@ -2,6 +2,7 @@
 
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <array>
 
 // Each launch shows in torch.profiler traces as a named range inside its op (no cost when not profiling).
@@ -47,13 +48,22 @@ void run_make_plan_into(const Tensor& m_splits, int64_t T, const Tensor& plan) {
 
 Tensor empty_plan(int64_t E, const Tensor& like) { return empty({3, E + 1}, at::kInt, like); }
 
-Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols, const Tensor& plan_from) {
+namespace {
+// The words of a workspace that a quantizer's launch zeroes (none when undefined).
+ZeroFill zero_fill(const Tensor& zero) {
+  if (!zero.defined()) return {};
+  return {zero.data_ptr<int32_t>(), zero.numel()};
+}
+}  // namespace
+
+Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols, const Tensor& plan_from,
+                           const Tensor& zero) {
   MOEGEMM_RANGE("moegemm::run_quantize_act");
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1);
   Quantized out = multicast_outputs(x, T, K, E, rows, cols);
   quantize_act(x.data_ptr(), dtype, T, K, E, plan_ptr(plan), q_ptr(out.q, rows), s_ptr(out.s, rows), q_ptr(out.qT, cols),
-               s_ptr(out.sT, cols), device_splits(plan_from), current_stream(x));
+               s_ptr(out.sT, cols), device_splits(plan_from), zero_fill(zero), current_stream(x));
   return out;
 }
 
@@ -102,12 +112,13 @@ std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weig
   return out;
 }
 
-Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan) {
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, const Tensor& zero) {
   MOEGEMM_RANGE("moegemm::run_requantize_cols");
   const int E = num_experts(plan);
   const int64_t T = q.size(0), K = q.size(1);
   Tensor qT = empty({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, q), sT = empty({block_capacity(T, E), K}, at::kFloat, q);
-  requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), bytes(qT), sT.data_ptr<float>(), current_stream(q));
+  requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), bytes(qT), sT.data_ptr<float>(), zero_fill(zero),
+                  current_stream(q));
   return {Tensor(), Tensor(), qT, sT};
 }
 
@@ -201,17 +212,39 @@ WgradOut wgrad_out(const Tensor& out, bool accumulate) {
   if (out.scalar_type() != at::kFloat) return WgradOut::kBF16;
   return accumulate ? WgradOut::kF32Accumulate : WgradOut::kF32;
 }
+
+// A wgrad workspace of `bytes` in 32-bit words (ZeroFill's unit).
+Tensor wgrad_workspace(size_t bytes, const Tensor& like) {
+  return empty({static_cast<int64_t>((bytes + sizeof(int32_t) - 1) / sizeof(int32_t))}, at::kInt, like);
+}
 }  // namespace
 
+Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan) {
+  if (!wanted) return Tensor();
+  // the output kind changes only CUTLASS's size (a choice of MOEGEMM_FP8_WGRAD): the larger of the two
+  RaggedReduction p{};
+  p.E = num_experts(plan), p.out_kind = WgradOut::kF32;
+  const size_t f32 = gemm_fp8_ragged_k_workspace_size(p, {});
+  p.out_kind = WgradOut::kBF16;
+  return wgrad_workspace(std::max(f32, gemm_fp8_ragged_k_workspace_size(p, {})), plan);
+}
+
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
-                           const Tensor& out, bool accumulate, GemmChoice choice) {
+                           const Tensor& out, bool accumulate, GemmChoice choice, const Tensor& zeroed) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_k");
   const int E = num_experts(plan);
   const int64_t N = qaT.size(0), K = qbT.size(0), cols = qaT.size(1), blocks = saT.size(0);
   into_aligned(out, [&](const Tensor& o) {
     const WgradOut kind = wgrad_out(o, accumulate);
     const RaggedReduction p{plan_ptr(plan), E, N, K, /*T=*/0, cols, blocks, o.data_ptr(), kind};
-    Tensor ws = workspace(gemm_fp8_ragged_k_workspace_size(p, choice), qaT);
+    const size_t size = gemm_fp8_ragged_k_workspace_size(p, choice);
+    Tensor ws = zeroed;
+    if (ws.defined()) {
+      TORCH_CHECK(ws.nbytes() >= size, "moegemm: internal: the wgrad workspace has ", num(int64_t(ws.nbytes())),
+                  " bytes, the GEMM needs ", num(int64_t(size)));
+    } else {
+      ws = wgrad_workspace(size, qaT).zero_();
+    }
     gemm_fp8_ragged_k(p, {cbytes(qaT), saT.data_ptr<float>()}, {cbytes(qbT), sbT.data_ptr<float>()}, choice, ws.data_ptr(),
                       current_stream(qaT));
   });

@@ -29,8 +29,9 @@ struct PlanOut {
   int64_t T = 0;
   Tensor plan;
 };
+// zero: a wgrad workspace (fp8_wgrad_workspace) that the launch zeroes too, or undefined.
 Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, bool rows, bool cols,
-                           const Tensor& plan_from = {});
+                           const Tensor& plan_from = {}, const Tensor& zero = {});
 // {q, s, qT, sT} of w [E, N, K]; without `transposed`, qT and sT are [0] placeholders (not written).
 Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed);
 // The same for a layer's weights (one or two), quantized in one launch when their dtypes agree, which also
@@ -43,7 +44,7 @@ std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weig
 // The per-expert column copy of an FP8 row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout: an
 // FP8 x as a dispatcher delivers it, or the one a forward saved of a bf16 x), made from the rows (dequantize,
 // re-quantize in 128x1 blocks): {[undefined], [undefined], qT, sT}.
-Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan);
+Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, const Tensor& zero = {});
 
 // a = act(h) * probs, quantized like quantize_act (probs may be undefined).
 Quantized run_act_quantize(const Tensor& h, const Tensor& probs, Activation act, const Tensor& plan, bool rows, bool cols);
@@ -70,9 +71,14 @@ Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits,
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx);
 // out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the
-// kernel and tiling heuristics.h picks unless `choice` names them.
+// kernel and tiling heuristics.h picks unless `choice` names them. Its workspace: `zeroed` (fp8_wgrad_workspace,
+// zeroed by the quantizer launched before it) for the default choice, else one allocated and zeroed here.
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
-                           const Tensor& out, bool accumulate, GemmChoice choice = {});
+                           const Tensor& out, bool accumulate, GemmChoice choice = {}, const Tensor& zeroed = {});
+// The workspace of a wgrad GEMM on the default choice (run_gemm_fp8_ragged_k's `zeroed`), allocated before the
+// quantizer that makes the GEMM's last operand so that its launch zeroes it (run_quantize_act's or
+// run_requantize_cols' `zero`): the GEMM then needs no launch of its own for it. Undefined unless `wanted`.
+Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan);
 // bf16 recipe: fprop y [T, N] = a [T, K] w[e]ᵀ, or dgrad (dgrad = true) dx [T, K] = a [T, N] w[e].
 Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad);
 // bf16 recipe: out [E, N, K] (fp32 = or +=, bf16 =) dy_eᵀ x_e.

@@ -64,9 +64,11 @@ size_t wgrad_operand_count(Recipe recipe);
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
                             const Tensor& main_grad, const Tensor& plan);
 // The fp8 weight gradient from the column copies of the output gradient (qgT, sgT) and of the input (qxT, sxT), as
-// weight_grad returns it (written, or accumulated into main_grad).
+// weight_grad returns it (written, or accumulated into main_grad); `zeroed`: its GEMM's workspace, zeroed by the
+// quantizer that made the last of them (fp8_wgrad_workspace), or undefined (then allocated and zeroed here).
 Tensor fp8_weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, const Tensor& qgT,
-                       const Tensor& sgT, const Tensor& qxT, const Tensor& sxT, const Tensor& plan);
+                       const Tensor& sgT, const Tensor& qxT, const Tensor& sxT, const Tensor& plan,
+                       const Tensor& zeroed = {});
 
 // The gradient of a weight [E, N, K]: `gemm(out, accumulate)` accumulates into main_grad when it is
 // defined (then the returned dw is the [0] placeholder), else writes a fresh dw in the wgrad dtype

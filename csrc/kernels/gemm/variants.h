@@ -21,7 +21,7 @@ size_t cutlass_bf16_ragged_k_bf16_workspace_size(int E);
 void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
 
 // moegemm's own persistent sm90 kernels (csrc/kernels/gemm/sm90/): no workspace, but the ragged reduction's
-// tile counter (kSm90RaggedReductionWorkspace bytes, required; zeroed by the launch).
+// tile counter (kSm90RaggedReductionWorkspace bytes, required; zero at launch, see gemm_fp8_ragged_k).
 struct RaggedRowsTiling;  // heuristics.h
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
                           cudaStream_t stream);

@@ -194,7 +194,7 @@ void act_quantize(const void* h_bf16, const float* probs, Activation act, int64_
     loader.h = static_cast<const __nv_bfloat16*>(h_bf16);
     loader.probs = probs;
     loader.F = F;
-    multicast::launch(loader, T, F, E, plan, q, s, qT, sT, nullptr, PlanBuild{}, stream, name);
+    multicast::launch(loader, T, F, E, plan, q, s, qT, sT, nullptr, PlanBuild{}, ZeroFill{}, stream, name);
   };
   switch (act) {  // a GLU: gate and up of a tile in one CTA (glu_forward.cuh)
     case Activation::kSwiglu: return glu_forward::launch<Silu>(h_bf16, probs, T, F, E, plan, q, s, qT, sT, stream, name);
@@ -215,7 +215,8 @@ void act_backward_quantize(const void* da_bf16, const void* h_bf16, const float*
     loader.probs = probs;
     loader.F = F;
     const int64_t F1 = is_glu(act) ? 2 * F : F;
-    multicast::launch(loader, T, F1, E, plan, q, s, qT, sT, dprobs_partial, PlanBuild{}, stream, "act_backward_quantize");
+    multicast::launch(loader, T, F1, E, plan, q, s, qT, sT, dprobs_partial, PlanBuild{}, ZeroFill{},
+                      stream, "act_backward_quantize");
   };
   // A GLU with F a multiple of 128: both halves of a tile from one read of da, gate and up (glu_backward.cuh).
   const char* name = "act_backward_quantize";

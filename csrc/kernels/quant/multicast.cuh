@@ -284,7 +284,7 @@ __device__ __forceinline__ int col_swizzle(int c) { return 2 * (c / kVec); }
 template <class Loader>
 __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int64_t K, int E,
     const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qT,
-    float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra, int n_stages) {
+    float* __restrict__ sT, int64_t col_cap, float* __restrict__ row_extra, int n_stages, const ZeroFill zero) {
   using Raw = typename Loader::Raw;
   constexpr int kStageElems = kBlock * kBlock;  // per input
   constexpr int64_t kStageBytes = stage_bytes<Loader>();
@@ -347,6 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(Loader src, int64_t T, int
 
   if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, row_extra, int64_t(blockIdx.x) * kThreads + threadIdx.x,
                                        int64_t(gridDim.x) * kThreads);
+  zero_fill(zero, int64_t(blockIdx.x) * kThreads + threadIdx.x, int64_t(gridDim.x) * kThreads);
   const int n_ahead = n_mine < n_stages ? n_mine : n_stages;
   if (warp == 0)
     for (int j = 0; j < n_ahead; ++j) find_tile(j);
@@ -713,7 +714,7 @@ __device__ __forceinline__ int tile_partial_index(int w, int c) { return w * kBl
 template <class Loader>
 __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile_kernel(Loader src, int64_t T,
     int64_t K, int E, const int32_t* __restrict__ plan, uint8_t* __restrict__ q, float* __restrict__ s,
-    uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap, const PlanBuild build) {
+    uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t col_cap, const PlanBuild build, const ZeroFill zero) {
   using Raw = typename Loader::Raw;
   static_assert(per_tile<Loader>(), "the per-tile form takes one staged input and makes one output block");
   constexpr Kept kForm = kept_form<Loader>();
@@ -764,6 +765,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
   const int nr = spot.nr;
   if (covered < T) zero_uncovered_rows(covered, T, K, Kb, q, s, nullptr, cta * kTileThreads + tid,
                                        tile_ctas() * kTileThreads);
+  zero_fill(zero, cta * kTileThreads + tid, tile_ctas() * kTileThreads);
   async_copy::wait_all();  // (also before leaving: no copy may land after the CTA)
   if (!fits || !has_tile) return;
   __syncthreads();
@@ -1054,13 +1056,13 @@ __global__ void __launch_bounds__(kTileThreads, tile_ctas_per_sm<Loader>()) tile
 // Launches the per-tile form over every (expert block, column block) the buffers can hold.
 template <class Loader>
 void launch_tiles(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
-                  float* sT, const PlanBuild& build, cudaStream_t stream, const char* name) {
+                  float* sT, const PlanBuild& build, const ZeroFill& zero, cudaStream_t stream, const char* name) {
   if (kept_form<Loader>() == Kept::kFp8Bytes && q != nullptr)
     throw std::runtime_error(std::string("moegemm: ") + name + ": an FP8 row copy is requantized into columns only");
   const int smem = tile_layout<Loader>(qT != nullptr).total;
   allow_shared_memory<tile_kernel<Loader>>(tile_layout<Loader>(true).total, name);
   launch_dependent(tile_kernel<Loader>, tile_grid(block_capacity(T, E), ceil_div(K, kBlock)), kTileThreads, smem, stream,
-                   name, src, T, K, E, plan, q, s, qT, sT, col_capacity(T, E), build);
+                   name, src, T, K, E, plan, q, s, qT, sT, col_capacity(T, E), build, zero);
 }
 
 // Stages of the ring for a launch: as many as fit next to the rest (at most kMaxStages).
@@ -1076,14 +1078,17 @@ int ring_stages(int E, bool cols) {
 // themselves (see tile_kernel), else (or when there is nothing to quantize) by make_plan's kernel.
 template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
-            float* sT, float* row_extra, const PlanBuild& build, cudaStream_t stream, const char* name) {
+            float* sT, float* row_extra, const PlanBuild& build, const ZeroFill& zero, cudaStream_t stream, const char* name) {
   const bool builds = build.plan != nullptr;
   const bool nothing = T == 0 || (q == nullptr && qT == nullptr && row_extra == nullptr);
   if (builds) check_plan_size(build.E, build.T, name);
   if (builds && (nothing || !per_tile<Loader>())) make_plan(build.m_splits, build.m_is_int64, build.E, build.T, build.plan, stream);
-  if (nothing) return;
+  if (nothing) {
+    if (zero.count > 0) check_cuda(cudaMemsetAsync(zero.words, 0, sizeof(int32_t) * zero.count, stream), name);
+    return;
+  }
   if constexpr (per_tile<Loader>()) {
-    launch_tiles(src, T, K, E, plan, q, s, qT, sT, build, stream, name);
+    launch_tiles(src, T, K, E, plan, q, s, qT, sT, build, zero, stream, name);
   } else {
     const int n_stages = ring_stages<Loader>(E, qT != nullptr);
     const int smem = Layout(E, qT != nullptr, stage_bytes<Loader>(), n_stages).total;
@@ -1092,7 +1097,7 @@ void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan,
     const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);
     const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(most_tiles, sm_count()));
     kernel<Loader><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
-                                                                           col_capacity(T, E), row_extra, n_stages);
+                                                                           col_capacity(T, E), row_extra, n_stages, zero);
     check_launch(name);
   }
 }

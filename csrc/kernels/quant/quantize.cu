@@ -176,9 +176,9 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
 
 template <typename T>
 void launch_act(const void* x, int64_t T_, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
-                float* sT, const PlanBuild& build, cudaStream_t stream) {
+                float* sT, const PlanBuild& build, const ZeroFill& zero, cudaStream_t stream) {
   multicast::launch(multicast::PlainLoader<T>{static_cast<const T*>(x), K}, T_, K, E, plan, q, s, qT, sT, nullptr,
-                    build, stream, "quantize_act");
+                    build, zero, stream, "quantize_act");
 }
 
 // The plan a quantizer builds from plan_from (none when it names no counts).
@@ -197,19 +197,19 @@ void launch_weights(const WeightLaunch& launch, int64_t grid, cudaStream_t strea
 }  // namespace
 
 void quantize_act(const void* x, DType dtype, int64_t T, int64_t K, int E, int32_t* plan, uint8_t* q, float* s,
-                  uint8_t* qT, float* sT, DeviceSplits plan_from, cudaStream_t stream) {
+                  uint8_t* qT, float* sT, DeviceSplits plan_from, ZeroFill zero, cudaStream_t stream) {
   const PlanBuild build = plan_build(plan_from, E, T, plan);
   switch (dtype) {
-    case DType::kBF16: return launch_act<__nv_bfloat16>(x, T, K, E, plan, q, s, qT, sT, build, stream);
-    case DType::kF16: return launch_act<__half>(x, T, K, E, plan, q, s, qT, sT, build, stream);
-    case DType::kF32: return launch_act<float>(x, T, K, E, plan, q, s, qT, sT, build, stream);
+    case DType::kBF16: return launch_act<__nv_bfloat16>(x, T, K, E, plan, q, s, qT, sT, build, zero, stream);
+    case DType::kF16: return launch_act<__half>(x, T, K, E, plan, q, s, qT, sT, build, zero, stream);
+    case DType::kF32: return launch_act<float>(x, T, K, E, plan, q, s, qT, sT, build, zero, stream);
   }
 }
 
 void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* qT,
-                     float* sT, cudaStream_t stream) {
+                     float* sT, ZeroFill zero, cudaStream_t stream) {
   multicast::launch(multicast::Fp8RowsLoader{q, s, K, row_scale_pitch(T)}, T, K, E, plan, nullptr, nullptr, qT, sT,
-                    nullptr, PlanBuild{}, stream, "requantize_cols");
+                    nullptr, PlanBuild{}, zero, stream, "requantize_cols");
 }
 
 void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream) {

@@ -1,5 +1,5 @@
 // What the multi-cast quantizers' tiles share about the outputs' layout: the 16-byte chunks of a column line a
-// tile stores (column_chunks) and the rows of no expert (zero_uncovered_rows); where a tile lies under a plan is
+// tile stores (column_chunks), the rows of no expert (zero_uncovered_rows) and a launch's side zeroing (zero_fill); where a tile lies under a plan is
 // kernels/plan/tile_lookup.cuh. Used by multicast.cuh's kernels and the per-tile GLU kernels.
 #pragma once
 
@@ -26,6 +26,11 @@ __device__ __forceinline__ void zero_uncovered_rows(int64_t covered, int64_t T, 
   }
   if (row_extra != nullptr)
     for (int64_t i = covered * Kb + tid; i < T * Kb; i += stride) row_extra[i] = 0.f;
+}
+
+// A launch's ZeroFill (moegemm.h), spread over every thread.
+__device__ __forceinline__ void zero_fill(const ZeroFill& zero, int64_t tid, int64_t stride) {
+  for (int64_t i = tid; i < zero.count; i += stride) zero.words[i] = 0;
 }
 
 }  // namespace moegemm

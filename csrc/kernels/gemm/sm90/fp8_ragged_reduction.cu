@@ -46,7 +46,6 @@ void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_coun
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles)));
   if (tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): no workspace for the tile counter");
-  check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), name);
   kKernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(k);
   check_launch(name);
 }

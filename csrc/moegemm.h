@@ -65,6 +65,7 @@ struct PlanBuild {
 
 // Words a quantizer's launch zeroes besides its outputs (none when count is 0): the workspace of the wgrad GEMM
 // launched after it on the stream (gemm_fp8_ragged_k needs it zeroed), which then needs no launch of its own to zero it.
+// A quantizer with nothing to quantize (T = 0, no outputs) launches no kernel and zeroes them with a memset.
 struct ZeroFill {
   int32_t* words = nullptr;
   int64_t count = 0;
@@ -147,8 +148,8 @@ void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t b
 
 // ---- grouped GEMMs. A problem travels as one struct; `workspace` (the device-built arguments of the
 // CUTLASS kernels, or the tile counter of moegemm's sm90 ragged reduction) has the size the matching
-// *_workspace_size returns (0: none needed); gemm_fp8_ragged_k's is zeroed by the caller (a memset, or the
-// ZeroFill of the quantizer launched before it).
+// *_workspace_size returns (0: none needed); gemm_fp8_ragged_k's is zeroed by the caller (by the ZeroFill of the
+// quantizer launched before it, or by a fill of its own).
 
 // An FP8 operand: e4m3 bytes and their fp32 block scales.
 struct Fp8Operand {

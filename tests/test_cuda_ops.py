@@ -524,6 +524,51 @@ def test_mlp_step_launches(cached):
     assert not [n for n in names if n.startswith("Memset")], names
 
 
+def dirty_small_pool(blocks=4096):
+    """Leaves freed blocks of the caching allocator's small pool (where a wgrad GEMM's 4-byte workspace comes from)
+    holding nonzero words (0x7f7f7f7f)."""
+    held = [torch.full((128,), 0x7F7F7F7F, dtype=torch.int32, device=DEV) for _ in range(blocks)]
+    torch.cuda.synchronize()
+    del held
+
+
+@pytest.mark.parametrize("layer", ["linear", "mlp"])
+@pytest.mark.parametrize("T", [0, 3000])
+def test_wgrad_counter_zeroed_over_a_dirty_pool(layer, T):
+    """Each fp8 wgrad GEMM's tile counter is zeroed in the launch of the quantizer before it (csrc/moegemm.h ZeroFill),
+    or by a memset where that quantizer has nothing to do (T = 0): backward over a caching pool whose free small blocks
+    hold nonzero words gives the same gradients, bitwise, as over a clean one (a counter left nonzero skips tiles)."""
+    from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
+    E, H, F = 16, 256, 384
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(E, 2 * F, H, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(E, H, F, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    m = torch.tensor(zipf_splits(E, T), device=DEV)
+    dy = torch.randn(T, H if layer == "mlp" else 2 * F, device=DEV, dtype=torch.bfloat16)
+    weights = [w1, w2] if layer == "mlp" else [w1]
+
+    def step(dirty):
+        for t in (x, *weights):
+            t.grad = None
+        torch.cuda.empty_cache()
+        if dirty:
+            dirty_small_pool()
+        if layer == "mlp":
+            y = cuda_ops.grouped_mlp(x, w1, w2, m, None, None, None, ACTIVATIONS["swiglu"], FP8_BLOCKWISE, [])
+        else:
+            y = moegemm.grouped_linear(x, w1, m, recipe="fp8_blockwise")
+        if dirty:
+            dirty_small_pool()
+        y.backward(dy)
+        return [x.grad.clone()] + [w.grad.clone() for w in weights]
+
+    clean, dirty = step(False), step(True)
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)
+    if T == 0:
+        assert all(not w.any() for w in dirty[1:])  # every expert empty: zero weight gradients
+
+
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "bf16"])
 def test_deterministic(recipe):
     E, T, K, N = 32, 3000, 512, 384

@@ -205,7 +205,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       t.reset();
       if (!given) drop_saved(slot);
     };
-    const Tensor ws2 = fp8_wgrad_workspace(need_dw2 && !defer, plan);  // fc2 wgrad's, zeroed by dy's quantizer
+    Tensor ws2 = fp8_wgrad_workspace(need_dw2 && !defer, plan);  // fc2 wgrad's, zeroed by dy's quantizer
     Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2, {}, ws2);
     if (need_dw2 && defer) {
       made[made_fp8::kQdyT] = qdy.qT, made[made_fp8::kSdyT] = qdy.sT;
@@ -214,7 +214,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       dw2 = fp8_weight_grad(fc2_weight, mg2, dy, qdy.qT, qdy.sT, aligned(saved[fp8::kQaT]), aligned(saved[fp8::kSaT]),
                             plan, ws2);
     }
-    qdy.qT.reset(), qdy.sT.reset(), drop_saved(fp8::kQaT), drop_saved(fp8::kSaT);
+    ws2.reset(), qdy.qT.reset(), qdy.sT.reset(), drop_saved(fp8::kQaT), drop_saved(fp8::kSaT);
     if (need_da) {
       Tensor da = run_gemm_fp8_ragged_m(qdy.q, qdy.s, w2T.qT, w2T.sT, plan);
       qdy.q.reset(), qdy.s.reset(), drop_weight(w2T.qT, fp8::kQw2T), drop_weight(w2T.sT, fp8::kSw2T);

@@ -50,7 +50,7 @@ Tensor empty_plan(int64_t E, const Tensor& like) { return empty({3, E + 1}, at::
 
 namespace {
 // The words of a workspace that a quantizer's launch zeroes (none when undefined).
-ZeroFill zero_fill(const Tensor& zero) {
+ZeroFill zero_fill_of(const Tensor& zero) {
   if (!zero.defined()) return {};
   return {zero.data_ptr<int32_t>(), zero.numel()};
 }
@@ -63,7 +63,7 @@ Quantized run_quantize_act(const Tensor& x, DType dtype, const Tensor& plan, boo
   const int64_t T = x.size(0), K = x.size(1);
   Quantized out = multicast_outputs(x, T, K, E, rows, cols);
   quantize_act(x.data_ptr(), dtype, T, K, E, plan_ptr(plan), q_ptr(out.q, rows), s_ptr(out.s, rows), q_ptr(out.qT, cols),
-               s_ptr(out.sT, cols), device_splits(plan_from), zero_fill(zero), current_stream(x));
+               s_ptr(out.sT, cols), device_splits(plan_from), zero_fill_of(zero), current_stream(x));
   return out;
 }
 
@@ -117,7 +117,7 @@ Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& pl
   const int E = num_experts(plan);
   const int64_t T = q.size(0), K = q.size(1);
   Tensor qT = empty({K, col_capacity(T, E)}, at::kFloat8_e4m3fn, q), sT = empty({block_capacity(T, E), K}, at::kFloat, q);
-  requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), bytes(qT), sT.data_ptr<float>(), zero_fill(zero),
+  requantize_cols(cbytes(q), s.data_ptr<float>(), T, K, E, plan_ptr(plan), bytes(qT), sT.data_ptr<float>(), zero_fill_of(zero),
                   current_stream(q));
   return {Tensor(), Tensor(), qT, sT};
 }

@@ -71,8 +71,9 @@ Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits,
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx);
 // out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the
-// kernel and tiling heuristics.h picks unless `choice` names them. Its workspace: `zeroed` (fp8_wgrad_workspace,
-// zeroed by the quantizer launched before it) for the default choice, else one allocated and zeroed here.
+// kernel and tiling heuristics.h picks unless `choice` names them. Its workspace: `zeroed` when given
+// (fp8_wgrad_workspace, sized for the default choice and zeroed by the quantizer launched before it), else one
+// allocated and zeroed here.
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
                            const Tensor& out, bool accumulate, GemmChoice choice = {}, const Tensor& zeroed = {});
 // The workspace of a wgrad GEMM on the default choice (run_gemm_fp8_ragged_k's `zeroed`), allocated before the

@@ -1075,7 +1075,8 @@ int ring_stages(int E, bool cols) {
 // Launches the multi-cast kernel over every expert block of the output [T, K] (K = output columns): the
 // per-tile form for the loaders that take it, else the persistent one.
 // With build.plan set (to `plan`, for these E and T), the plan is built first: by the per-tile form's CTAs
-// themselves (see tile_kernel), else (or when there is nothing to quantize) by make_plan's kernel.
+// themselves (see tile_kernel), else (or when there is nothing to quantize) by make_plan's kernel. `zero` (ZeroFill):
+// zeroed by the kernel's threads, or by a memset when there is nothing to quantize.
 template <class Loader>
 void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan, uint8_t* q, float* s, uint8_t* qT,
             float* sT, float* row_extra, const PlanBuild& build, const ZeroFill& zero, cudaStream_t stream, const char* name) {

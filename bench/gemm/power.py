@@ -8,17 +8,25 @@ by: at the cap, rate = power / energy per FLOP). The dense FP8 ceiling of the GE
 (torch._scaled_mm rowwise 8192^3) runs first as the reference for both, and a 1 GiB copy last.
 
     python -m bench.gemm.power [--rows LABELS] [--wgrad LABELS] [--tilings=-1,3] [--seconds 2] [--deepgemm]
+    python -m bench.gemm.power --env MOEGEMM_AB_X --values 0,1 [--rounds 2] ...   # a sustained A/B
     (with --deepgemm: LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) python -m bench.gemm.power ...)
 
 LABELS: comma-separated problems of bench.gemm.ragged_rows (fprop, dgrad) and bench.gemm.ragged_reduction
 (wgrad, fp32 accumulated and bf16 written); the tilings are heuristics.h's indices of the ragged-row
 kernel, -1 the heuristic's.
+
+With --env (an A/B switch, bench/ab_switch.py: a variable the kernel's launcher reads at every launch), each moegemm
+GEMM runs once per value in each of --rounds rounds, the values' order reversed every other round, and a last table
+gives each value's median rate and its ratio to the first value's. A form that lowers the power drawn runs at a
+higher clock under the cap, which a sustained run shows and an interleaved one of short bursts does not
+(bench/NOTES.md, twenty-first and forty-seventh sessions: the wgrad's tile-walk band).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shutil
 import statistics
@@ -42,7 +50,16 @@ def parse_args():
     ap.add_argument("--tilings", default="-1", help="the ragged-row kernel's tilings (write --tilings=-1,3)")
     ap.add_argument("--seconds", type=float, default=2.0, help="how long each GEMM runs (default 2)")
     ap.add_argument("--deepgemm", action="store_true", help="DeepGEMM's GEMM on each problem too (built from .peers/DeepGEMM)")
-    return ap.parse_args()
+    ap.add_argument("--env", help="an A/B switch: the environment variable the kernel's launcher reads at each launch")
+    ap.add_argument("--values", default="", help="with --env: its values, comma-separated (the first the reference form)")
+    ap.add_argument("--rounds", type=int, default=2, help="with --env: rounds of one sustained run per value (default 2)")
+    args = ap.parse_args()
+    args.forms = [v.strip() for v in args.values.split(",") if v.strip()] if args.env else [None]
+    if args.env and len(args.forms) < 2:
+        ap.error("--env needs at least two --values")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    return args
 
 
 class Sampler:
@@ -104,6 +121,24 @@ def sustain(fn, seconds: float) -> tuple:
     return calls, t0, time.time()
 
 
+def print_forms(env: str, values: list, forms: dict) -> None:
+    """Each switched GEMM's median rate per value (forms: GEMM -> value -> rates) and its ratio to the first value's,
+    then each value's geometric mean ratio over the GEMMs."""
+    ref = values[0]
+    print(f"\n{env}: median TFLOP/s over the rounds, and the ratio to {env}={ref}")
+    print(f"{'GEMM':62s}" + "".join(f"{v:>10s}" for v in values) + "".join(f"{v + '/' + ref:>12s}" for v in values[1:]))
+    logs = {v: [] for v in values[1:]}
+    for name, by in forms.items():
+        med = {v: statistics.median(by[v]) for v in values}
+        for v in values[1:]:
+            logs[v].append(math.log(med[v] / med[ref]))
+        print(f"{name:62s}" + "".join(f"{med[v]:10.1f}" for v in values)
+              + "".join(f"{med[v] / med[ref]:12.3f}" for v in values[1:]))
+    for v in values[1:]:
+        print(f"{env}={v} over {env}={ref}: geometric mean {math.exp(sum(logs[v]) / len(logs[v])):.4f} over "
+              f"{len(logs[v])} GEMMs")
+
+
 def chosen(table: list, labels: str, tool: str) -> list:
     wanted = [w.strip() for w in labels.split(",") if w.strip()]
     found = {p[0]: p for p in table}
@@ -132,11 +167,21 @@ def main() -> int:
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     runs = []  # (name, rate in TFLOP/s or TB/s, start, end)
+    forms = {}  # with --env: GEMM -> value -> rates
 
-    def run(name: str, fn, flops: float) -> None:
-        calls, t0, t1 = sustain(fn, args.seconds)
-        runs.append((name, flops * calls / (t1 - t0) / 1e12, t0 + SETTLE_S, t1))
-        time.sleep(0.3)
+    def run(name: str, fn, flops: float, switched: bool = True) -> None:
+        """fn sustained: once, or (a moegemm GEMM under --env) once per value and round."""
+        values = args.forms if switched else [None]
+        for r in range(args.rounds if values[0] is not None else 1):
+            for v in values if r % 2 == 0 else values[::-1]:
+                if v is not None:
+                    os.environ[args.env] = v
+                calls, t0, t1 = sustain(fn, args.seconds)
+                rate = flops * calls / (t1 - t0) / 1e12
+                runs.append((name if v is None else f"{name} [{v}]", rate, t0 + SETTLE_S, t1))
+                if v is not None:
+                    forms.setdefault(name, {}).setdefault(v, []).append(rate)
+                time.sleep(0.3)
 
     with Sampler() as sampler:
         time.sleep(0.5)
@@ -145,7 +190,7 @@ def main() -> int:
         b8 = torch.randn(n, n, device=dev, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
         sa, sb = torch.ones(n, 1, device=dev), torch.ones(1, n, device=dev)
         run("ceiling: torch._scaled_mm rowwise 8192^3",
-            lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True), 2.0 * n ** 3)
+            lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True), 2.0 * n ** 3, False)
         del a8, b8
         for label, splits, N, K in chosen(rows_problems(False), args.rows, "bench.gemm.ragged_rows"):
             E, T = len(splits), sum(splits)
@@ -159,7 +204,7 @@ def main() -> int:
                     lambda tiling=tiling: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling), 2.0 * T * N * K)
             if dg:
                 fn, _ = dg_peer.fprop_from_bf16(dg, x, w, splits)
-                run(f"{label}, DeepGEMM", fn, 2.0 * T * N * K)
+                run(f"{label}, DeepGEMM", fn, 2.0 * T * N * K, False)
                 del fn
             del x, w, qx, sx, qw, sw
             torch.cuda.empty_cache()
@@ -178,13 +223,13 @@ def main() -> int:
                 lambda: torch.ops.moegemm.gemm_fp8_ragged_k(qa, sa_, qb, sb_, plan, torch.bfloat16, GEMM_SM90, -1), flops)
             if dg:
                 fn, _ = dg_peer.wgrad_from_bf16(dg, dy, x, splits)
-                run(f"{label}, DeepGEMM fp32 +=", fn, flops)
+                run(f"{label}, DeepGEMM fp32 +=", fn, flops, False)
                 del fn
             del dy, x, qa, qb, out
             torch.cuda.empty_cache()
         src = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)
         dst = torch.empty_like(src)
-        run("copy 1 GiB (TB/s and pJ per byte)", lambda: dst.copy_(src), 2.0 * src.numel() * src.element_size())
+        run("copy 1 GiB (TB/s and pJ per byte)", lambda: dst.copy_(src), 2.0 * src.numel() * src.element_size(), False)
         del src, dst
         time.sleep(2 * SAMPLE_MS / 1e3)
         print(f"{torch.cuda.get_device_name(0)}, {sms} SMs; nvidia-smi every {SAMPLE_MS} ms ({sampler.fields}); "
@@ -198,6 +243,8 @@ def main() -> int:
             mhz, watts, deg, reasons = w
             per_cycle = rate * 1e12 / (mhz * 1e6 * sms)
             print(f"{name:62s} {rate:8.1f} {mhz:6.0f} {watts:5.0f} {deg:4.0f} {per_cycle:14.0f} {watts / rate:8.3f}  {' '.join(reasons)}")
+    if forms:
+        print_forms(args.env, args.forms, forms)
     return 0
 
 

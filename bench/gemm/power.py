@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import time
 
+from bench.ab_switch import add_switch_arguments, switch_setter, switch_values
 from bench.preflight import require_cuda_gpu
 
 PROG = "python -m bench.gemm.power"
@@ -50,11 +51,12 @@ def parse_args():
     ap.add_argument("--tilings", default="-1", help="the ragged-row kernel's tilings (write --tilings=-1,3)")
     ap.add_argument("--seconds", type=float, default=2.0, help="how long each GEMM runs (default 2)")
     ap.add_argument("--deepgemm", action="store_true", help="DeepGEMM's GEMM on each problem too (built from .peers/DeepGEMM)")
-    ap.add_argument("--env", help="an A/B switch: the environment variable the kernel's launcher reads at each launch")
-    ap.add_argument("--values", default="", help="with --env: its values, comma-separated (the first the reference form)")
+    add_switch_arguments(ap, required=False, bitwise=False)
     ap.add_argument("--rounds", type=int, default=2, help="with --env: rounds of one sustained run per value (default 2)")
     args = ap.parse_args()
-    args.forms = [v.strip() for v in args.values.split(",") if v.strip()] if args.env else [None]
+    args.forms = switch_values(args) if args.env else [None]
+    if args.values and not args.env:
+        ap.error("--values needs --env")
     if args.env and len(args.forms) < 2:
         ap.error("--env needs at least two --values")
     if args.rounds < 1:
@@ -168,6 +170,7 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     runs = []  # (name, rate in TFLOP/s or TB/s, start, end)
     forms = {}  # with --env: GEMM -> value -> rates
+    use = switch_setter(args)
 
     def run(name: str, fn, flops: float, switched: bool = True) -> None:
         """fn sustained: once, or (a moegemm GEMM under --env) once per value and round."""
@@ -175,7 +178,7 @@ def main() -> int:
         for r in range(args.rounds if values[0] is not None else 1):
             for v in values if r % 2 == 0 else values[::-1]:
                 if v is not None:
-                    os.environ[args.env] = v
+                    use(v)
                 calls, t0, t1 = sustain(fn, args.seconds)
                 rate = flops * calls / (t1 - t0) / 1e12
                 runs.append((name if v is None else f"{name} [{v}]", rate, t0 + SETTLE_S, t1))

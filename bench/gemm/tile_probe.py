@@ -182,15 +182,18 @@ def patch(path: Path, edits: list) -> None:
     path.write_text(text)
 
 
-def instrumented_copy(dest: Path, stages: bool) -> None:
+def instrumented_copy(dest: Path, stages: bool, wgrad: bool) -> None:
+    """The copy with the probe in the kernel it follows only (the other kernel is built as it is)."""
     for d in ("moegemm", "csrc", "bench", "third_party"):
         # (not a prebuilt extension: the copy must build and load its own, instrumented one)
         shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__", "results", "_C*.so", "_csrc"),
                         dirs_exist_ok=True)
-    patch(dest / KERNEL, STAGE_KERNEL_EDITS if stages else KERNEL_EDITS)
-    patch(dest / LAUNCHER, LAUNCHER_EDITS)
-    patch(dest / WGRAD_KERNEL, WGRAD_KERNEL_EDITS)
-    patch(dest / WGRAD_LAUNCHER, WGRAD_LAUNCHER_EDITS)
+    if wgrad:
+        patch(dest / WGRAD_KERNEL, WGRAD_KERNEL_EDITS)
+        patch(dest / WGRAD_LAUNCHER, WGRAD_LAUNCHER_EDITS)
+    else:
+        patch(dest / KERNEL, STAGE_KERNEL_EDITS if stages else KERNEL_EDITS)
+        patch(dest / LAUNCHER, LAUNCHER_EDITS)
 
 
 def per_sm(rs):
@@ -432,7 +435,7 @@ def main() -> int:
     require_cuda_gpu(PROG, hopper=True)
     work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="moegemm_tile_probe_"))
     try:
-        instrumented_copy(work, args.stages)
+        instrumented_copy(work, args.stages, args.wgrad)
         env = dict(os.environ, MOEGEMM_TILE_PROBE_COPY="1", TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),
                    PYTHONPATH=os.pathsep.join([str(work)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         return subprocess.run([sys.executable, "-m", "bench.gemm.tile_probe", *sys.argv[1:]], cwd=work, env=env).returncode

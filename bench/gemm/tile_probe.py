@@ -26,7 +26,9 @@ arrived just in time, waits on the scale warp).
     python -m bench.gemm.tile_probe --wgrad "DeepSeek-V2-Lite zipf fc1 wgrad" [--bf16] [--tilings=-1,2]
 
 The probe is inserted at text anchors of the kernel source; when the kernel changes so that one is missing,
-the tool stops and names it.
+the tool stops and names it. (The --stages probe's anchors predate the ragged-row kernel's specialized K loop and
+deferred epilogue: it stops so.) The ragged-row kernel's deferred epilogue (a tile's epilogue run inside the next
+tile's first K block) is timed apart and counted as epilogue.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ KERNEL = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh"
 LAUNCHER = "csrc/kernels/gemm/sm90/fp8_ragged_rows.cu"
 WGRAD_KERNEL = "csrc/kernels/gemm/sm90/fp8_ragged_reduction.cuh"
 WGRAD_LAUNCHER = "csrc/kernels/gemm/sm90/fp8_ragged_reduction.cu"
-RECORD = 8  # uint64 values per tile and warpgroup; the last one non-zero for a tile that wrote its record
+RECORD = 9  # uint64 values per tile and warpgroup; the eighth non-zero for a tile that wrote its record
 
 # (anchor, replacement) pairs, applied in order to the copy's kernel and launcher
 KERNEL_EDITS = [
@@ -58,24 +60,30 @@ KERNEL_EDITS = [
      "        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(g_ready));\n"
      "        const RowTile t = smem_tile[stage];"),
     ("      int rows, parts, lo_chunks, row0, n0, expert;",
-     "      int rows, parts, lo_chunks, row0, n0, expert;\n      long long c_start, c_ready, c_kb4 = 0, w_loop = 0;\n"
-     "      unsigned long long g_ready;"),
-    ("          if (!full_next) Barrier::wait(&full[stage], phase);",
-     "          if (kb == 4) c_kb4 = clock64();\n"
-     "          if (!full_next) { const long long c0 = clock64(); Barrier::wait(&full[stage], phase); w_loop += clock64() - c0; }"),
-    ("      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one part at a time",
+     "      int rows, parts, lo_chunks, row0, n0, expert;\n      long long c_start, c_ready, c_kb4 = 0, w_loop = 0, c_epi = 0;\n"
+     "      int kbs = 0;\n      unsigned long long g_ready;"),
+    ("          if (!full_next) Barrier::wait(&full[s], ph);",
+     "          if (++kbs == 5) c_kb4 = clock64();\n"
+     "          if (!full_next) { const long long c0 = clock64(); Barrier::wait(&full[s], ph); w_loop += clock64() - c0; }"),
+    # the previous tile's deferred epilogue, run inside this tile's K loop: timed apart
+    ("          issue_chain(stage, 0);\n          epilogue(finished);\n",
+     "          issue_chain(stage, 0);\n          { const long long e0 = clock64(); epilogue(finished); c_epi += clock64() - e0; }\n"),
+    ("        if constexpr (Cfg::kDeferEpilogue) epilogue(finished);\n        for (int kb = 0; kb < Kb; ++kb) {",
+     "        if constexpr (Cfg::kDeferEpilogue) { const long long e0 = clock64(); epilogue(finished); c_epi += clock64() - e0; }\n"
+     "        for (int kb = 0; kb < Kb; ++kb) {"),
+    ("      // ---- this tile's epilogue: now, or deferred",
      "      const long long c_loop = clock64();\n      if (c_kb4 == 0) c_kb4 = c_loop;\n"
-     "      // ---- epilogue: this warpgroup's 64 x BLOCK_N tile, one part at a time"),
-    ("                  *reinterpret_cast<const uint4*>(smem_d_wg + epilogue_offset(r, col));\n          }\n        }\n      }\n",
-     "                  *reinterpret_cast<const uint4*>(smem_d_wg + epilogue_offset(r, col));\n          }\n        }\n      }\n"
+     "      // ---- this tile's epilogue: now, or deferred"),
+    ("      else epilogue(done);\n    }\n",
+     "      else epilogue(done);\n"
      "      if (p.probe != nullptr && tid == 0) {\n"
      "        unsigned smid;\n"
      "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
      f"        unsigned long long* q = p.probe + ((int64_t(g) * kCluster + rank) * 2 + warpgroup) * {RECORD};\n"
      "        q[0] = c_start, q[1] = c_ready, q[2] = c_kb4, q[3] = c_loop, q[4] = clock64(), q[5] = w_loop;\n"
      "        q[6] = (unsigned long long)rows | ((unsigned long long)expert << 8) | ((unsigned long long)smid << 40);\n"
-     "        q[7] = g_ready;\n"
-     "      }\n"),
+     "        q[7] = g_ready, q[8] = c_epi;\n"
+     "      }\n    }\n"),
 ]
 # --stages: per CTA (blockIdx.x) and stage (the order every role walks the same), STAGE_RECORD values: the TMA warp
 # before its empty wait and at its issue, the scale warp before its empty wait and at its arrival, math warpgroup 0 at
@@ -211,7 +219,8 @@ def print_shares(wg: int, rs, by_sm, span: int, share: dict) -> None:
 
 def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
     """records: (id, warpgroup, start, ready, after four K blocks, K loop end, end, K loop waits, SM, rows, first
-    stage's arrival on the global timer)."""
+    stage's arrival on the global timer, cycles of the previous tile's deferred epilogue run inside this tile's K
+    loop). A deferred epilogue counts as epilogue, not as the K loop it ran in."""
     kb = -(-K // 128)
     print(f"== {label}: T {T}, N {N}, K {K}; {ms * 1e3:.1f} us with the probe")
     for wg in (0, 1):
@@ -221,13 +230,13 @@ def summarize(label: str, T: int, N: int, K: int, records, ms: float) -> None:
         by_sm, span = per_sm(rs)
         share = dict(start_wait=0, loop_full=0, loop_partial=0, loop_idle=0, epilogue=0)
         full = []
-        for _, _, start, ready, kb4, loop, end, wait, _, rows, _ in rs:
+        for _, _, start, ready, kb4, loop, end, wait, _, rows, _, deferred in rs:
             share["start_wait"] += ready - start
             key = "loop_full" if rows == 64 else "loop_partial" if rows > 0 else "loop_idle"
-            share[key] += loop - ready
-            share["epilogue"] += end - loop
+            share[key] += loop - ready - deferred
+            share["epilogue"] += end - loop + deferred
             if rows == 64:
-                full.append((ready, kb4, loop, wait))
+                full.append((ready, kb4 - deferred, loop - deferred, wait))  # (the deferred epilogue runs in the first block)
         print_shares(wg, rs, by_sm, span, share)
         if full and kb > 4:
             first = sum(k4 - rd for rd, k4, _, _ in full) / len(full) / 4
@@ -321,7 +330,7 @@ def summarize_wgrad(label: str, T: int, N: int, K: int, records, ms: float) -> N
         by_sm, span = per_sm(rs)
         share = dict(start_wait=0, loop=0, values_wait=0, epilogue=0)
         boxes = wait = 0
-        for _, _, start, ready, end_loop, values, end, w, _, tokens, _ in rs:
+        for _, _, start, ready, end_loop, values, end, w, _, tokens, _, _ in rs:
             share["start_wait"] += ready - start
             share["loop"] += end_loop - ready
             share["values_wait"] += values - end_loop
@@ -362,13 +371,13 @@ def probed_run(call, probe) -> float:
 
 
 def probe_call(call, ids: int, unpack) -> tuple:
-    """The records (id, warpgroup, the six clocks, then unpack(meta)..., the last slot) of the tiles that wrote one
+    """The records (id, warpgroup, the six clocks, then unpack(meta)..., the last two slots) of the tiles that wrote one
     in a probed run of `call` with a buffer for `ids` tile ids, and the milliseconds of that run."""
     import torch
 
     probe = torch.zeros(ids * 2 * RECORD, dtype=torch.int64, device="cuda")
     ms = probed_run(call, probe)
-    records = [(i, wg, *v[:6], *unpack(v[6]), v[7]) for i, pair in enumerate(probe.view(-1, 2, RECORD).cpu().tolist())
+    records = [(i, wg, *v[:6], *unpack(v[6]), v[7], v[8]) for i, pair in enumerate(probe.view(-1, 2, RECORD).cpu().tolist())
                for wg, v in enumerate(pair) if v[7] != 0]
     if not records:
         raise SystemExit(f"{PROG}: the probe recorded nothing: the instrumented extension was not the one loaded")

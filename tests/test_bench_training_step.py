@@ -71,6 +71,30 @@ def test_results_md_has_the_training_section_and_the_peer():
     assert render_training({"train": []}) == ""
 
 
+def _sweep(op, variant, E, host_us, **kw):
+    r = {"op": op, "E": E, "hidden": 1024, "ffn": 512, "T": 8192, "splits": "zipf", "variant": variant, "label": variant,
+         "status": "ok", "host_us": host_us}
+    r.update(kw)
+    return r
+
+
+def test_host_sweep_ratio_rows():
+    """The host sweep's last rows: moegemm fp8's host time over torch._grouped_mm's of the same run and E (issue 26's
+    relative bound); a call that waited for the GPU gives no ratio."""
+    sweep = [_sweep("mlp", "moegemm_fp8", 8, 300.0), _sweep("mlp", "torch_bf16", 8, 1000.0),
+             _sweep("mlp", "moegemm_fp8", 256, 450.0), _sweep("mlp", "torch_bf16", 256, 900.0),
+             _sweep("mlp", "moegemm_fp8_wcache", 8, 500.0, host_gpu_went_idle=1), _sweep("mlp", "moegemm_fp8_wcache", 256, 360.0),
+             _sweep("fc1", "moegemm_bf16", 8, 40.0), _sweep("fc1", "torch_bf16", 8, 80.0)]
+    md = render_markdown({"train": [], "host_sweep": sweep})
+    rows = {r.split("|")[2].strip(): [c.strip() for c in r.strip().strip("|").split("|")][2:]
+            for r in md.splitlines() if "/ torch._grouped_mm bf16" in r}
+    fp8 = next(v for k, v in rows.items() if k.startswith("moegemm fp8_blockwise /"))
+    cached = next(v for k, v in rows.items() if "weight cache" in k)
+    assert fp8 == ["0.30x", "0.50x"]
+    assert cached == ["", "0.40x"]  # E = 8 waited for the GPU
+    assert len(rows) == 2  # no ratio row for bf16, nor for fc1 without a moegemm fp8 variant
+
+
 # ------------------------------------------------------------------------------- DeepGEMM stand-in
 class FakeDeepGEMM:
     """DeepGEMM's SM90 FP8 grouped GEMMs in plain torch (dequantize, matmul), asserting the layouts its

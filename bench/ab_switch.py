@@ -1,7 +1,7 @@
 """The switch of the one-build A/B tools (bench.gemm.ab, bench.bandwidth.ab, bench.gemm.power's sustained form): a
-kernel's launcher reads an
-environment variable at every launch and picks the form under test; a tool names the variable and its values
-(the first the reference form), sets it before each call or capture, and may skip its bitwise comparison."""
+kernel's launcher reads an environment variable at every launch and picks the form under test; a tool names the
+variable and its values (the first the reference form), sets it before each call or capture, and may skip its bitwise
+comparison."""
 
 from __future__ import annotations
 

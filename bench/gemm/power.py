@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import shutil
 import statistics
@@ -129,16 +128,16 @@ def print_forms(env: str, values: list, forms: dict) -> None:
     ref = values[0]
     print(f"\n{env}: median TFLOP/s over the rounds, and the ratio to {env}={ref}")
     print(f"{'GEMM':62s}" + "".join(f"{v:>10s}" for v in values) + "".join(f"{v + '/' + ref:>12s}" for v in values[1:]))
-    logs = {v: [] for v in values[1:]}
+    ratios = {v: [] for v in values[1:]}
     for name, by in forms.items():
         med = {v: statistics.median(by[v]) for v in values}
         for v in values[1:]:
-            logs[v].append(math.log(med[v] / med[ref]))
+            ratios[v].append(med[v] / med[ref])
         print(f"{name:62s}" + "".join(f"{med[v]:10.1f}" for v in values)
               + "".join(f"{med[v] / med[ref]:12.3f}" for v in values[1:]))
     for v in values[1:]:
-        print(f"{env}={v} over {env}={ref}: geometric mean {math.exp(sum(logs[v]) / len(logs[v])):.4f} over "
-              f"{len(logs[v])} GEMMs")
+        print(f"{env}={v} over {env}={ref}: geometric mean {statistics.geometric_mean(ratios[v]):.4f} over "
+              f"{len(ratios[v])} GEMMs")
 
 
 def chosen(table: list, labels: str, tool: str) -> list:

@@ -7,7 +7,7 @@
 Default: one expert-MLP (SwiGLU, probs) forward + backward of ``--recipe``, the weights quantized in the call.
 ``--step``: one training step as the suite's training section runs it (bench/suite/training.py: GA = 1, main_grad
 zeroed, accumulated into and applied to the weights), moegemm bf16 next to moegemm fp8 with its FP8 weight cache,
-with the CUDA-event times of GA = 1 and GA = 4 split into a per-micro-batch part ((GA4 - GA1) / 3) and a per-step
+with the times of GA = 1 and GA = 4 (measured as the suite's training table does) split into a per-micro-batch part ((GA4 - GA1) / 3) and a per-step
 one (GA1 minus it). The harness's own kernels (main_grad's zeroing, the optimizer's update) are named as such: both
 recipes pay them alike.
 """
@@ -20,6 +20,7 @@ import collections
 import torch
 
 from bench.preflight import require_cuda_gpu
+from bench.suite.measure import time_op
 from bench.workloads import SHAPES, SMALL_EXPERTS, small_experts_splits, zipf_splits
 
 PROG = "python -m bench.suite.profile_mlp"
@@ -68,19 +69,6 @@ def kernel_times(fn, iters=ITERS):
     return {fam: (t, counts[fam]) for fam, t in times.most_common()}
 
 
-def event_ms(fn, reps=5) -> float:
-    """Median CUDA-event time of fn."""
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
-
-
 def print_families(fams, indent="  "):
     total = sum(t for t, _ in fams.values())
     for fam, (t, n) in fams.items():
@@ -123,8 +111,8 @@ def profile_step(shape):
     ga = {}
     for key in ("moegemm_bf16", "moegemm_fp8_wcache"):
         st = TrainStep(key, c)
-        st.run(1)
-        ga1, ga4 = event_ms(lambda: st.run(1)), event_ms(lambda: st.run(4))
+        # timed as the suite's training table times it (back-to-back steps, median of CUDA events)
+        ga1, ga4 = (time_op(lambda g=g: st.run(g), 0.5, 5, 20, 1)["ms"] for g in (1, 4))
         per_mb = (ga4 - ga1) / 3
         ga[key] = (ga1, ga4)
         fams = kernel_times(lambda: st.run(1))

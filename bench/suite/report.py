@@ -98,11 +98,20 @@ def render_markdown(res: dict) -> str:
     if sweep:
         Es = sorted({r["E"] for r in sweep})
         rows = []
+
+        op_name = {"fc1": "fc1 fwd", "mlp": "MLP fwd+bwd"}
+
+        def label_of(key):
+            return VBY[key].label if key in VBY else key
+
+        def record_of(op, key, E):
+            return next((x for x in sweep if x["op"] == op and x["variant"] == key and x["E"] == E), None)
+
         for op in ("fc1", "mlp"):
             for key in dict.fromkeys(r["variant"] for r in sweep if r["op"] == op):
                 cells = []
                 for E in Es:
-                    r = next((x for x in sweep if x["op"] == op and x["variant"] == key and x["E"] == E), None)
+                    r = record_of(op, key, E)
                     if r is None:
                         cells.append("")
                     elif r.get("status") != "ok":
@@ -110,11 +119,11 @@ def render_markdown(res: dict) -> str:
                     else:
                         cells.append(_f(r.get("host_us"), ".0f") + ("*" if r.get("host_gpu_went_idle") else "")
                                      + (f" ({r['syncs']} sync)" if r.get("syncs") else ""))
-                rows.append([{"fc1": "fc1 fwd", "mlp": "MLP fwd+bwd"}[op], VBY[key].label if key in VBY else key] + cells)
+                rows.append([op_name[op], label_of(key)] + cells)
         # moegemm's fp8 variants over torch._grouped_mm's in the same batches: a ratio the host's own speed, which
         # moves between runs, leaves alone (issue 26 bounds it at 0.5x)
         def host_of(op, key, E):
-            r = next((x for x in sweep if x["op"] == op and x["variant"] == key and x["E"] == E), None)
+            r = record_of(op, key, E)
             return r.get("host_us") if r and r.get("status") == "ok" and not r.get("host_gpu_went_idle") else None
 
         for op in ("fc1", "mlp"):
@@ -124,8 +133,7 @@ def render_markdown(res: dict) -> str:
                     mo, base = host_of(op, key, E), host_of(op, "torch_bf16", E)
                     cells.append(_f(mo / base, ".2f") + "x" if mo and base else "")
                 if any(cells):
-                    label = VBY[key].label if key in VBY else key
-                    rows.append([{"fc1": "fc1 fwd", "mlp": "MLP fwd+bwd"}[op], f"{label} / torch._grouped_mm bf16"] + cells)
+                    rows.append([op_name[op], f"{label_of(key)} / torch._grouped_mm bf16"] + cells)
         h, f, t = (sweep[0].get(k) for k in ("hidden", "ffn", "T"))
         parts.append(f"## Host overhead per call vs number of experts (us; hidden={h}, ffn={f}, T={t}, Zipf splits; "
                      "GPU kept busy by torch.cuda._sleep; * = the call waited for the GPU; the last rows: moegemm fp8's "

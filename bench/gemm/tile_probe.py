@@ -4,7 +4,7 @@ dgrad) or, with --wgrad, the ragged-reduction GEMM (wgrad).
 Builds an instrumented copy of the extension in a temporary directory: the copy's kernel
 (csrc/kernels/gemm/sm90/fp8_ragged_rows.cuh or fp8_ragged_reduction.cuh) gets a probe in which lane 0 of each math
 warpgroup records, for every tile, clock64 at the tile's start, when its first stage is full, after its fourth K
-block (ragged rows) or when the gradient's values are in shared memory (wgrad, accumulation of short reductions), at
+block (ragged rows) or when its first epilogue buffer is free of the last tile's stores (wgrad), at
 the end of its K loop and of its epilogue, the cycles its K loop spent waiting on full barriers, and its rows (or
 tokens), expert and SM, and (ragged rows) the global timer when its first stage is full; moegemm's own sources are
 not changed. Then it runs each chosen problem of the GEMM table (bench/gemm/ragged_rows.py,
@@ -124,8 +124,8 @@ STAGE_KERNEL_EDITS = [
     ("          release(stage);\n          if (++stage == kStages) stage = 0, phase ^= 1;\n        }\n",
      "          release(stage);\n          if (++stage == kStages) stage = 0, phase ^= 1;\n          ++si;\n        }\n"),
 ]
-# The wgrad kernel's record: start, first stage full, K loop end, gradient values in shared memory (the K loop's end
-# where they are not loaded), epilogue end, K loop waits, tokens | expert << 32 | SM << 44, 1.
+# The wgrad kernel's record: start, first stage full, K loop end, first epilogue buffer free (the last tile's store
+# from it done), epilogue end, K loop waits, tokens | expert << 32 | SM << 44, 1.
 WGRAD_KERNEL_EDITS = [
     ("  int64_t cols, blocks;\n};", "  int64_t cols, blocks;\n  unsigned long long* probe;\n};"),
     ("      const int m = __shfl_sync(0xffffffff, cur.m, 0);\n",
@@ -134,17 +134,18 @@ WGRAD_KERNEL_EDITS = [
      "        if (!full_next) { const long long c0 = clock64(); Barrier::wait(&full[stage], phase); if (k0 > 0) w_loop += clock64() - c0; }\n"
      "        if (k0 == 0) c_ready = clock64();\n        full_next = false;"),
     ("      // ---- epilogue: this warpgroup's 64 rows of the tile, slab by slab\n",
-     "      const long long c_loop = clock64();\n      long long c_values = c_loop;\n"
+     "      const long long c_loop = clock64();\n      long long c_buffer = c_loop;\n"
      "      // ---- epilogue: this warpgroup's 64 rows of the tile, slab by slab\n"),
-    ("        Barrier::wait(&c_full[warpgroup], c_phase);\n        c_phase ^= 1;\n",
-     "        Barrier::wait(&c_full[warpgroup], c_phase);\n        c_phase ^= 1;\n        c_values = clock64();\n"),
+    ("          cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);\n          constexpr int kChunks",
+     "          cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);\n"
+     "          if (h == 0 && s == 0) c_buffer = clock64();\n          constexpr int kChunks"),
     ("            cute::tma_store_arrive();\n          }\n        }\n      }\n    }\n    if (Cfg::kPingPong && warpgroup == 0)",
      "            cute::tma_store_arrive();\n          }\n        }\n      }\n"
      "      if (p.probe != nullptr && tid == 0) {\n"
      "        unsigned smid;\n"
      "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
      f"        unsigned long long* q = p.probe + (int64_t(id) * 2 + warpgroup) * {RECORD};\n"
-     "        q[0] = c_start, q[1] = c_ready, q[2] = c_loop, q[3] = c_values, q[4] = clock64(), q[5] = w_loop;\n"
+     "        q[0] = c_start, q[1] = c_ready, q[2] = c_loop, q[3] = c_buffer, q[4] = clock64(), q[5] = w_loop;\n"
      "        q[6] = (unsigned long long)m | ((unsigned long long)t.expert << 32) | ((unsigned long long)smid << 44);\n"
      "        q[7] = 1;\n"
      "      }\n"
@@ -321,20 +322,20 @@ def summarize_stages(label: str, records) -> None:
 
 
 def summarize_wgrad(label: str, T: int, N: int, K: int, records, ms: float) -> None:
-    """records: (id, warpgroup, start, ready, loop end, values in shared memory, end, K loop waits, SM, tokens, 1)."""
+    """records: (id, warpgroup, start, ready, loop end, first epilogue buffer free, end, K loop waits, SM, tokens, 1)."""
     print(f"== {label}: T {T}, gradient {N} x {K} per expert; {ms * 1e3:.1f} us with the probe")
     for wg in (0, 1):
         rs = [r for r in records if r[1] == wg]
         if not rs:
             continue
         by_sm, span = per_sm(rs)
-        share = dict(start_wait=0, loop=0, values_wait=0, epilogue=0)
+        share = dict(start_wait=0, loop=0, buffer_wait=0, epilogue=0)
         boxes = wait = 0
-        for _, _, start, ready, end_loop, values, end, w, _, tokens, _, _ in rs:
+        for _, _, start, ready, end_loop, buffer, end, w, _, tokens, _, _ in rs:
             share["start_wait"] += ready - start
             share["loop"] += end_loop - ready
-            share["values_wait"] += values - end_loop
-            share["epilogue"] += end - values
+            share["buffer_wait"] += buffer - end_loop
+            share["epilogue"] += end - buffer
             boxes += -(-tokens // 128)
             wait += w
         print_shares(wg, rs, by_sm, span, share)

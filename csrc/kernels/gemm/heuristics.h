@@ -93,10 +93,11 @@ constexpr int kNumRaggedReductionTilings = sizeof(kRaggedReductionTilings) / siz
 inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int64_t>(0, p.cols - (kColAlign - 1) * int64_t(p.E)); }
 
 // Tokens per expert below which an fp32 accumulation is short: moving the gradient in and out is its
-// bound, and 128-column tiles, whose whole output fits in the epilogue buffers (read before the main loop,
-// added in registers), beat 256-column ones. In the wgrad table (bench/gemm/ragged_reduction.py on an H200,
-// bench/results/ragged_reduction_h200.md) 128 columns were faster with up to ~400 tokens per expert (V2-Lite,
-// Qwen3, DeepGEMM's 64x384, small experts) and 256 from ~1000 (DeepSeek-V3-EP8 and DeepGEMM's 32x1024 on).
+// bound, and 128-column tiles beat 256-column ones. In the wgrad table (bench/gemm/ragged_reduction.py on an
+// H200, bench/results/ragged_reduction_h200.md) 128 columns were faster with up to ~400 tokens per expert
+// (V2-Lite, Qwen3, DeepGEMM's 64x384, small experts) and 256 from ~1000 (DeepSeek-V3-EP8 and DeepGEMM's 32x1024
+// on); with the reduce-add at 128 columns too, 128 still lost to 160 on the latter by 6-17 % (bench/NOTES.md,
+// forty-ninth session).
 constexpr int64_t kShortReductionTokensPerExpert = 512;
 
 // Tokens per expert from which a written output (bf16, fp32) is a long reduction: 160-column tiles' cheaper

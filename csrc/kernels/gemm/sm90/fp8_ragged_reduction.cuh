@@ -31,10 +31,9 @@
 //   or 256 columns the warpgroups take turns at issuing their chains; at 160 they run independently.
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns; 32 bf16
 //   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA
-//   while the next is written; fp32 is written or added into the output (Megatron's main_grad): when all of
-//   the warpgroup's columns fit in its buffers, its current values are loaded into them by TMA as the tile
-//   starts and added in registers, else TMA's reduce-add adds in L2 (the values prefetched into L2 a few
-//   boxes before the main loop ends). bf16 is written. A 3-D tensor map over [E, N, K] clips rows past N
+//   while the next is written; fp32 is written or added into the output (Megatron's main_grad) by TMA's
+//   reduce-add, which adds in L2 (the values prefetched into L2 a few boxes before the main loop ends). bf16
+//   is written. A 3-D tensor map over [E, N, K] clips rows past N
 //   and columns past K. The last stores overlap the next tile's main loop.
 // - A plan that does not fit the column copy (plan_fits) is taken as the plan of no tokens.
 #pragma once
@@ -96,16 +95,15 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   static_assert(kPartN % kSlabCols == 0, "whole slabs per part");
   // buffers per warpgroup: 4 measured faster than 2 wherever the output is the bound (the wgrad table)
   static constexpr int kSlabBuffers = 4;
-  // fp32 accumulation with all of a warpgroup's output columns in its buffers: the gradient's current
-  // values are loaded into them by TMA when the tile starts (behind its main loop), added in registers and
-  // stored with a plain TMA store (faster than the reduce-add, which adds in L2); else the reduce-add.
-  static constexpr bool kLoadC = kOut == WgradOut::kF32Accumulate && kSlabBuffers * kSlabCols >= kBlockN;
-  // Else (the reduce-add) the tile's gradient values are prefetched into L2 this many 128-token boxes before
-  // the end of its main loop, so that the reduce-adds find them there instead of reading DRAM behind the
-  // epilogue: 3 was the best of the tile's start, half-way and 3 or 6 boxes before its end (+1 to +8 % on
-  // the wgrad table's fp32 rows at 256 columns, bench/NOTES.md).
+  // fp32 accumulation adds into the gradient by TMA reduce-add (in L2), the tile's gradient values prefetched
+  // into L2 this many 128-token boxes before the end of its main loop so that the reduce-adds find them there
+  // instead of reading DRAM behind the epilogue: 3 was the best of the tile's start, half-way and 3 or 6 boxes
+  // before its end (+1 to +8 % on the wgrad table's fp32 rows at 256 columns, bench/NOTES.md). At 128 columns
+  // it also beat loading the values into the epilogue's buffers by TMA at the tile's start and adding them in
+  // registers (+3 to +13 % on the short reductions, H200, bench/NOTES.md forty-ninth session): that form
+  // moved each value through shared memory twice more.
   static constexpr int kPrefetchBoxesAhead = 3;
-  static constexpr bool kPrefetchC = kOut == WgradOut::kF32Accumulate && !kLoadC;
+  static constexpr bool kPrefetchC = kOut == WgradOut::kF32Accumulate;
   // The two math warpgroups take turns at issuing their wgmma chains (each chain issued once the other
   // warpgroup has issued its previous one: two named barriers), so that one promotes while the other's chain
   // runs (waiting for the other's chain to complete instead was slower, bench/NOTES.md). With fp32 accumulation
@@ -128,7 +126,7 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // the tile-id ring (TileIdRing): its full and empty barriers, then its slots
   static constexpr int kIdSlots = 4;
   static constexpr int kIdReaders = 32 * (1 + kMathWarpgroups * 4);  // the lanes of the scale warp and of every math warp
-  static constexpr int kOffsetIdRing = kOffsetBarriers + (2 * kStages + kMathWarpgroups) * 8;
+  static constexpr int kOffsetIdRing = kOffsetBarriers + 2 * kStages * 8;
   static constexpr int kSmemBytes = kOffsetIdRing + TileIdRing<kIdSlots>::kBytes;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
   static_assert(kSmemBytes <= kSharedBytes, "shared memory per block on sm90");
@@ -216,7 +214,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
   float* smem_sb = reinterpret_cast<float*>(smem + Cfg::kOffsetScalesB);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetBarriers);
   uint64_t* empty = full + kStages;
-  uint64_t* c_full = empty + kStages;  // per math warpgroup: its tile's gradient values loaded (kLoadC)
   uint64_t* id_full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetIdRing);
   uint64_t* id_empty = id_full + Cfg::kIdSlots;
   TileIdRing<Cfg::kIdSlots> id_ring{reinterpret_cast<int*>(id_empty + Cfg::kIdSlots), id_full, id_empty};
@@ -230,7 +227,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       Barrier::init(&full[s], 1 + 32);                        // the TMA thread (+ bytes), each scale lane
       Barrier::init(&empty[s], Cfg::kMathWarpgroups * 4);     // each math warp
     }
-    for (int w = 0; w < Cfg::kMathWarpgroups; ++w) Barrier::init(&c_full[w], 1);
     TileIdRing<Cfg::kIdSlots>::init(id_full, id_empty, Cfg::kIdReaders);
     cutlass::arch::fence_barrier_init();
   }
@@ -364,7 +360,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     int stage = 0;
     uint32_t phase = 0;
     int slab = 0;  // slabs stored so far by this warpgroup: the next one's buffer
-    uint32_t c_phase = 0;
     uint8_t* smem_d_wg = smem_d + warpgroup * Cfg::kSlabBuffers * Cfg::kSlabBytes;
     const uint64_t a_desc0 = sw128_descriptor(smem_a + warpgroup * Cfg::kWarpgroupRows * kBlock);
     const uint64_t b_desc0 = sw128_descriptor(smem_b);
@@ -395,17 +390,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       if (kAccumulate && m == 0) continue;  // nothing to add
       const int row0 = t.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupRows;  // this warpgroup's rows
       const int n0 = t.n_block * Cfg::kBlockN;
-      if constexpr (Cfg::kLoadC) {
-        if (row0 < N && tid == 0) {
-          cute::tma_store_wait<0>();  // the last tile's stores have read the buffers
-          const int slabs = (min(K - n0, Cfg::kBlockN) + Cfg::kSlabCols - 1) / Cfg::kSlabCols;
-          TxBarrier::arrive_and_expect_tx(&c_full[warpgroup], slabs * Cfg::kSlabBytes);
-          for (int c = 0; c < slabs; ++c)
-            cute::SM90_TMA_LOAD_3D::copy(&p.d, &c_full[warpgroup], static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST),
-                                         smem_d_wg + c * Cfg::kSlabBytes, n0 + c * Cfg::kSlabCols, row0, t.expert);
-        }
-      }
-
       // the K block at which this warpgroup's gradient values are prefetched into L2 (kPrefetchC)
       const int k_prefetch = max(0, (m - 1) / kBlock - Cfg::kPrefetchBoxesAhead) * kBlock;
 
@@ -493,24 +477,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
 
       // ---- epilogue: this warpgroup's 64 rows of the tile, slab by slab
       if (row0 >= N) continue;  // all of them past the gradient's rows
-      if constexpr (Cfg::kLoadC) {
-        Barrier::wait(&c_full[warpgroup], c_phase);
-        c_phase ^= 1;
-      }
 #pragma unroll
       for (int h = 0; h < Cfg::kParts; ++h) {
 #pragma unroll
         for (int s = 0; s < Cfg::kPartN / Cfg::kSlabCols; ++s) {
           const int col0 = n0 + h * Cfg::kPartN + s * Cfg::kSlabCols;
           if (col0 >= K) break;
-          uint8_t* buf;
-          if constexpr (Cfg::kLoadC) {  // slab s in buffer s, holding the gradient's values: each thread adds to its own
-            buf = smem_d_wg + (h * (Cfg::kPartN / Cfg::kSlabCols) + s) * Cfg::kSlabBytes;
-          } else {
-            buf = smem_d_wg + (slab++ % Cfg::kSlabBuffers) * Cfg::kSlabBytes;
-            if (tid == 0) cute::tma_store_wait<Cfg::kSlabBuffers - 1>();  // the store that last read `buf` is done
-            cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);
-          }
+          uint8_t* buf = smem_d_wg + (slab++ % Cfg::kSlabBuffers) * Cfg::kSlabBytes;
+          if (tid == 0) cute::tma_store_wait<Cfg::kSlabBuffers - 1>();  // the store that last read `buf` is done
+          cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);
           constexpr int kChunks = Cfg::kSlabCols / 8;  // 8-column chunks per slab
 #pragma unroll
           for (int jj = 0; jj < kChunks; ++jj) {
@@ -522,20 +497,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
                 const int at = Cfg::kSlabRowBytes == 128 ? sw128_offset(r + 8 * v, 2 * c) : sw64_offset(r + 8 * v, 2 * c);
                 *reinterpret_cast<uint32_t*>(buf + at) = pack_bf16x2(lo, hi);
               } else {
-                float2* dst = reinterpret_cast<float2*>(buf + sw128_offset(r + 8 * v, 4 * c));
-                if constexpr (Cfg::kLoadC) {
-                  const float2 old = *dst;
-                  *dst = make_float2(old.x + lo, old.y + hi);
-                } else {
-                  *dst = make_float2(lo, hi);
-                }
+                *reinterpret_cast<float2*>(buf + sw128_offset(r + 8 * v, 4 * c)) = make_float2(lo, hi);
               }
             }
           }
           cutlass::arch::fence_view_async_shared();
           cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);
           if (tid == 0) {
-            if constexpr (kAccumulate && !Cfg::kLoadC)
+            if constexpr (kAccumulate)
               cute::SM90_TMA_REDUCE_ADD_3D::copy(&p.d, buf, col0, row0, t.expert);
             else
               cute::SM90_TMA_STORE_3D::copy(&p.d, buf, col0, row0, t.expert);

@@ -1,8 +1,9 @@
 """Where the host time of one call goes: enqueue microseconds per call (GPU kept busy, as the suite's
-host-overhead column) of each step of moegemm's fc1 forward and MLP forward+backward, next to a bare
-torch op and torch._grouped_mm, for E = 8 and 256.
+host-overhead column) of each step of moegemm's fc1 forward and MLP forward+backward (weights quantized in
+the call, and from the automatic FP8 weight cache), next to a bare torch op and torch._grouped_mm, for E = 8
+and 256.
 
-    python -m bench.suite.host_breakdown [--profile]   # --profile: torch.profiler CPU table of one MLP step
+    python -m bench.suite.host_breakdown [--profile]   # --profile: torch.profiler CPU tables (below)
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def profile_cpu(fn, iters=10):
 def main():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's CPU tables of one "
-                    "grouped_linear call and one MLP step (E = 8)")
+                    "grouped_linear call and one MLP step (E = 8), and of one MLP step with the FP8 weight cache "
+                    "(E = 8 and 256)")
     args = ap.parse_args()
     require_cuda_gpu(PROG, hopper=True)
     H, F, T = 1024, 512, 8192
@@ -67,6 +69,7 @@ def main():
         qw, sw = ops.quantize_weight(w1)[:2]
         mlp = moegemm.GroupedMLP(E, H, F, device=dev, dtype=torch.bfloat16, fp8_weight_cache=False)  # every call
         mlp_bf16 = moegemm.GroupedMLP(E, H, F, recipe="bf16", device=dev, dtype=torch.bfloat16)
+        mlp_cached = moegemm.GroupedMLP(E, H, F, device=dev, dtype=torch.bfloat16)  # weights quantized once
         xg = x.detach().requires_grad_()
         p = torch.rand(T, device=dev, requires_grad=True)
         dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
@@ -110,12 +113,17 @@ def main():
                 res[f"GroupedMLP bf16 fwd+bwd, {shell}"] = us(step(mlp_bf16))
         finally:
             ops.LAYER_AUTOGRAD = native
+        res["GroupedMLP fp8 fwd (grad), FP8 weight cache"] = us(lambda: mlp_cached(xg, m, p))
+        res["GroupedMLP fp8 fwd+bwd, FP8 weight cache"] = us(step(mlp_cached))
         if args.profile and E == 8:
             with torch.no_grad():
                 profile_cpu(lambda: moegemm.grouped_linear(x, w1, m))
             profile_cpu(step(mlp))
+        if args.profile:
+            print(f"\n== one MLP step with the FP8 weight cache, E = {E}")
+            profile_cpu(step(mlp_cached))
         rows.append((E, res))
-        del mlp, mlp_bf16
+        del mlp, mlp_bf16, mlp_cached
         torch.cuda.empty_cache()
     print(f"\nhost us per call, GPU busy (hidden={H}, ffn={F}, T={T})")
     print(f"{'step':45s}" + "".join(f"{'E=' + str(E):>10s}" for E, _ in rows))

@@ -41,12 +41,16 @@ def time_op(fn, target_s, min_iters, max_iters, warmup) -> dict:
 
 def time_interleaved(calls: dict, rounds: int, iters: int) -> dict:
     """ms per call of each of ``calls``: in each round every call runs ``iters`` times back to back between
-    two CUDA events; the median over the rounds."""
+    two CUDA events; the median over the rounds. The order reverses from one round to the next, so that every
+    call's average place in it is the same (with a fixed order an A/B's second form measured up to 4 % slower
+    than its first on power-capped GEMMs that the switch did not change, bench/NOTES.md forty-ninth session)."""
     for fn in calls.values():  # warm-up
         fn()
     times = {v: [] for v in calls}
-    for _ in range(rounds):
-        for v, fn in calls.items():
+    keys = list(calls)
+    for r in range(rounds):
+        for v in keys if r % 2 == 0 else keys[::-1]:
+            fn = calls[v]
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(iters):

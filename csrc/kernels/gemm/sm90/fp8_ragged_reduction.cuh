@@ -33,8 +33,8 @@
 //   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA
 //   while the next is written; fp32 is written or added into the output (Megatron's main_grad) by TMA's
 //   reduce-add, which adds in L2 (the values prefetched into L2 a few boxes before the main loop ends). bf16
-//   is written. A 3-D tensor map over [E, N, K] clips rows past N
-//   and columns past K. The last stores overlap the next tile's main loop.
+//   is written. A 3-D tensor map over [E, N, K] clips rows past N and columns past K. The last stores
+//   overlap the next tile's main loop.
 // - A plan that does not fit the column copy (plan_fits) is taken as the plan of no tokens.
 #pragma once
 
@@ -100,8 +100,8 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // instead of reading DRAM behind the epilogue: 3 was the best of the tile's start, half-way and 3 or 6 boxes
   // before its end (+1 to +8 % on the wgrad table's fp32 rows at 256 columns, bench/NOTES.md). At 128 columns
   // it also beat loading the values into the epilogue's buffers by TMA at the tile's start and adding them in
-  // registers (+3 to +13 % on the short reductions, H200, bench/NOTES.md forty-ninth session): that form
-  // moved each value through shared memory twice more.
+  // registers (+3 to +13 % on the short reductions, H200, bench/NOTES.md forty-ninth session): by arithmetic
+  // that form moved twice the shared-memory bytes per tile.
   static constexpr int kPrefetchBoxesAhead = 3;
   static constexpr bool kPrefetchC = kOut == WgradOut::kF32Accumulate;
   // The two math warpgroups take turns at issuing their wgmma chains (each chain issued once the other

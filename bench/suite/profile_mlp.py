@@ -7,8 +7,8 @@
 Default: one expert-MLP (SwiGLU, probs) forward + backward of ``--recipe``, the weights quantized in the call.
 ``--step``: one training step as the suite's training section runs it (bench/suite/training.py: GA = 1, main_grad
 zeroed, accumulated into and applied to the weights), moegemm bf16 next to moegemm fp8 with its FP8 weight cache,
-with the times of GA = 1 and GA = 4 (measured as the suite's training table does) split into a per-micro-batch part ((GA4 - GA1) / 3) and a per-step
-one (GA1 minus it). The harness's own kernels (main_grad's zeroing, the optimizer's update) are named as such: both
+with the times of GA = 1 and GA = 4 (measured as the suite's training table does) split into a per-micro-batch part
+((GA4 - GA1) / 3) and a per-step one (GA1 minus it). The harness's own kernels (main_grad's zeroing, the optimizer's update) are named as such: both
 recipes pay them alike.
 """
 

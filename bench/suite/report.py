@@ -104,8 +104,10 @@ def render_markdown(res: dict) -> str:
         def label_of(key):
             return VBY[key].label if key in VBY else key
 
+        by_point = {(x["op"], x["variant"], x["E"]): x for x in sweep}
+
         def record_of(op, key, E):
-            return next((x for x in sweep if x["op"] == op and x["variant"] == key and x["E"] == E), None)
+            return by_point.get((op, key, E))
 
         for op in ("fc1", "mlp"):
             for key in dict.fromkeys(r["variant"] for r in sweep if r["op"] == op):

@@ -96,14 +96,13 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // buffers per warpgroup: 4 measured faster than 2 wherever the output is the bound (the wgrad table)
   static constexpr int kSlabBuffers = 4;
   // fp32 accumulation adds into the gradient by TMA reduce-add (in L2), the tile's gradient values prefetched
-  // into L2 this many 128-token boxes before the end of its main loop so that the reduce-adds find them there
+  // into L2 (by every fp32 accumulation) this many 128-token boxes before the end of its main loop so that the reduce-adds find them there
   // instead of reading DRAM behind the epilogue: 3 was the best of the tile's start, half-way and 3 or 6 boxes
   // before its end (+1 to +8 % on the wgrad table's fp32 rows at 256 columns, bench/NOTES.md). At 128 columns
   // it also beat loading the values into the epilogue's buffers by TMA at the tile's start and adding them in
   // registers (+3 to +13 % on the short reductions, H200, bench/NOTES.md forty-ninth session): by arithmetic
   // that form moved twice the shared-memory bytes per tile.
   static constexpr int kPrefetchBoxesAhead = 3;
-  static constexpr bool kPrefetchC = kOut == WgradOut::kF32Accumulate;
   // The two math warpgroups take turns at issuing their wgmma chains (each chain issued once the other
   // warpgroup has issued its previous one: two named barriers), so that one promotes while the other's chain
   // runs (waiting for the other's chain to complete instead was slower, bench/NOTES.md). With fp32 accumulation
@@ -390,7 +389,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
       if (kAccumulate && m == 0) continue;  // nothing to add
       const int row0 = t.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupRows;  // this warpgroup's rows
       const int n0 = t.n_block * Cfg::kBlockN;
-      // the K block at which this warpgroup's gradient values are prefetched into L2 (kPrefetchC)
+      // the K block at which this warpgroup's gradient values are prefetched into L2 (fp32 accumulation)
       const int k_prefetch = max(0, (m - 1) / kBlock - Cfg::kPrefetchBoxesAhead) * kBlock;
 
 #pragma unroll
@@ -402,7 +401,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
         const uint32_t a_lo = a_lo0 + stage * (Cfg::kBytesA / 16), b_lo = b_lo0 + stage * (Cfg::kBytesB / 16);
         if (!full_next) Barrier::wait(&full[stage], phase);
         full_next = false;
-        if constexpr (Cfg::kPrefetchC) {
+        if constexpr (kAccumulate) {
           if (k0 == k_prefetch && row0 < N && tid == 0) {
 #pragma unroll
             for (int c = 0; c < Cfg::kBlockN / Cfg::kSlabCols; ++c)

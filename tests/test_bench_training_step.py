@@ -38,6 +38,8 @@ def _fake_results():
                        ("deepgemm_fp8_wcache", 1.6)):
             recs.append(_rec("DeepSeek-V2-Lite", key, ga, base / x, speedup_vs_torch_bf16=x,
                              main_grad_ratio=float(ga)))
+    recs.append(_rec("DeepSeek-V2-Lite", "torch_bf16", 1, 12.0, splits="balanced"))
+    recs.append(_rec("DeepSeek-V2-Lite", "moegemm_fp8_wcache", 1, 4.0, splits="balanced", speedup_vs_torch_bf16=3.0))
     recs.append(_rec("Mixtral-8x7B", "torch_bf16", 1, 30.0))
     recs.append(_rec("Mixtral-8x7B", "deepgemm_fp8_wcache", 1, None, status="error",
                      reason="RuntimeError: out of | memory"))
@@ -49,24 +51,36 @@ def test_training_table():
     lines = md.splitlines()
     assert lines[0].startswith("## Training step")
     head = next(line for line in lines if line.startswith("| shape"))
-    assert head.split(" | ")[3:] == ["torch bf16 ms", "moegemm bf16 ms", "moegemm fp8 ms", "DeepGEMM fp8 ms",
+    assert head.split(" | ")[4:] == ["torch bf16 ms", "moegemm bf16 ms", "moegemm fp8 ms", "DeepGEMM fp8 ms",
                                      "moegemm fp8 vs moegemm bf16", "moegemm fp8 vs DeepGEMM fp8",
                                      "main_grad GA/GA=1 |"]
-    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| shape")]
-    assert len(rows) == 3
-    ga1, ga4, mixtral = ([c.strip() for c in r.strip("|").split("|")] for r in rows)
-    assert ga1[:3] == ["DeepSeek-V2-Lite", "64/2048/1408/24576", "1"]
-    assert ga1[3:7] == ["10.000", "8.000 (1.25x)", "5.000 (2.00x)", "6.250 (1.60x)"]
-    assert ga1[7:9] == ["1.60x", "1.25x"]  # moegemm fp8 over moegemm bf16 (8/5), over DeepGEMM (6.25/5)
-    assert ga4[:3] == ["", "", "4"] and ga4[3] == "40.000" and ga4[7:9] == ["1.60x", "1.25x"]
-    assert ga4[9] == "4.000 / 4.000 / 4.000 / 4.000" and ga1[9] == ""
-    assert mixtral[0] == "Mixtral-8x7B" and mixtral[3] == "30.000" and mixtral[4:6] == ["", ""]
-    assert mixtral[6] == "error: RuntimeError: out of / memory" and mixtral[7:9] == ["n/a", "n/a"]
+    table = lines[lines.index(head):]
+    table = table[:table.index("")]
+    rows = [line for line in table if line.startswith("| ") and not line.startswith("| shape")]
+    assert len(rows) == 4
+    ga1, ga4, bal1, mixtral = ([c.strip() for c in r.strip("|").split("|")] for r in rows)
+    assert ga1[:4] == ["DeepSeek-V2-Lite", "zipf", "64/2048/1408/24576", "1"]
+    assert ga1[4:8] == ["10.000", "8.000 (1.25x)", "5.000 (2.00x)", "6.250 (1.60x)"]
+    assert ga1[8:10] == ["1.60x", "1.25x"]  # moegemm fp8 over moegemm bf16 (8/5), over DeepGEMM (6.25/5)
+    assert ga4[:4] == ["", "", "", "4"] and ga4[4] == "40.000" and ga4[8:10] == ["1.60x", "1.25x"]
+    assert ga4[10] == "4.000 / 4.000 / 4.000 / 4.000" and ga1[10] == ""
+    assert bal1[:4] == ["DeepSeek-V2-Lite", "balanced", "64/2048/1408/24576", "1"]
+    assert bal1[4:7] == ["12.000", "", "4.000 (3.00x)"] and bal1[8:10] == ["n/a", "n/a"]
+    assert mixtral[:2] == ["Mixtral-8x7B", "zipf"] and mixtral[4] == "30.000" and mixtral[5:7] == ["", ""]
+    assert mixtral[7] == "error: RuntimeError: out of / memory" and mixtral[8:10] == ["n/a", "n/a"]
+    # the geometric means of each speed-up per GA, over every row that has it
+    means = {(c[0], c[1]): c[2:] for c in ([x.strip() for x in line.strip("|").split("|")]
+                                           for line in lines[lines.index(head) + len(table):]
+                                           if line.startswith("| ") and not line.startswith("| speed-up"))
+             if not set(c[0]) <= set("-")}
+    assert means[("moegemm fp8 vs torch bf16", "1")] == ["2", f"{(2.0 * 3.0) ** 0.5:.2f}x", "2.00x"]
+    assert means[("moegemm fp8 vs moegemm bf16", "1")] == ["1", "1.60x", "1.60x"]
+    assert means[("moegemm fp8 vs DeepGEMM fp8", "4")] == ["1", "1.25x", "1.25x"]
 
 
 def test_results_md_has_the_training_section_and_the_peer():
     md = render_markdown(_fake_results())
-    assert "## Training step" in md and "| DeepSeek-V2-Lite | 64/2048/1408/24576 | 1 | 10.000 |" in md
+    assert "## Training step" in md and "| DeepSeek-V2-Lite | zipf | 64/2048/1408/24576 | 1 | 10.000 |" in md
     assert "Not run (unavailable here): DeepGEMM fp8 blockwise (padded to 128): RuntimeError: no DeepGEMM" in md
     assert render_training({"train": []}) == ""
 
@@ -264,12 +278,13 @@ def test_prewarm_covers_every_point_once():
     assert len(pts) == 4 * 2 + 1 + 2 and pts[-1][7] == ("fc1",)  # shapes x splits, small experts, GEMM problems
     jobs = prewarm_jobs(cfg, args, ("fc1", "mlp"))
     names = [j["name"] for j in jobs]
-    assert len(names) == len(set(names)) == len(pts) + 4  # the training step's points are the Zipf ones: no new job
+    assert len(names) == len(set(names)) == len(pts) + 4  # the training step's points are the model points: no new job
     assert {"sweep E=8", "sweep E=256", "Mixtral-8x7B balanced", "GEMM 4x8192 N=4096 K=7168 balanced"} <= set(names)
     assert len(prewarm_jobs(cfg, args, ("mlp",))) == len(pts) - 2 + 4  # no fc1-only problem for an MLP-only variant
     mixtral = prewarm_jobs(cfg, _args(no_sweep=True, shapes="mixtral"), ("mlp",))
     assert [j["name"] for j in mixtral] == ["Mixtral-8x7B zipf", "Mixtral-8x7B balanced"]
-    assert [p[0] for p in train_points("qwen,small")] == ["Qwen3-30B-A3B", "Small experts E=64"]
+    assert [p[0] for p in train_points(cfg, "qwen,small")] == ["Qwen3-30B-A3B", "Qwen3-30B-A3B", "Small experts E=64"]
+    assert [p[5] for p in train_points(cfg, "qwen,small")] == ["zipf", "balanced", "zipf"]
 
 
 def test_prewarm_pool_runs_every_job_in_a_child():

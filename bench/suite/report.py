@@ -4,6 +4,8 @@ needed."""
 
 from __future__ import annotations
 
+import math
+
 from bench.workloads import SHAPES
 
 from bench.suite.variants import BASELINE, VBY
@@ -178,10 +180,11 @@ def render_training(res: dict) -> str:
     def short_name(k):
         return names.get(k) or (VBY[k].label if k in VBY else k)
 
-    rows = []
-    for shape in dict.fromkeys(r["shape"] for r in recs):
-        for ga in sorted({r["ga"] for r in recs if r["shape"] == shape}):
-            got = {r["variant"]: r for r in recs if r["shape"] == shape and r["ga"] == ga}
+    rows, ratios = [], {}  # ratios: (column, GA) -> the speed-ups of every row, for the geometric means
+    for shape, kind in dict.fromkeys((r["shape"], r.get("splits", "zipf")) for r in recs):
+        mine = [r for r in recs if r["shape"] == shape and r.get("splits", "zipf") == kind]
+        for ga in sorted({r["ga"] for r in mine}):
+            got = {r["variant"]: r for r in mine if r["ga"] == ga}
             cells, checks = [], []
             for k in cols:
                 r = got.get(k)
@@ -195,26 +198,35 @@ def render_training(res: dict) -> str:
                     sp = r.get("speedup_vs_torch_bf16")
                     cells.append(_f(r["ms"]) + (f" ({sp:.2f}x)" if sp and k != BASELINE else ""))
                     checks.append(_f(r.get("main_grad_ratio"), ".3f"))
+                    if sp and k != BASELINE:
+                        ratios.setdefault((f"{short_name(k)} vs torch bf16", ga), []).append(sp)
             for a, b in vs:
                 ra, rb = got.get(a), got.get(b)
                 ok = ra and rb and ra.get("status") == "ok" and rb.get("status") == "ok"
                 cells.append(f"{rb['ms'] / ra['ms']:.2f}x" if ok else "n/a")
+                if ok:
+                    ratios.setdefault((f"{short_name(a)} vs {short_name(b)}", ga), []).append(rb["ms"] / ra["ms"])
             r0 = next(iter(got.values()))
-            first = ga == min(x["ga"] for x in recs if x["shape"] == shape)
-            rows.append([shape if first else "", f"{r0['E']}/{r0['hidden']}/{r0['ffn']}/{r0['T']}" if first else "",
+            first = ga == min(x["ga"] for x in mine)
+            rows.append([shape if first else "", kind if first else "",
+                         f"{r0['E']}/{r0['hidden']}/{r0['ffn']}/{r0['T']}" if first else "",
                          ga] + cells + [" / ".join(checks) if ga != 1 else ""])
-    heads = (["shape", "E/hidden/ffn/T", "GA"] + [f"{short_name(k)} ms" for k in cols]
+    heads = (["shape", "splits", "E/hidden/ffn/T", "GA"] + [f"{short_name(k)} ms" for k in cols]
              + [f"{short_name(a)} vs {short_name(b)}" for a, b in vs] + ["main_grad GA/GA=1"])
+    means = [[name, ga, len(xs), f"{math.exp(sum(map(math.log, xs)) / len(xs)):.2f}x", f"{min(xs):.2f}x"]
+             for (name, ga), xs in sorted(ratios.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
     return ("## Training step (Megatron style): GA micro-batches of expert-MLP fwd+bwd, main_grad accumulation, "
             "one weight update\n\n"
             "ms per optimizer step: main_grad (fp32) zeroed, GA micro-batches of forward + backward (dx and dprobs "
             "computed too) with each weight gradient accumulated into main_grad (by the wgrad GEMM where the variant "
             "fuses it: moegemm, DeepGEMM; torch's bf16 gradients added in fp32), then an in-place SGD update, so every "
             "FP8 weight copy is made once per step (moegemm's automatic FP8 weight cache; the DeepGEMM peer's cache "
-            "keyed on the weights' version). Zipf splits; median of CUDA-event timed steps; (x) = speed-up over torch "
+            "keyed on the weights' version). Median of CUDA-event timed steps; (x) = speed-up over torch "
             "bf16 at the same GA. main_grad GA/GA=1: the norm of main_grad after the step over its norm after a GA=1 "
             "step, per variant in column order (GA expected).\n\n"
-            + _table(heads, rows))
+            + _table(heads, rows)
+            + ("\n\nSpeed-ups over the rows above (every shape and kind of splits measured), per GA:\n\n"
+               + _table(["speed-up", "GA", "rows", "geometric mean", "lowest"], means) if means else ""))
 
 
 def render_gemm_targets(recs) -> str:

@@ -56,10 +56,10 @@ def model_points(cfg, shapes_arg) -> list:
     return pts
 
 
-def train_points(shapes_arg) -> list:
-    """(shape, E, H, F, T, splits) of the training-step section: the model shapes, Zipf splits."""
-    return [(shape, E, H, F, T, small_experts_splits(E, T) if shape in SMALL_EXPERTS else zipf_splits(E, T))
-            for shape, (E, H, F, T) in {**SHAPES, **SMALL_EXPERTS}.items() if _wanted(shape, shapes_arg)]
+def train_points(cfg, shapes_arg) -> list:
+    """(shape, E, H, F, T, splits name, splits) of the training-step section: the model points of the run
+    (each model shape with each kind of splits of cfg["splits"]; small experts with its own)."""
+    return [p[:7] for p in model_points(cfg, shapes_arg) if "mlp" in p[7]]
 
 
 def prewarm_jobs(cfg, args, ops) -> list:
@@ -77,8 +77,8 @@ def prewarm_jobs(cfg, args, ops) -> list:
     for shape, E, H, F, T, kind_name, splits, want in model_points(cfg, args.shapes):
         add(f"{shape} {kind_name}", E, H, F, splits, want)
     if not args.no_train:
-        for shape, E, H, F, T, splits in train_points(args.shapes):
-            add(f"{shape} zipf", E, H, F, splits, ("fc1", "mlp"))
+        for shape, E, H, F, T, kind_name, splits in train_points(cfg, args.shapes):
+            add(f"{shape} {kind_name}", E, H, F, splits, ("fc1", "mlp"))
     if not args.no_sweep:
         H, F, T = SWEEP_SHAPE
         for E in SWEEP_E:
@@ -211,29 +211,29 @@ class Runner:
 
     # ------------------------------------------------------------------------------ training step
     def run_training(self):
-        """Issue 25's training step (bench/suite/training.py) per model shape (Zipf splits), for each GA of
-        cfg["train_ga"] and each variant of cfg["train_variants"] selected here."""
+        """Issue 25's training step (bench/suite/training.py) per model point (shape and kind of splits), for
+        each GA of cfg["train_ga"] and each variant of cfg["train_variants"] selected here."""
         cfg = self.cfg
         keys = [k for k in cfg["train_variants"] if k in self.selected()]
-        for shape, E, H, F, T, splits in train_points(self.args.shapes):
+        for shape, E, H, F, T, kind_name, splits in train_points(cfg, self.args.shapes):
             if self.dead or self.over_budget(reserve=self.reserve("sweep", "jitter")):
-                self.res["skipped"].append(f"training step {shape}: " + (self.dead or "time budget"))
+                self.res["skipped"].append(f"training step {shape} {kind_name}: " + (self.dead or "time budget"))
                 continue
             c = Case(shape, E, H, F, splits, DEV, seed=4)
-            log(f"[bench] training step {shape}: E={E} H={H} F={F} T={T} empty={splits.count(0)}, "
+            log(f"[bench] training step {shape} {kind_name}: E={E} H={H} F={F} T={T} empty={splits.count(0)}, "
                 f"GA {', '.join(map(str, cfg['train_ga']))}")
             for key in keys:
-                self._train_variant(c, key)
+                self._train_variant(c, key, kind_name)
                 free()
             c = None
             free()
             self.save()
 
-    def _train_variant(self, c, key):
+    def _train_variant(self, c, key, kind_name):
         cfg, v = self.cfg, VBY[key]
         recs = []
         for ga in cfg["train_ga"]:
-            rec = {"shape": c.name, "E": c.E, "hidden": c.H, "ffn": c.F, "T": c.T, "splits": "zipf",
+            rec = {"shape": c.name, "E": c.E, "hidden": c.H, "ffn": c.F, "T": c.T, "splits": kind_name,
                    "n_empty": c.splits.count(0), "variant": key, "label": v.label, "precision": v.precision,
                    "ga": ga, "flops": ga * c.flops("mlp")}
             self.res["train"].append(rec)
@@ -270,10 +270,11 @@ class Runner:
         for rec in recs:
             if rec.get("status") == "ok" and one and one.get("main_grad_norm"):
                 rec["main_grad_ratio"] = rec["main_grad_norm"] / one["main_grad_norm"]  # GA expected
+        same = lambda r: r["shape"] == c.name and r["splits"] == kind_name  # noqa: E731
         base = {r["ga"]: r.get("ms") for r in self.res["train"]
-                if r["shape"] == c.name and r["variant"] == BASELINE and r.get("status") == "ok"}
+                if same(r) and r["variant"] == BASELINE and r.get("status") == "ok"}
         for r in self.res["train"]:
-            if r["shape"] == c.name and r.get("status") == "ok" and base.get(r["ga"]):
+            if same(r) and r.get("status") == "ok" and base.get(r["ga"]):
                 r["speedup_vs_torch_bf16"] = base[r["ga"]] / r["ms"]
 
     # ------------------------------------------------------------------------------ host sweep (E)

@@ -139,7 +139,7 @@ WGRAD_KERNEL_EDITS = [
     ("          cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);\n          constexpr int kChunks",
      "          cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + warpgroup);\n"
      "          if (h == 0 && s == 0) c_buffer = clock64();\n          constexpr int kChunks"),
-    ("            cute::tma_store_arrive();\n          }\n        }\n      }\n    }\n    if (Cfg::kPingPong && warpgroup == 0)",
+    ("            cute::tma_store_arrive();\n          }\n        }\n      }\n    }\n    if (Cfg::kTakeTurns && warpgroup == 0)",
      "            cute::tma_store_arrive();\n          }\n        }\n      }\n"
      "      if (p.probe != nullptr && tid == 0) {\n"
      "        unsigned smid;\n"
@@ -149,7 +149,7 @@ WGRAD_KERNEL_EDITS = [
      "        q[6] = (unsigned long long)m | ((unsigned long long)t.expert << 32) | ((unsigned long long)smid << 44);\n"
      "        q[7] = 1;\n"
      "      }\n"
-     "    }\n    if (Cfg::kPingPong && warpgroup == 0)"),
+     "    }\n    if (Cfg::kTakeTurns && warpgroup == 0)"),
 ]
 WGRAD_LAUNCHER_EDITS = [
     ("#include <algorithm>", "#include <algorithm>\n#include <cstdlib>"),

@@ -27,8 +27,10 @@
 //   to registers (at 160 columns before its wgmmas are issued, at 128 while they run) and the stage is
 //   released at their end (and the next stage's barrier tested without blocking, its latency hidden behind
 //   the promotion); with two (their accumulators fill the registers) they are read from shared memory per
-//   8-column chunk and the stage is released after the last part's promotion. With fp32 accumulation at 128
-//   or 256 columns the warpgroups take turns at issuing their chains; at 160 they run independently.
+//   8-column chunk and the stage is released after the last part's promotion. With fp32 accumulation the
+//   warpgroups take turns at issuing their chains, so that they do not issue, finish and promote together
+//   (in one part warpgroup 0 hands the turn over once its chain is done, so that warpgroup 1's chain runs
+//   while it promotes).
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns; 32 bf16
 //   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA
 //   while the next is written; fp32 is written or added into the output (Megatron's main_grad) by TMA's
@@ -103,13 +105,20 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // registers (+3 to +13 % on the short reductions, H200, bench/NOTES.md forty-ninth session): by arithmetic
   // that form moved twice the shared-memory bytes per tile.
   static constexpr int kPrefetchBoxesAhead = 3;
-  // The two math warpgroups take turns at issuing their wgmma chains (each chain issued once the other
-  // warpgroup has issued its previous one: two named barriers), so that one promotes while the other's chain
-  // runs (waiting for the other's chain to complete instead was slower, bench/NOTES.md). With fp32 accumulation
-  // 0 to +12 % on the wgrad table's 256-column rows (H200, same run; DeepGEMM's 8x2048 M=28672 643 -> 722
-  // TFLOP/s, Mixtral-8x7B fc1 665 -> 731), unchanged at 128 columns; with bf16 output 1-5 % slower, and at 160
-  // columns with the column scales read before the chain (kColsBeforeChain) up to 4 % slower: not there.
-  static constexpr bool kPingPong = kOut == WgradOut::kF32Accumulate && !kColsBeforeChain;
+  // How the two math warpgroups order their wgmma chains. Issued together, the two chains of a box share the
+  // tensor cores and end together, and then both warpgroups promote while the tensor cores idle. With turns (two
+  // named barriers) a warpgroup issues its chain once the other has handed the turn over: after issuing its own
+  // chain (kAfterIssue), or, warpgroup 0, once its chain is done (kAfterChain: warpgroup 1's chain then runs
+  // alone while warpgroup 0 promotes, and warpgroup 0's next chain is queued behind it). Measured with fp32
+  // accumulation (H200, bench/NOTES.md): kAfterIssue over none 0 to +12 % on the wgrad table's 256-column rows
+  // (twenty-third session); kAfterChain (fifty-first session, same runs) over kAfterIssue +1.8 % at 128 columns
+  // (geometric mean, every row faster, DeepGEMM's 64x384 +9 %) and -3.3 % at 256, over none +1.3 % at 160, +3.1 %
+  // with the heuristic's tilings. Written outputs take no turns (bf16 1-5 % slower with kAfterIssue).
+  enum class Turns { kNone, kAfterIssue, kAfterChain };
+  static constexpr Turns kTurns = kOut != WgradOut::kF32Accumulate ? Turns::kNone
+                                  : kParts == 2                    ? Turns::kAfterIssue
+                                                                   : Turns::kAfterChain;
+  static constexpr bool kTakeTurns = kTurns != Turns::kNone;
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)
   static constexpr int kBytesA = kBlockM * kBlockK;  // e4m3, per stage
@@ -375,9 +384,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     const float2* smem_sb_cols = reinterpret_cast<const float2*>(smem_sb) + sb_col;
 
     // named barriers: kEpilogueBarrier + w for warpgroup w's epilogue, kZeroBarrier for both around the zeroing
-    // of a last box, kTurnBarrier + w for warpgroup w's turn to issue (kPingPong; warpgroup 0 issues first)
+    // of a last box, kTurnBarrier + w for warpgroup w's turn to issue (kTurns; warpgroup 0 issues first)
     constexpr int kEpilogueBarrier = 0, kZeroBarrier = 2, kTurnBarrier = 3;
-    if (Cfg::kPingPong && warpgroup == 1) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier);
+    if (Cfg::kTakeTurns && warpgroup == 1) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier);
     Walk next = walk(id_ring.take(), tok);
     for (int id = next.id, nxt; id < num_tiles; id = nxt) {
       nxt = id_ring.take();
@@ -446,7 +455,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
             cute::warpgroup_commit_batch();
           };
           if (Cfg::kColsBeforeChain && h == 0) load_cols();
-          if constexpr (Cfg::kPingPong) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + warpgroup);  // this warpgroup's turn
+          if constexpr (Cfg::kTakeTurns) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + warpgroup);  // this warpgroup's turn
           if (ksteps == 4) {  // a whole box (all but an expert's last): one test before the chain, not three
             chain(std::integral_constant<int, 4>{});
           } else {
@@ -456,9 +465,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
               default: chain(std::integral_constant<int, 3>{}); break;
             }
           }
-          if constexpr (Cfg::kPingPong) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier + 1 - warpgroup);  // the other's
+          // the other's turn: now, or (warpgroup 0, kAfterChain) once this chain is done
+          if (Cfg::kTurns == Cfg::Turns::kAfterIssue || (Cfg::kTurns == Cfg::Turns::kAfterChain && warpgroup == 1))
+            cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier + 1 - warpgroup);
           if (!Cfg::kColsBeforeChain && h == 0) load_cols();
           cute::warpgroup_wait<0>();
+          if (Cfg::kTurns == Cfg::Turns::kAfterChain && warpgroup == 0) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier + 1);
 #pragma unroll
           for (int i = 0; i < Cfg::kAccum; ++i) cute::warpgroup_fence_operand(acc[i]);
           if constexpr (Cfg::kColsInRegisters) {
@@ -512,7 +524,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
         }
       }
     }
-    if (Cfg::kPingPong && warpgroup == 0) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier);  // warpgroup 1's last arrival
+    if (Cfg::kTakeTurns && warpgroup == 0) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier);  // warpgroup 1's last arrival
     if (tid == 0) cute::tma_store_wait<0>();
   }
 #endif

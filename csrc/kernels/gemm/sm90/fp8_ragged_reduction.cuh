@@ -29,7 +29,7 @@
 //   the promotion); with two (their accumulators fill the registers) they are read from shared memory per
 //   8-column chunk and the stage is released after the last part's promotion. With fp32 accumulation the
 //   warpgroups take turns at issuing their chains, so that they do not issue, finish and promote together
-//   (in one part warpgroup 0 hands the turn over once its chain is done, so that warpgroup 1's chain runs
+//   (at 160 columns warpgroup 0 hands the turn over once its chain is done, so that warpgroup 1's chain runs
 //   while it promotes).
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns; 32 bf16
 //   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA
@@ -111,13 +111,15 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // chain (kAfterIssue), or, warpgroup 0, once its chain is done (kAfterChain: warpgroup 1's chain then runs
   // alone while warpgroup 0 promotes, and warpgroup 0's next chain is queued behind it). Measured with fp32
   // accumulation (H200, bench/NOTES.md): kAfterIssue over none 0 to +12 % on the wgrad table's 256-column rows
-  // (twenty-third session); kAfterChain (fifty-first session, same runs) over kAfterIssue +1.8 % at 128 columns
-  // (geometric mean, every row faster, DeepGEMM's 64x384 +9 %) and -3.3 % at 256, over none +1.3 % at 160, +3.1 %
-  // with the heuristic's tilings. Written outputs take no turns (bf16 1-5 % slower with kAfterIssue).
+  // (twenty-third session); kAfterChain (fifty-first session, same runs) over none +1.3 % at 160 columns (geometric
+  // mean), over kAfterIssue -3.3 % at 256 and +1.8 % at 128 (every row faster, DeepGEMM's 64x384 +9 %), but there
+  // compute-sanitizer's racecheck reported the scale warp's stores racing the math warps' scale reads in the
+  // compile-time form (not in the A/B's runtime form; cause not found): 128 keeps kAfterIssue until it is. Written
+  // outputs take no turns (bf16 1-5 % slower with kAfterIssue).
   enum class Turns { kNone, kAfterIssue, kAfterChain };
   static constexpr Turns kTurns = kOut != WgradOut::kF32Accumulate ? Turns::kNone
-                                  : kParts == 2                    ? Turns::kAfterIssue
-                                                                   : Turns::kAfterChain;
+                                  : kBlockN == 160                 ? Turns::kAfterChain
+                                                                   : Turns::kAfterIssue;
   static constexpr bool kTakeTurns = kTurns != Turns::kNone;
 
   // shared memory, from a 1024-byte aligned base (the 128B swizzle's period; checked at kernel start)

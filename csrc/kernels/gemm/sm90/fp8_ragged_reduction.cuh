@@ -29,7 +29,7 @@
 //   the promotion); with two (their accumulators fill the registers) they are read from shared memory per
 //   8-column chunk and the stage is released after the last part's promotion. With fp32 accumulation the
 //   warpgroups take turns at issuing their chains, so that they do not issue, finish and promote together
-//   (at 160 columns warpgroup 0 hands the turn over once its chain is done, so that warpgroup 1's chain runs
+//   (in one-part tiles warpgroup 0 hands the turn over once its chain is done, so that warpgroup 1's chain runs
 //   while it promotes).
 // - Epilogue per warpgroup: 64-row slabs of one 128-byte swizzle span (32 fp32 or 64 bf16 columns; 32 bf16
 //   columns in a 64-byte span at 160 columns) through kSlabBuffers shared-memory buffers, each stored by TMA
@@ -112,13 +112,13 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // alone while warpgroup 0 promotes, and warpgroup 0's next chain is queued behind it). Measured with fp32
   // accumulation (H200, bench/NOTES.md): kAfterIssue over none 0 to +12 % on the wgrad table's 256-column rows
   // (twenty-third session); kAfterChain (fifty-first session, same runs) over none +1.3 % at 160 columns (geometric
-  // mean), over kAfterIssue -3.3 % at 256 and +1.8 % at 128 (every row faster, DeepGEMM's 64x384 +9 %), but there
-  // compute-sanitizer's racecheck reported the scale warp's stores racing the math warps' scale reads in the
-  // compile-time form (not in the A/B's runtime form; cause not found): 128 keeps kAfterIssue until it is. Written
+  // mean), over kAfterIssue -3.3 % at 256 and +1.8 % at 128 (every row faster, DeepGEMM's 64x384 +9 %); at 128 again
+  // +2.3 %, 16 of 16 rows faster, racecheck clean twice on this kernel (fifty-second session; one earlier racecheck run
+  // had reported its scale reads, not reproduced). One-part tiles take kAfterChain, two parts kAfterIssue. Written
   // outputs take no turns (bf16 1-5 % slower with kAfterIssue).
   enum class Turns { kNone, kAfterIssue, kAfterChain };
   static constexpr Turns kTurns = kOut != WgradOut::kF32Accumulate ? Turns::kNone
-                                  : kBlockN == 160                 ? Turns::kAfterChain
+                                  : kParts == 1                    ? Turns::kAfterChain
                                                                    : Turns::kAfterIssue;
   static constexpr bool kTakeTurns = kTurns != Turns::kNone;
 

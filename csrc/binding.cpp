@@ -12,6 +12,7 @@
 #include "api/layer_contract.h"
 #include "api/layers.h"
 #include "api/primitives.h"
+#include "moegemm.h"
 
 namespace moegemm::api {
 
@@ -45,6 +46,8 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("gemm_bf16_wgrad_accumulate(Tensor dy, Tensor x, Tensor plan, Tensor(a!) out) -> ()");
   m.def("add_bias_(Tensor(a!) y, Tensor bias, Tensor plan) -> ()");
   m.def("bias_grad(Tensor dy, Tensor plan) -> Tensor");
+  // the SM budget of the persistent kernels (moegemm/sm_budget.py; no tensors: one kernel for every backend)
+  m.def("set_sm_budget(int sms) -> ()", [](int64_t sms) { ::moegemm::set_sm_budget(static_cast<int>(sms)); });
 }
 
 // The differentiable layer ops: their node for tensors in autograd, the forward alone for the rest.

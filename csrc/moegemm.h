@@ -146,6 +146,14 @@ void sum_rows(const float* in, int64_t rows, int64_t cols, float* out, cudaStrea
 void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t bytes_per_expert, void* out,
                         cudaStream_t stream);
 
+// ---- the SM budget: moegemm's persistent kernels (the grouped GEMMs, the multi-cast quantizer) spread over at most
+// `sms` SMs of the device (0: every SM), leaving the others to kernels on other streams (an all-to-all's). Process-wide,
+// read at each launch (a captured CUDA graph keeps the budget of its capture); a budget above the device's SM count is
+// refused at the launch. The one-launch forward (gemm_fp8_ragged_m_quantize_a, all CTAs resident at once) is not
+// preferred while a budget below the device's SMs is set.
+void set_sm_budget(int sms);  // sms >= 0
+int sm_budget();
+
 // ---- grouped GEMMs. A problem travels as one struct; `workspace` (the device-built arguments of the
 // CUTLASS kernels, or the tile counter of moegemm's sm90 ragged reduction) has the size the matching
 // *_workspace_size returns (0: none needed); gemm_fp8_ragged_k's is zeroed by the caller (by the ZeroFill of the
@@ -198,17 +206,21 @@ struct ExpertBias {
 
 // The FP8 ragged-row GEMM (fprop, dgrad) runs on moegemm's own persistent sm90 kernel
 // (csrc/kernels/gemm/sm90/) with the tiling heuristics.h picks (tiling < 0) or the one at that index of its
-// table (kRaggedRowsTilings). No workspace.
+// table (kRaggedRowsTilings). workspace: gemm_fp8_ragged_m_workspace_size bytes, zeroed before the launch (the
+// kernel's tile walk draws from a counter that starts at 0).
 int num_ragged_rows_tilings();  // the size of that table
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, cudaStream_t stream);
+size_t gemm_fp8_ragged_m_workspace_size();
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, void* workspace,
+                       cudaStream_t stream);
 // The same GEMM on a bf16 x [plan.T, K] in one launch, with the tiling heuristics.h picks: its CTAs first build the
 // plan of plan.m_splits into plan.plan (make_plan's, for the kernels after it too; m_splits null: plan.plan was built
 // by an earlier launch on the stream, e.g. quantize_weights') and x's FP8 row copy into qa [T, K] and sa
 // (quantize_act's bytes on the rows the plan covers; the rows past them, which quantize_act zeroes, are quantized
 // too and never read), then wait for each other (a cooperative launch: one CTA per SM, all resident at once) and
 // run the GEMM out [T, N] with a = (qa, sa). Needs T >= 1 and make_plan's requirements.
+// `zero`: words that the launch zeroes too, for the GEMMs after it (their tile counters), or none.
 void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
-                                  float* sa, Fp8Operand b, ExpertBias bias, cudaStream_t stream);
+                                  float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, cudaStream_t stream);
 // Whether to take that one launch for an x of T x K values: where csrc/kernels/gemm/heuristics.h finds it faster,
 // the device launches cooperative kernels, and MOEGEMM_ONE_LAUNCH_FORWARD (read once) is not "0" (the opt-out for
 // a context whose kernels cannot all be resident at once: an SM-limited MPS client, a kernel on another stream

@@ -75,7 +75,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
     // the bias added in the GEMM's epilogue; a bf16 x quantized (into its row copy, qx) in the GEMM's launch where
     // that pays
     Quantized qx;
-    y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, qx);
+    y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, qx, gemm_workspaces(false, 1, plan));
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
     const bool keep_wT = need_dx && !weight_given;
@@ -119,7 +119,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     TORCH_CHECK(saved.size() == saved_fp8::kCount, "moegemm: saved must hold ", num(saved_fp8::kCount), " tensors, got ",
                 num(saved.size()));
     if (need_dx || need_dw) {
-      Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_dx, need_dw);
+      const GemmWorkspaces ws = gemm_workspaces(false, 1, plan);  // dgrad's tile counter, zeroed by dy's quantizer
+      Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_dx, need_dw, {}, ws.words);
       if (need_dx) {
         Quantized wT;
         if (weight_given) {
@@ -130,7 +131,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
           check_tensor(saved[saved_fp8::kSwT], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
           wT.qT = aligned(saved[saved_fp8::kQwT]), wT.sT = aligned(saved[saved_fp8::kSwT]);
         }
-        dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, wT.qT, wT.sT, plan);
+        dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, wT.qT, wT.sT, plan, -1, Tensor(), ws.counters[0]);
       }
       if (need_dw) {
         const Quantized rows = wgrad_x_rows(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, dy);

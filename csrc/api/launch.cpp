@@ -14,6 +14,9 @@ namespace {
 
 int32_t* plan_ptr(const Tensor& plan) { return plan.data_ptr<int32_t>(); }
 
+// 32-bit words (ZeroFill's unit) covering `bytes`.
+int64_t words_of(size_t bytes) { return static_cast<int64_t>((bytes + sizeof(int32_t) - 1) / sizeof(int32_t)); }
+
 // The counts a launch builds the plan from (none when undefined).
 DeviceSplits device_splits(const Tensor& m_splits) {
   if (!m_splits.defined()) return {};
@@ -166,20 +169,21 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
 }
 
 Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
-                             int tiling, const Tensor& bias) {
+                             int tiling, const Tensor& bias, const Tensor& counter) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m");
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
+  const Tensor ws = counter.defined() ? counter : empty({words_of(gemm_fp8_ragged_m_workspace_size())}, at::kInt, qa).zero_();
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   gemm_fp8_ragged_m({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
-                    {cbytes(qb), sb.data_ptr<float>()}, b, tiling, current_stream(qa));
+                    {cbytes(qb), sb.data_ptr<float>()}, b, tiling, ws.data_ptr(), current_stream(qa));
   return out;
 }
 
 Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
-                                        const Tensor& sb, const Tensor& bias, Quantized& rows) {
+                                        const Tensor& sb, const Tensor& bias, Quantized& rows, const Tensor& zero) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m_quantize_a");
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1), N = qb.size(1);
@@ -188,23 +192,25 @@ Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits,
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   const DeviceSplits from = device_splits(m_splits);
   gemm_fp8_ragged_m_quantize_a({from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, x.data_ptr(), N, K, out.data_ptr(),
-                               bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, current_stream(x));
+                               bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, zero_fill_of(zero),
+                               current_stream(x));
   rows = {qa, sa, Tensor(), Tensor()};
   return out;
 }
 
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
-                 const Tensor& sb, const Tensor& bias, Quantized& qx) {
+                 const Tensor& sb, const Tensor& bias, Quantized& qx, const GemmWorkspaces& ws) {
   const int64_t T = x.size(0), K = x.size(1);
   if (fp8_x != nullptr) {
     if (plan_from.defined()) run_make_plan_into(plan_from, T, plan);
+    if (ws.words.defined()) ws.words.zero_();  // no launch of ours before the GEMM to zero them
     qx = *fp8_x;
   } else if (T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
-    return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias, qx);
+    return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias, qx, ws.words);
   } else {
-    qx = run_quantize_act(x, DType::kBF16, plan, true, false, plan_from);
+    qx = run_quantize_act(x, DType::kBF16, plan, true, false, plan_from, ws.words);
   }
-  return run_gemm_fp8_ragged_m(qx.q, qx.s, qb, sb, plan, -1, bias);
+  return run_gemm_fp8_ragged_m(qx.q, qx.s, qb, sb, plan, -1, bias, ws.counters.front());
 }
 
 namespace {
@@ -219,14 +225,34 @@ Tensor wgrad_workspace(size_t bytes, const Tensor& like) {
 }
 }  // namespace
 
-Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan) {
-  if (!wanted) return Tensor();
-  // the output kind changes only CUTLASS's size (a choice of MOEGEMM_FP8_WGRAD): the larger of the two
+namespace {
+// The bytes of a wgrad workspace on the default choice. The output kind changes only CUTLASS's size (a choice of
+// MOEGEMM_FP8_WGRAD): the larger of the two.
+size_t fp8_wgrad_workspace_bytes(const Tensor& plan) {
   RaggedReduction p{};
   p.E = num_experts(plan), p.out_kind = WgradOut::kF32;
   const size_t f32 = gemm_fp8_ragged_k_workspace_size(p, {});
   p.out_kind = WgradOut::kBF16;
-  return wgrad_workspace(std::max(f32, gemm_fp8_ragged_k_workspace_size(p, {})), plan);
+  return std::max(f32, gemm_fp8_ragged_k_workspace_size(p, {}));
+}
+}  // namespace
+
+Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan) {
+  if (!wanted) return Tensor();
+  return wgrad_workspace(fp8_wgrad_workspace_bytes(plan), plan);
+}
+
+GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan) {
+  GemmWorkspaces ws;
+  const int64_t wgrad_words = wgrad ? words_of(fp8_wgrad_workspace_bytes(plan)) : 0;
+  const int64_t counter_words = words_of(gemm_fp8_ragged_m_workspace_size());
+  const int64_t total = wgrad_words + counters * counter_words;
+  if (total == 0) return ws;
+  // (the wgrad workspace first: CUTLASS's part of it wants the allocation's alignment)
+  ws.words = empty({total}, at::kInt, plan);
+  if (wgrad) ws.wgrad = ws.words.narrow(0, 0, wgrad_words);
+  for (int i = 0; i < counters; ++i) ws.counters.push_back(ws.words.narrow(0, wgrad_words + i * counter_words, counter_words));
+  return ws;
 }
 
 void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,

@@ -16,11 +16,13 @@ import torch
 
 from .._build import load_extension
 from ..layout import ACTIVATIONS
+from ..sm_budget import get_num_sms
 from . import fakes
 
 load_extension()
 fakes.register_cuda()
 _ops = torch.ops.moegemm
+_ops.set_sm_budget(get_num_sms() or 0)  # the budget set before the extension was loaded
 
 # ------------------------------------------------------------------------- differentiable layer ops
 LAYER_AUTOGRAD = True

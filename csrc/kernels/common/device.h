@@ -1,4 +1,4 @@
-// What the kernels' launchers and kernels share about the device: its SM count and DRAM bandwidth, whether it
+// What the kernels' launchers and kernels share about the device: its SM count, the SM budget and DRAM bandwidth, whether it
 // launches cooperative kernels, raising a kernel's dynamic shared-memory limit (once per device), and zeroing a range
 // of output rows.
 #pragma once
@@ -6,8 +6,11 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/common/cuda_check.h"
 
@@ -28,6 +31,23 @@ int device_attribute() {
 
 // Multiprocessors of the current device.
 inline int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+// The process-wide SM budget of moegemm's persistent kernels (csrc/moegemm.h set_sm_budget; 0: none, every SM of
+// the device). Read at each launch: a captured CUDA graph keeps the grids of its capture.
+inline std::atomic<int>& sm_budget_setting() {
+  static std::atomic<int> budget{0};
+  return budget;
+}
+
+// The SMs a persistent grid of the current device spreads over: the budget, else all of them. A budget above the
+// device's SM count is refused here, at the launch.
+inline int grid_sms() {
+  const int all = sm_count(), budget = sm_budget_setting().load();
+  if (budget > all)
+    throw std::invalid_argument("moegemm: the SM budget (" + std::to_string(budget) + ") exceeds the device's " +
+                                std::to_string(all) + " SMs");
+  return budget > 0 ? budget : all;
+}
 
 // Peak DRAM bandwidth of the current device in GB/s: both edges of the memory clock over the whole bus.
 inline double dram_gbps() {

@@ -10,30 +10,42 @@ namespace moegemm {
 
 int num_ragged_rows_tilings() { return gemm::kNumRaggedRowsTilings; }
 
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, cudaStream_t stream) {
+void set_sm_budget(int sms) {
+  if (sms < 0) throw std::invalid_argument("moegemm: set_sm_budget: the budget must be 0 (every SM) or positive");
+  sm_budget_setting().store(sms);
+}
+
+int sm_budget() { return sm_budget_setting().load(); }
+
+size_t gemm_fp8_ragged_m_workspace_size() { return gemm::kSm90TileCounterWorkspace; }
+
+void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, void* workspace,
+                       cudaStream_t stream) {
   if (tiling >= gemm::kNumRaggedRowsTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: no such tiling");
-  const gemm::RaggedRowsTiling chosen = tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, sm_count(), dram_gbps());
-  gemm::sm90_fp8_ragged_rows(p, a, b, bias, chosen, stream);
+  const gemm::RaggedRowsTiling chosen = tiling >= 0 ? gemm::kRaggedRowsTilings[tiling] : gemm::ragged_rows_tiling(p.T, p.E, p.N, grid_sms(), dram_gbps());
+  gemm::sm90_fp8_ragged_rows(p, a, b, bias, chosen, workspace, stream);
 }
 
 void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
-                                  float* sa, Fp8Operand b, ExpertBias bias, cudaStream_t stream) {
+                                  float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, cudaStream_t stream) {
   check_plan_size(plan.E, plan.T, "gemm_fp8_ragged_m_quantize_a");
   if (plan.T < 1 || plan.plan == nullptr)
     throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a: needs T >= 1 and the plan");
   const RaggedRows p{plan.plan, plan.E, plan.T, N, K, out};
-  gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, N, sm_count(), dram_gbps()), stream);
+  gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa, zero}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, N, grid_sms(), dram_gbps()), stream);
 }
 
 bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K) {
   static const bool enabled = gemm::enabled_by_env("MOEGEMM_ONE_LAUNCH_FORWARD");  // read once
-  return enabled && gemm::quantize_a_in_gemm(T, K) && cooperative_launch();
+  // (a budget below the device's SMs: the one launch would need every SM's CTA resident at once)
+  const int budget = sm_budget();
+  return enabled && gemm::quantize_a_in_gemm(T, K) && cooperative_launch() && (budget == 0 || budget >= sm_count());
 }
 
 int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }
 
 size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice) {
-  if (gemm::fp8_ragged_reduction_kernel(choice.kernel) != GemmKernel::kCutlass) return gemm::kSm90RaggedReductionWorkspace;
+  if (gemm::fp8_ragged_reduction_kernel(choice.kernel) != GemmKernel::kCutlass) return gemm::kSm90TileCounterWorkspace;
   return p.out_kind == WgradOut::kBF16 ? gemm::cutlass_fp8_ragged_k_bf16_workspace_size(p.E)
                                        : gemm::cutlass_fp8_ragged_k_f32_workspace_size(p.E);
 }
@@ -46,7 +58,7 @@ void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, Gem
   }
   if (choice.tiling >= gemm::kNumRaggedReductionTilings) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: no such tiling");
   const gemm::RaggedReductionTiling tiling = choice.tiling >= 0 ? gemm::kRaggedReductionTilings[choice.tiling]
-                                                                : gemm::ragged_reduction_tiling(p, sm_count());
+                                                                : gemm::ragged_reduction_tiling(p, grid_sms());
   gemm::sm90_fp8_ragged_reduction(p, a, b, tiling, workspace, stream);
 }
 

@@ -20,22 +20,23 @@ void cutlass_bf16_ragged_k_f32(const RaggedReduction& p, const void* a, const vo
 size_t cutlass_bf16_ragged_k_bf16_workspace_size(int E);
 void cutlass_bf16_ragged_k_bf16(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
 
-// moegemm's own persistent sm90 kernels (csrc/kernels/gemm/sm90/): no workspace, but the ragged reduction's
-// tile counter (kSm90RaggedReductionWorkspace bytes, required; zero at launch, see gemm_fp8_ragged_k).
+// moegemm's own persistent sm90 kernels (csrc/kernels/gemm/sm90/): their workspace is the tile walk's counter
+// (kSm90TileCounterWorkspace bytes, zero at launch; see gemm_fp8_ragged_m and gemm_fp8_ragged_k).
+constexpr size_t kSm90TileCounterWorkspace = sizeof(int);
 struct RaggedRowsTiling;  // heuristics.h
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
-                          cudaStream_t stream);
+                          void* workspace, cudaStream_t stream);
 // The fused form (csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): its launch builds A (and the plan, when given counts) itself.
 struct RowsPrologue {
   const void* x;  // [T, K] bf16
   PlanBuild plan;
   uint8_t* qa;  // x's FP8 row copy [T, K] and its K-major row scales: written, then read as A
   float* sa;
+  ZeroFill zero;  // words zeroed by the launch too (the tile counters of the GEMMs after it), or none
 };
 void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& prologue, Fp8Operand b, ExpertBias bias,
                                      const RaggedRowsTiling& tiling, cudaStream_t stream);
 struct RaggedReductionTiling;  // heuristics.h
-constexpr size_t kSm90RaggedReductionWorkspace = sizeof(int);
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
                                void* workspace, cudaStream_t stream);
 

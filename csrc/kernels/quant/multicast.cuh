@@ -1094,9 +1094,9 @@ void launch(const Loader& src, int64_t T, int64_t K, int E, const int32_t* plan,
     const int n_stages = ring_stages<Loader>(E, qT != nullptr);
     const int smem = Layout(E, qT != nullptr, stage_bytes<Loader>(), n_stages).total;
     allow_shared_memory<kernel<Loader>>(kSharedBytes, name);  // once; a launch takes only what it needs
-    // Persistent: one CTA per SM, never more than the tiles there can be.
+    // Persistent: one CTA per SM of the budget, never more than the tiles there can be.
     const int64_t most_tiles = block_capacity(T, E) * ceil_div(K, kBlock);
-    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(most_tiles, sm_count()));
+    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(most_tiles, grid_sms()));
     kernel<Loader><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(src, T, K, E, plan, q, s, qT, sT,
                                                                            col_capacity(T, E), row_extra, n_stages, zero);
     check_launch(name);

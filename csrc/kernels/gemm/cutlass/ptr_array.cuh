@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <mutex>
@@ -102,7 +103,8 @@ struct GroupedGemm {
   using Arrays = GroupArrays<Gemm, kBlockwise>;
   using Kernel = typename Gemm::GemmKernel;
 
-  static typename Gemm::Arguments arguments(const Arrays& a, int E, float alpha, float beta) {
+  // sms: the SMs the persistent grid spreads over (0 or the device's count: every SM)
+  static typename Gemm::Arguments arguments(const Arrays& a, int E, float alpha, float beta, int sms = 0) {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {E, a.shape, nullptr};
@@ -115,6 +117,13 @@ struct GroupedGemm {
     args.epilogue.thread.alpha = alpha;
     args.epilogue.thread.beta = beta;
     args.hw_info = hardware_info<Kernel>();
+    if (sms > 0 && sms < args.hw_info.sm_count) {
+      // Whole clusters within the budget, at least one (a budget below the cluster size gets one cluster).
+      constexpr int kCluster = size(typename Kernel::DispatchPolicy::ClusterShape{});
+      const int clusters = std::max(1, sms / kCluster);
+      args.hw_info.sm_count = clusters * kCluster;
+      if (args.hw_info.max_active_clusters > clusters) args.hw_info.max_active_clusters = clusters;
+    }
     return args;
   }
 
@@ -134,11 +143,12 @@ struct GroupedGemm {
   // Per call: the kernel's parameters (CUTLASS's to_underlying_arguments, which encodes TMA
   // descriptors on the host) and the launch. Host work only; nothing waits for the device.
   static void run(const Arrays& a, int E, float alpha, float beta, void* workspace, cudaStream_t stream, const char* name) {
-    const typename Kernel::Params& params = cached_params(a, E, alpha, beta, workspace, name);
+    const int sms = grid_sms();  // the SM budget's
+    const typename Kernel::Params& params = cached_params(a, E, alpha, beta, sms, workspace, name);
     // No device work for these configurations (CUTLASS 4.2: the group scheduler, the array-TMA
     // mainloops and the linear-combination epilogue return at once); kept per call in case a
     // configuration needs it.
-    if (Kernel::initialize_workspace(arguments(a, E, alpha, beta), cutlass_workspace(workspace, E), stream) !=
+    if (Kernel::initialize_workspace(arguments(a, E, alpha, beta, sms), cutlass_workspace(workspace, E), stream) !=
         cutlass::Status::kSuccess)
       throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS workspace initialization failed");
     launch(params, stream, name);
@@ -147,7 +157,7 @@ struct GroupedGemm {
  private:
   static void* cutlass_workspace(void* workspace, int E) { return static_cast<char*>(workspace) + Arrays::carve(nullptr, E, nullptr); }
 
-  // The parameters are a pure function of (workspace, E, alpha, beta, device): the argument arrays
+  // The parameters are a pure function of (workspace, E, alpha, beta, SMs, device): the argument arrays
   // are carved from the workspace at fixed offsets and the problem shapes live on the device. The
   // last few built on this thread are kept and reused when a key repeats (the caching allocator hands
   // the same workspaces back step after step; an MLP step runs each configuration two or three
@@ -155,29 +165,30 @@ struct GroupedGemm {
   struct CachedParams {
     bool valid = false;
     void* workspace = nullptr;
-    int E = 0, device = -1;
+    int E = 0, sms = 0, device = -1;
     float alpha = 0.f, beta = 0.f;
     typename Kernel::Params params;
   };
   static constexpr int kCachedParams = 4;
 
-  static const typename Kernel::Params& cached_params(const Arrays& a, int E, float alpha, float beta, void* workspace,
-                                                      const char* name) {
+  static const typename Kernel::Params& cached_params(const Arrays& a, int E, float alpha, float beta, int sms,
+                                                      void* workspace, const char* name) {
     thread_local std::array<CachedParams, kCachedParams> cache{};
     thread_local int next = 0;
     int device = 0;
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");
     for (const CachedParams& c : cache)
-      if (c.valid && c.workspace == workspace && c.E == E && c.device == device && c.alpha == alpha && c.beta == beta)
+      if (c.valid && c.workspace == workspace && c.E == E && c.sms == sms && c.device == device && c.alpha == alpha &&
+          c.beta == beta)
         return c.params;
-    auto args = arguments(a, E, alpha, beta);
+    auto args = arguments(a, E, alpha, beta, sms);
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess)
       throw std::runtime_error(std::string("moegemm: ") + name + ": CUTLASS cannot implement these arguments");
     CachedParams& c = cache[next];
     next = (next + 1) % kCachedParams;
     c.valid = false;
     c.params = Kernel::to_underlying_arguments(args, cutlass_workspace(workspace, E));
-    c.workspace = workspace, c.E = E, c.device = device, c.alpha = alpha, c.beta = beta;
+    c.workspace = workspace, c.E = E, c.sms = sms, c.device = device, c.alpha = alpha, c.beta = beta;
     c.valid = true;
     return c.params;
   }

@@ -44,7 +44,7 @@ void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_coun
   k.band = ragged_reduction_band(p.K, Cfg::kBlockN);
   k.cols = p.cols, k.blocks = p.blocks;
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles)));
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(grid_sms(), tiles)));
   if (tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): no workspace for the tile counter");
   kKernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(k);
   check_launch(name);

@@ -18,18 +18,16 @@ namespace {
 template <int kBlockN, int kCluster, bool kQuantizeA = false>
 using Config = sm90::Fp8RaggedRowsConfig<kBlockN, kCluster, kQuantizeA>;
 
-// Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device.
+// Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device; for
+// single CTAs, the SMs of the budget (grid_sms).
 template <class Cfg>
 int max_active_clusters(const char* name) {
+  if (Cfg::kCluster == 1) return grid_sms();
   static std::array<int, 64> count{};
   static std::array<std::once_flag, 64> once;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   std::call_once(once[device], [&] {
-    if (Cfg::kCluster == 1) {
-      count[device] = sm_count();
-      return;
-    }
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(Cfg::kCluster * sm_count());
     config.blockDim = dim3(Cfg::kThreads);
@@ -42,12 +40,13 @@ int max_active_clusters(const char* name) {
     check_cuda(cudaOccupancyMaxActiveClusters(&count[device], sm90::fp8_ragged_rows_kernel<Cfg>, &config), name);
     if (count[device] < 1) throw std::runtime_error(std::string("moegemm: ") + name + ": no cluster fits on this device");
   });
-  return count[device];
+  return std::max(1, std::min(count[device], grid_sms() / Cfg::kCluster));
 }
 
 // `prologue`: the fused form's (Cfg::kQuantizeA), whose `a` is the memory its prologue writes.
+// `tile_counter`: the dynamic walk's (Cfg::kDynamicWalk), zero at launch.
 template <class Cfg>
-void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cudaStream_t stream,
+void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int* tile_counter, cudaStream_t stream,
             const RowsPrologue* prologue = nullptr) {
   constexpr auto kKernel = sm90::fp8_ragged_rows_kernel<Cfg>;
   const char* name = Cfg::kQuantizeA ? "gemm_fp8_ragged_m_quantize_a (sm90)" : "gemm_fp8_ragged_m (sm90)";
@@ -55,7 +54,9 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
   if (p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, kBlock) > INT32_MAX)  // the kernel indexes them in 32 bits
     throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 weight scales or more");
   const int64_t max_tiles = block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN);
-  if (max_tiles > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 tiles or more (the scheduler's ids are 32-bit)");
+  // (the counter of a dynamic walk draws one id per CTA past the last tile)
+  if (max_tiles + grid_sms() > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 tiles or more (the scheduler's ids are 32-bit)");
+  if (Cfg::kDynamicWalk && tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no workspace for the tile counter");
   sm90::Fp8RaggedRowsParams k{};
   const uint64_t T = p.T, N = p.N, K = p.K;
   k.a = sm90::make_tensor_map({a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, T, K, K, Cfg::kBoxRowsA, Cfg::kBlockK,
@@ -68,6 +69,7 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
                                 uint64_t(row_scale_pitch(p.T)) * 4, 1, Cfg::kSaBox, CU_TENSOR_MAP_SWIZZLE_NONE}, name);
   k.sb = b.s;
   k.plan = p.plan;
+  k.tile_counter = tile_counter;
   k.out = static_cast<__nv_bfloat16*>(p.out);
   k.bias = bias.data;
   k.bias_f32 = bias.f32;
@@ -77,12 +79,14 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
     k.x = static_cast<const __nv_bfloat16*>(prologue->x);
     k.qa = prologue->qa;
     k.sa_out = prologue->sa;
+    k.zero = prologue->zero;
   }
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
-  // as many clusters as fit at once, or one per group of tiles when there are fewer (an upper bound: the
-  // row blocks live on the device); the fused form on every SM (its prologue's quantization uses them all)
+  // as many clusters as fit at once within the SM budget, or one per group of tiles when there are fewer (an upper
+  // bound: the row blocks live on the device); the fused form on every SM of the budget (its prologue's
+  // quantization uses them all)
   const int64_t max_groups = ceil_div(max_tiles, Cfg::kCluster);
-  const int clusters = Cfg::kQuantizeA ? sm_count() : int(std::max<int64_t>(1, std::min<int64_t>(max_active_clusters<Cfg>(name), max_groups)));
+  const int clusters = Cfg::kQuantizeA ? grid_sms() : int(std::max<int64_t>(1, std::min<int64_t>(max_active_clusters<Cfg>(name), max_groups)));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(clusters * Cfg::kCluster);
   config.blockDim = dim3(Cfg::kThreads);
@@ -106,15 +110,16 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, cu
 }  // namespace
 
 void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, const RaggedRowsTiling& tiling,
-                          cudaStream_t stream) {
+                          void* workspace, cudaStream_t stream) {
+  int* tile_counter = static_cast<int*>(workspace);
   // one instantiation per entry of heuristics.h's kRaggedRowsTilings
   const auto is = [&](int block_n, int cluster) { return tiling.block_n == block_n && tiling.cluster == cluster; };
-  if (is(128, 1)) return launch<Config<128, 1>>(p, a, b, bias, stream);
-  if (is(256, 1)) return launch<Config<256, 1>>(p, a, b, bias, stream);
-  if (is(128, 2)) return launch<Config<128, 2>>(p, a, b, bias, stream);
-  if (is(256, 2)) return launch<Config<256, 2>>(p, a, b, bias, stream);
-  if (is(192, 1)) return launch<Config<192, 1>>(p, a, b, bias, stream);
-  if (is(192, 2)) return launch<Config<192, 2>>(p, a, b, bias, stream);
+  if (is(128, 1)) return launch<Config<128, 1>>(p, a, b, bias, tile_counter, stream);
+  if (is(256, 1)) return launch<Config<256, 1>>(p, a, b, bias, tile_counter, stream);
+  if (is(128, 2)) return launch<Config<128, 2>>(p, a, b, bias, tile_counter, stream);
+  if (is(256, 2)) return launch<Config<256, 2>>(p, a, b, bias, tile_counter, stream);
+  if (is(192, 1)) return launch<Config<192, 1>>(p, a, b, bias, tile_counter, stream);
+  if (is(192, 2)) return launch<Config<192, 2>>(p, a, b, bias, tile_counter, stream);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no kernel built for this tiling");
 }
 
@@ -122,9 +127,9 @@ void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& pr
                                      const RaggedRowsTiling& tiling, cudaStream_t stream) {
   // the single-CTA tilings of kRaggedRowsTilings, each also built with the prologue
   const Fp8Operand a{prologue.qa, prologue.sa};
-  if (tiling.cluster == 1 && tiling.block_n == 128) return launch<Config<128, 1, true>>(p, a, b, bias, stream, &prologue);
-  if (tiling.cluster == 1 && tiling.block_n == 192) return launch<Config<192, 1, true>>(p, a, b, bias, stream, &prologue);
-  if (tiling.cluster == 1 && tiling.block_n == 256) return launch<Config<256, 1, true>>(p, a, b, bias, stream, &prologue);
+  if (tiling.cluster == 1 && tiling.block_n == 128) return launch<Config<128, 1, true>>(p, a, b, bias, nullptr, stream, &prologue);
+  if (tiling.cluster == 1 && tiling.block_n == 192) return launch<Config<192, 1, true>>(p, a, b, bias, nullptr, stream, &prologue);
+  if (tiling.cluster == 1 && tiling.block_n == 256) return launch<Config<256, 1, true>>(p, a, b, bias, nullptr, stream, &prologue);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a (sm90): no kernel built for this tiling");
 }
 

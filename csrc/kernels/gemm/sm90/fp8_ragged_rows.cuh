@@ -42,6 +42,12 @@
 //   stages; after the last tile, at the end), so that the tensor cores work while it runs (bench/NOTES.md,
 //   thirty-sixth session: +1 %). Nothing may touch the accumulator of that chain meanwhile: ptxas would
 //   make the chain wait (C7517), which the compile check (moegemm/_build.py) refuses.
+// - Single CTAs walk the tiles dynamically: the TMA warp draws each next id from a tile counter (the launch's
+//   workspace, zero at launch) a tile ahead and hands it to the scale warp through a ring of shared-memory slots
+//   (pipeline.cuh, TileIdRing); the math warpgroups read each tile from its stages as before, and the walk's end
+//   from a last stage with no copies. A CTA that starts late (its SM held by a kernel on another stream) takes
+//   fewer tiles instead of holding up the whole GEMM. Clusters and the one-launch form (all CTAs resident at
+//   once) walk the ids statically (below).
 // - The producer's TMA warp and scale warp each walk the tile list in the plan (global memory): each looks the
 //   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
 //   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that
@@ -92,13 +98,20 @@ namespace moegemm::sm90 {
 // accumulator and its promoted copy would not fit in the registers). A 192-wide tile starts at a column
 // n0 with n0 % 128 in {0, 64}, so its part straddles two weight-scale blocks at column 128 or 64.
 // kStages: as many as fit beside the epilogue buffer.
-template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false>
+template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false, bool kDynamicWalk_ = kCluster_ == 1 && !kQuantizeA_>
 struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
   // The fused prologue: the plan and A (x's FP8 row copy) made by the kernel's own CTAs first (a cooperative
   // launch, the CTAs meeting at a grid barrier before the GEMM)
   static constexpr bool kQuantizeA = kQuantizeA_;
+  // Tile ids drawn from the launch's tile counter (single CTAs whose grid need not be resident at once), else
+  // walked statically
+  static constexpr bool kDynamicWalk = kDynamicWalk_;
+  static_assert(!kDynamicWalk || (kCluster == 1 && !kQuantizeA), "the dynamic walk in grids of single CTAs");
+  static constexpr int kIdSlots = 4;
+  static constexpr int kIdReaders = 32;  // the scale warp's lanes (the math warpgroups see the walk's end in a stage)
+  static constexpr int kIdRingBytes = kDynamicWalk ? TileIdRing<kIdSlots>::kBytes : 0;
   static_assert(kBlockN == 128 || kBlockN == 192 || kBlockN == 256, "BLOCK_N of 128, 192 or 256 columns");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
   static_assert(!kQuantizeA || kCluster == 1, "the fused prologue in a grid of single CTAs");
@@ -122,14 +135,15 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBoxRowsA = kBlockM / kCluster, kBoxRowsB = kBlockN / kCluster;  // a TMA box: one CTA's share
   static constexpr int kBytesD = kBlockM * kPartN * 2;  // bf16 epilogue tile: one part at a time
   static constexpr int kBytesStage = kBytesA + kBytesB + kSaStride * 4 + kScalesB * 4 + 16 + 2 * 8;
-  static constexpr int kStages = (kSharedBytes - kBytesD) / kBytesStage;
+  static constexpr int kStages = (kSharedBytes - kBytesD - kIdRingBytes) / kBytesStage;
   static constexpr int kOffsetA = kBytesD;
   static constexpr int kOffsetB = kOffsetA + kStages * kBytesA;
   static constexpr int kOffsetScalesA = kOffsetB + kStages * kBytesB;                   // fp32 [kStages][kSaStride]
   static constexpr int kOffsetTiles = kOffsetScalesA + kStages * kSaStride * 4;         // RowTile [kStages]
   static constexpr int kOffsetScalesB = kOffsetTiles + kStages * 16;                     // fp32 [kStages][kScalesB]
   static constexpr int kOffsetBarriers = kOffsetScalesB + kStages * kScalesB * 4;
-  static constexpr int kSmemBytes = kOffsetBarriers + 2 * kStages * 8;
+  static constexpr int kOffsetIdRing = kOffsetBarriers + 2 * kStages * 8;  // TileIdRing: barriers, then ids
+  static constexpr int kSmemBytes = kOffsetIdRing + kIdRingBytes;
   static_assert(kStages >= 3, "a pipeline of at least three stages");
   // (the 256-column tiling has 88 bytes per stage to spare before it drops to three stages)
   static_assert(kBlockN != 256 || kStages >= 4, "the 256-column tiling's four stages");
@@ -150,6 +164,7 @@ struct Fp8RaggedRowsParams {
   CUtensorMap sa;  // sa as [Kb, T] fp32, rows row_scale_pitch(T) apart, box 1 x kSaBox
   const float* sb;
   const int32_t* plan;
+  int* tile_counter;  // Cfg::kDynamicWalk: the walk's counter, zero at launch
   __nv_bfloat16* out;
   const void* bias;  // [E, N] fp32 (bias_f32) or bf16, added before the rounding to bf16; null: none
   bool bias_f32;
@@ -160,6 +175,7 @@ struct Fp8RaggedRowsParams {
   const __nv_bfloat16* x;
   uint8_t* qa;
   float* sa_out;
+  ZeroFill zero;  // zeroed by CTA 0 before the grid barrier
 };
 
 namespace detail {
@@ -226,6 +242,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   RowTile* smem_tile = reinterpret_cast<RowTile*>(smem + Cfg::kOffsetTiles);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetBarriers);
   uint64_t* empty = full + kStages;
+  using IdRing = TileIdRing<Cfg::kIdSlots>;
+  uint64_t* id_full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffsetIdRing);
+  uint64_t* id_empty = id_full + Cfg::kIdSlots;
+  IdRing id_ring{reinterpret_cast<int*>(id_empty + Cfg::kIdSlots), id_full, id_empty};
 
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
 
@@ -234,6 +254,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
     // grid quantizes rows of x into A; the generic proxy's stores made visible to the TMA's reads (async proxy), then
     // the whole grid meets.
     // (the scans' storage in the epilogue buffer, unused until the GEMM: no static shared memory)
+    if (blockIdx.x == 0)
+      for (int64_t i = threadIdx.x; i < p.zero.count; i += Cfg::kThreads) p.zero.words[i] = 0;
     if (blockIdx.x == 0 && p.plan_build.m_splits != nullptr) build_plan<Cfg::kThreads>(p.plan_build, *reinterpret_cast<typename PlanScan<Cfg::kThreads>::Storage*>(smem_d));
     rows::quantize_bf16(p.x, p.T, p.K, p.qa, p.sa_out, int64_t(blockIdx.x) * (Cfg::kThreads / 32) + threadIdx.x / 32,
                         int64_t(gridDim.x) * (Cfg::kThreads / 32));
@@ -245,6 +267,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       Barrier::init(&full[s], 1 + Cfg::kScalesB);                         // the TMA thread (+ bytes), each weight-scale lane
       Barrier::init(&empty[s], Cfg::kEmptyArrivals);
     }
+    if constexpr (Cfg::kDynamicWalk) IdRing::init(id_full, id_empty, Cfg::kIdReaders);
     cutlass::arch::fence_barrier_init();
   }
   if (threadIdx.x == Cfg::kMathWarpgroups * 128) {  // (the descriptors are kernel parameters: no earlier kernel writes them)
@@ -297,45 +320,91 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         shared = Shared::kNone;
         if constexpr (kCluster > 1) shared = shared_operand(t, tiles.at_after(tile_id(g, rank ^ 1), from_peer));
       };
-      RowTile next{};
-      Shared next_shared = Shared::kNone;
-      walk(cluster, next, next_shared);
-      for (int g = cluster; g < num_groups; g += clusters) {
-        const RowTile t = next;
-        const Shared shared = next_shared;
-        const int b_row = t.expert * N + t.n_block * Cfg::kBlockN;
-        for (int kb = 0; kb < Kb; ++kb) {
-          Barrier::wait(&empty[stage], phase ^ 1);
-          if (lane == 0) {
-            smem_tile[stage] = t;  // the math warpgroups read the tile here, not in global memory
-            TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB + Cfg::kSaBox * 4);
-            uint8_t* a = smem_a + stage * Cfg::kBytesA;
-            uint8_t* b = smem_b + stage * Cfg::kBytesB;
-            const int k0 = kb * kBlock;
-            if (shared == Shared::kA) {
-              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&p.a, &full[stage], kBoth, kHint, a + rank * Cfg::kBoxRowsA * kBlock, k0,
-                                                     t.row0 + rank * Cfg::kBoxRowsA);
-            } else {
-#pragma unroll
-              for (int h = 0; h < kCluster; ++h)
-                cute::SM90_TMA_LOAD_2D::copy(&p.a, &full[stage], kHint, a + h * Cfg::kBoxRowsA * kBlock, k0,
-                                             t.row0 + h * Cfg::kBoxRowsA);
-            }
-            if (shared == Shared::kB) {
-              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&p.b, &full[stage], kBoth, kHint, b + rank * Cfg::kBoxRowsB * kBlock, k0,
-                                                     b_row + rank * Cfg::kBoxRowsB);
-            } else {
-#pragma unroll
-              for (int h = 0; h < kCluster; ++h)
-                cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, b + h * Cfg::kBoxRowsB * kBlock, k0,
-                                             b_row + h * Cfg::kBoxRowsB);
-            }
-            cute::SM90_TMA_LOAD_2D::copy(&p.sa, &full[stage], kHint, smem_sa + stage * Cfg::kSaStride,
-                                         t.row0 & ~(kRowScaleAlign - 1), kb);
-          }
+      if constexpr (Cfg::kDynamicWalk) {
+        // Each id is drawn a tile ahead of its use (the counter's latency hidden behind a tile) and handed to the
+        // scale warp as the tile before it starts; the walk ends with the first id past the last tile.
+        auto draw = [&] {
+          int id = 0;
+          if (lane == 0) id = atomicAdd(p.tile_counter, 1);
+          return __shfl_sync(0xffffffff, id, 0);
+        };
+        auto hand_over = [&](int id) {
+          if (lane == 0) id_ring.put(id);
           __syncwarp();
-          if (kb == 0) walk(g + clusters, next, next_shared);
-          if (++stage == kStages) stage = 0, phase ^= 1;
+        };
+        int id = draw(), pending = num_tiles;
+        hand_over(id);
+        RowTile next{};
+        if (id < num_tiles) next = tiles.at_after(id, from), pending = draw();
+        while (id < num_tiles) {
+          const int nxt = pending;
+          hand_over(nxt);
+          const RowTile t = next;
+          const int b_row = t.expert * N + t.n_block * Cfg::kBlockN;
+          for (int kb = 0; kb < Kb; ++kb) {
+            Barrier::wait(&empty[stage], phase ^ 1);
+            if (lane == 0) {
+              smem_tile[stage] = t;  // the math warpgroups read the tile here, not in global memory
+              TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB + Cfg::kSaBox * 4);
+              const int k0 = kb * kBlock;
+              cute::SM90_TMA_LOAD_2D::copy(&p.a, &full[stage], kHint, smem_a + stage * Cfg::kBytesA, k0, t.row0);
+              cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, smem_b + stage * Cfg::kBytesB, k0, b_row);
+              cute::SM90_TMA_LOAD_2D::copy(&p.sa, &full[stage], kHint, smem_sa + stage * Cfg::kSaStride,
+                                           t.row0 & ~(kRowScaleAlign - 1), kb);
+            }
+            __syncwarp();
+            if (kb == 0 && nxt < num_tiles) next = tiles.at_after(nxt, from), pending = draw();
+            if (++stage == kStages) stage = 0, phase ^= 1;
+          }
+          id = nxt;
+        }
+        // the walk's end for the math warpgroups: a stage with no copies whose tile has no expert
+        Barrier::wait(&empty[stage], phase ^ 1);
+        if (lane == 0) {
+          smem_tile[stage] = RowTile{-1, 0, 0, 0};
+          Barrier::arrive(&full[stage]);
+        }
+      } else {
+        RowTile next{};
+        Shared next_shared = Shared::kNone;
+        walk(cluster, next, next_shared);
+        for (int g = cluster; g < num_groups; g += clusters) {
+          const RowTile t = next;
+          const Shared shared = next_shared;
+          const int b_row = t.expert * N + t.n_block * Cfg::kBlockN;
+          for (int kb = 0; kb < Kb; ++kb) {
+            Barrier::wait(&empty[stage], phase ^ 1);
+            if (lane == 0) {
+              smem_tile[stage] = t;  // the math warpgroups read the tile here, not in global memory
+              TxBarrier::arrive_and_expect_tx(&full[stage], Cfg::kBytesA + Cfg::kBytesB + Cfg::kSaBox * 4);
+              uint8_t* a = smem_a + stage * Cfg::kBytesA;
+              uint8_t* b = smem_b + stage * Cfg::kBytesB;
+              const int k0 = kb * kBlock;
+              if (shared == Shared::kA) {
+                cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&p.a, &full[stage], kBoth, kHint, a + rank * Cfg::kBoxRowsA * kBlock, k0,
+                                                       t.row0 + rank * Cfg::kBoxRowsA);
+              } else {
+#pragma unroll
+                for (int h = 0; h < kCluster; ++h)
+                  cute::SM90_TMA_LOAD_2D::copy(&p.a, &full[stage], kHint, a + h * Cfg::kBoxRowsA * kBlock, k0,
+                                               t.row0 + h * Cfg::kBoxRowsA);
+              }
+              if (shared == Shared::kB) {
+                cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&p.b, &full[stage], kBoth, kHint, b + rank * Cfg::kBoxRowsB * kBlock, k0,
+                                                       b_row + rank * Cfg::kBoxRowsB);
+              } else {
+#pragma unroll
+                for (int h = 0; h < kCluster; ++h)
+                  cute::SM90_TMA_LOAD_2D::copy(&p.b, &full[stage], kHint, b + h * Cfg::kBoxRowsB * kBlock, k0,
+                                               b_row + h * Cfg::kBoxRowsB);
+              }
+              cute::SM90_TMA_LOAD_2D::copy(&p.sa, &full[stage], kHint, smem_sa + stage * Cfg::kSaStride,
+                                           t.row0 & ~(kRowScaleAlign - 1), kb);
+            }
+            __syncwarp();
+            if (kb == 0) walk(g + clusters, next, next_shared);
+            if (++stage == kStages) stage = 0, phase ^= 1;
+          }
         }
       }
     } else if (warp == 1) {
@@ -345,39 +414,83 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       // would be one global load's latency per stage, slower than a K block of the narrower tilings
       // (bench/NOTES.md, thirty-first session).
       constexpr int kRing = 4;
-      // The loads' cursor: tile `lt` of group lg, K block lkb. The tile after it (`lnext`) is looked up once the
-      // cursor's first stage is loaded, a tile ahead of its use.
-      int from = -1, lg = cluster, lkb = 0;
-      RowTile lt{}, lnext{};
-      if (lg < num_groups) lt = tiles.at_after(tile_id(lg, rank), from);
-      // lane < scale_blocks: the weight-scale block n0 / 128 + lane of the cursor's tile, at its K block (0 for the others)
-      auto load_next = [&](float& b) {
-        if (lg >= num_groups) return;  // past this CTA's last stage: never stored
-        // the weight-scale blocks the tile's columns inside N touch, from n0's
-        const int n0 = lt.n_block * Cfg::kBlockN;
-        const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
-        // (32-bit: the launcher refuses weight scales of 2^31 values or more)
-        b = lane < scale_blocks ? __ldg(p.sb + ((lt.expert * Nb + n0 / kBlock + lane) * Kb + lkb)) : 0.f;
-        if (lkb == 0 && lg + clusters < num_groups) lnext = tiles.at_after(tile_id(lg + clusters, rank), from);
-        if (++lkb == Kb) lkb = 0, lg += clusters, lt = lnext;
-      };
-      float ring[kRing];
+      if constexpr (Cfg::kDynamicWalk) {
+        // The loads' cursor: tile `lt` (no expert: past the walk's end), K block lkb; the tile after it (`lnext`),
+        // taken from the id ring and looked up once the cursor's first stage is loaded, a tile ahead of its use.
+        // `loaded` counts the stages loaded so far: all of the walk's, once it has ended.
+        int from = -1, lkb = 0, loaded = 0;
+        RowTile lt, lnext;
+        auto take_tile = [&](RowTile& t) {
+          const int id = id_ring.take();
+          if (id < num_tiles) t = tiles.at_after(id, from);
+          else t.expert = -1;
+        };
+        take_tile(lt);
+        auto load_next = [&](float& b) {
+          if (lt.expert < 0) return;  // past this CTA's last stage: never stored
+          const int n0 = lt.n_block * Cfg::kBlockN;
+          const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
+          b = lane < scale_blocks ? __ldg(p.sb + ((lt.expert * Nb + n0 / kBlock + lane) * Kb + lkb)) : 0.f;
+          if (lkb == 0) take_tile(lnext);
+          ++loaded;
+          if (++lkb == Kb) lkb = 0, lt = lnext;
+        };
+        float ring[kRing];
 #pragma unroll
-      for (int i = 0; i < kRing - 1; ++i) load_next(ring[i]);
-      const int64_t stages = cluster < num_groups ? int64_t((num_groups - 1 - cluster) / clusters + 1) * Kb : 0;
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int64_t j = 0; j < stages; j += kRing) {
+        for (int i = 0; i < kRing - 1; ++i) load_next(ring[i]);
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int j = 0; j < loaded; j += kRing) {
 #pragma unroll
-        for (int r = 0; r < kRing; ++r) {
-          if (j + r >= stages) break;
-          load_next(ring[(r + kRing - 1) % kRing]);
-          Barrier::wait(&empty[stage], phase ^ 1);
-          if (lane < Cfg::kScalesB) {
-            smem_sb[stage * Cfg::kScalesB + lane] = ring[r];
-            Barrier::arrive(&full[stage]);  // each storing lane releases its own store
+          for (int r = 0; r < kRing; ++r) {
+            load_next(ring[(r + kRing - 1) % kRing]);
+            if (j + r >= loaded) break;  // the walk ended before this stage
+            Barrier::wait(&empty[stage], phase ^ 1);
+            if (lane < Cfg::kScalesB) {
+              smem_sb[stage * Cfg::kScalesB + lane] = ring[r];
+              Barrier::arrive(&full[stage]);  // each storing lane releases its own store
+            }
+            if (++stage == kStages) stage = 0, phase ^= 1;
           }
-          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+        // the scale lanes' arrivals on the walk's end stage (see the TMA warp)
+        Barrier::wait(&empty[stage], phase ^ 1);
+        if (lane < Cfg::kScalesB) Barrier::arrive(&full[stage]);
+      } else {
+        // The loads' cursor: tile `lt` of group lg, K block lkb. The tile after it (`lnext`) is looked up once the
+        // cursor's first stage is loaded, a tile ahead of its use.
+        int from = -1, lg = cluster, lkb = 0;
+        RowTile lt{}, lnext{};
+        if (lg < num_groups) lt = tiles.at_after(tile_id(lg, rank), from);
+        // lane < scale_blocks: the weight-scale block n0 / 128 + lane of the cursor's tile, at its K block (0 for the others)
+        auto load_next = [&](float& b) {
+          if (lg >= num_groups) return;  // past this CTA's last stage: never stored
+          // the weight-scale blocks the tile's columns inside N touch, from n0's
+          const int n0 = lt.n_block * Cfg::kBlockN;
+          const int scale_blocks = (min(N, n0 + Cfg::kBlockN) - 1) / kBlock - n0 / kBlock + 1;
+          // (32-bit: the launcher refuses weight scales of 2^31 values or more)
+          b = lane < scale_blocks ? __ldg(p.sb + ((lt.expert * Nb + n0 / kBlock + lane) * Kb + lkb)) : 0.f;
+          if (lkb == 0 && lg + clusters < num_groups) lnext = tiles.at_after(tile_id(lg + clusters, rank), from);
+          if (++lkb == Kb) lkb = 0, lg += clusters, lt = lnext;
+        };
+        float ring[kRing];
+#pragma unroll
+        for (int i = 0; i < kRing - 1; ++i) load_next(ring[i]);
+        const int64_t stages = cluster < num_groups ? int64_t((num_groups - 1 - cluster) / clusters + 1) * Kb : 0;
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int64_t j = 0; j < stages; j += kRing) {
+#pragma unroll
+          for (int r = 0; r < kRing; ++r) {
+            if (j + r >= stages) break;
+            load_next(ring[(r + kRing - 1) % kRing]);
+            Barrier::wait(&empty[stage], phase ^ 1);
+            if (lane < Cfg::kScalesB) {
+              smem_sb[stage * Cfg::kScalesB + lane] = ring[r];
+              Barrier::arrive(&full[stage]);  // each storing lane releases its own store
+            }
+            if (++stage == kStages) stage = 0, phase ^= 1;
+          }
         }
       }
     }
@@ -484,7 +597,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       }
     };
 
-    for (int g = cluster; g < num_groups; g += clusters) {
+    // a dynamic walk: whether the next stage holds a tile (the walk's end: a stage whose tile has no expert)
+    auto walk_goes_on = [&] {
+      Barrier::wait(&full[stage], phase);
+      return __shfl_sync(0xffffffff, smem_tile[stage].expert, 0) >= 0;
+    };
+    bool more = Cfg::kDynamicWalk ? walk_goes_on() : true;
+    for (int g = cluster; Cfg::kDynamicWalk ? more : g < num_groups; g += clusters) {
       // The tile, from its first stage (K has at least one block), where the TMA warp wrote it: no
       // global loads at a tile's start. Broadcast from lane 0, so that the compiler knows it warp-uniform
       // and keeps the K loop's branches, stage and descriptors in uniform registers.
@@ -601,9 +720,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 
       // ---- this tile's epilogue: now, or deferred (at the next tile, once its first chain is issued or before a
       // warpgroup with no rows drains its stages; after the last tile, below)
-      const Finished done{g * kCluster + rank < num_tiles ? rows : 0, row0, n0, parts, expert};
+      const Finished done{Cfg::kDynamicWalk || g * kCluster + rank < num_tiles ? rows : 0, row0, n0, parts, expert};
       if constexpr (Cfg::kDeferEpilogue) finished = done;
       else epilogue(done);
+      if constexpr (Cfg::kDynamicWalk) more = walk_goes_on();
     }
     if constexpr (Cfg::kDeferEpilogue) epilogue(finished);
     if (tid == 0) cute::tma_store_wait<0>();

@@ -25,7 +25,7 @@ if [ -n "${SANITIZE:-}" ]; then
     compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize/every_kernel.py > "$OUT/sanitize_$tool.log" 2>&1
     echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
   done
-  # issue 12's adversarial inputs (invalid device m_splits, misaligned views, E = 1024, raw-op misuse)
+  # the adversarial inputs (invalid device m_splits, misaligned views, E = 1024, raw-op misuse)
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize/adversarial.py > "$OUT/sanitize_adversarial_memcheck.log" 2>&1
   echo "compute-sanitizer memcheck (adversarial): rc=$? $(grep -E 'ERROR SUMMARY|sanitize adversarial:' "$OUT/sanitize_adversarial_memcheck.log" | tail -2 | tr '\n' ' ')"
 fi

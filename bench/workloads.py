@@ -16,7 +16,7 @@ SHAPES = {  # name: (E, hidden, ffn per expert, routed tokens)
 }
 
 
-# Small experts (issue 15): fine-grained experts with a skewed router, Zipf alpha 1.2 and a quarter of
+# Small experts: fine-grained experts with a skewed router, Zipf alpha 1.2 and a quarter of
 # the experts empty, so that most experts hold fewer than 128 tokens. name -> (E, hidden, ffn, tokens).
 SMALL_EXPERTS = {"Small experts E=64": (64, 2048, 1408, 12288)}
 SMALL_EXPERTS_EMPTY_FRAC = 0.25
@@ -26,7 +26,7 @@ def small_experts_splits(E: int, T: int) -> list:
     return zipf_splits(E, T, alpha=1.2, empty_frac=SMALL_EXPERTS_EMPTY_FRAC)
 
 
-# Issue 6's grouped-GEMM problems (DeepGEMM-style), fc1 forward only, balanced groups:
+# The grouped-GEMM problems (DeepGEMM-style), fc1 forward only, balanced groups:
 # name -> (groups, K, N, tokens).
 GEMM_SHAPES = {
     "GEMM 4x8192 N=4096 K=7168": (4, 7168, 4096, 4 * 8192),

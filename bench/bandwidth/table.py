@@ -1,5 +1,5 @@
 """The memory-bound kernels of the FP8 path, each on each benchmark shape: bytes moved, GB/s and % of the
-device's copy bandwidth measured in the same run (issue 24's table).
+device's copy bandwidth measured in the same run.
 
 Bytes are the minimal ones: every input read once, every output written once (the FP8 copies with the
 padding of each expert's column copy to COL_ALIGN tokens, the scales, the probs-gradient partial sums). Kernels:

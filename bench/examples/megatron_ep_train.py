@@ -1,5 +1,5 @@
 """EP=2 Megatron training step with moegemm's experts: FP8 dispatch + split backward against bf16 and
-SequentialMLP (issue 16's measurement).
+SequentialMLP.
 
     torchrun --nproc_per_node 2 -m bench.examples.megatron_ep_train --out bench/results   # two GPUs, NCCL
     python -m torch.distributed.run --nproc_per_node 2 -m bench.examples.megatron_ep_train --cpu   # gloo smoke test

@@ -1,4 +1,4 @@
-"""FP8 against bf16 experts at real width: a DeepSeek-V2-Lite-shaped MoE LM, thousands of steps (issue 17).
+"""FP8 against bf16 experts at real width: a DeepSeek-V2-Lite-shaped MoE LM, thousands of steps.
 
 A decoder-only byte-level LM (vocab 256) on the Python standard library's own source (every ``*.py``
 under ``sysconfig.get_paths()['stdlib']``, site-packages excluded; every 20th file, in sorted order, is the

@@ -1,6 +1,6 @@
 """Each FP8 grouped GEMM of the expert MLP (fc1/fc2 fprop, dgrad, wgrad) timed alone against its
 roofline, on the benchmark's model shapes (bench/workloads.py; Zipf and balanced splits), the
-small-experts workload and issue 6's two GEMM shapes: where the GEMM time of the MLP goes, and how far
+small-experts workload and the two grouped-GEMM problems: where the GEMM time of the MLP goes, and how far
 each GEMM is from its floor.
 
 Roofline of a GEMM = max(FLOPs at the dense FP8 ceiling, minimal bytes at copy bandwidth), both ceilings

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute on single production FP8 GEMMs (the CUTLASS kernel after 3 warm-up calls), one report
-# each: where a GEMM's time goes (issue 15). Run on the GPU machine with the extension built:
+# each: where a GEMM's time goes. Run on the GPU machine with the extension built:
 #   bash bench/gemm/ncu.sh "DeepSeek-V2-Lite zipf:fc1 wgrad bf16" "DeepSeek-V2-Lite zipf:fc2 fprop" ...
 set -uo pipefail
 cd "$(dirname "$0")/../.."  # the repository root: the bench scripts run as modules from there

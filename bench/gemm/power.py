@@ -19,7 +19,7 @@ With --env (an A/B switch, bench/ab_switch.py: a variable the kernel's launcher 
 GEMM runs once per value in each of --rounds rounds, the values' order reversed every other round, and a last table
 gives each value's median rate and its ratio to the first value's. A form that lowers the power drawn runs at a
 higher clock under the cap, which a sustained run shows and an interleaved one of short bursts does not
-(bench/NOTES.md, twenty-first and forty-seventh sessions: the wgrad's tile-walk band).
+(docs/performance.md, Ragged-reduction GEMM (wgrad): the tile-walk band).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ DeepGEMM's git submodules, so ``third-party/cutlass/include/{cutlass,cute}`` are
 the ``nvidia-cutlass`` package (carried as a wheel) and ``third-party/fmt/include`` must be carried in the
 tree (fmt's public source). Every process that runs DeepGEMM must preload the system C++ library:
 without it, the first GEMM call of every process crashed in DeepGEMM's JIT (two copies of libstdc++ in one
-process; the backtrace is in bench/results/logs/deepgemm_h200.log). The JIT compiles each kernel with
+process: SIGSEGV in the recursive std::regex of its include parser; docs/performance.md, Peers). The JIT compiles each kernel with
 nvcc at its first call (a few seconds each, cached under ``<root>/jit_cache``).
 
     LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) python -m bench.peers.deepgemm --build --json $OUT/deepgemm.json

@@ -43,7 +43,7 @@ def time_interleaved(calls: dict, rounds: int, iters: int) -> dict:
     """ms per call of each of ``calls``: in each round every call runs ``iters`` times back to back between
     two CUDA events; the median over the rounds. The order reverses from one round to the next, so that every
     call's average place in it is the same (with a fixed order an A/B's second form measured up to 4 % slower
-    than its first on power-capped GEMMs that the switch did not change, bench/NOTES.md forty-ninth session)."""
+    than its first on power-capped GEMMs that the switch did not change; docs/performance.md, Reading the figures)."""
     for fn in calls.values():  # warm-up
         fn()
     times = {v: [] for v in calls}

@@ -10,7 +10,7 @@ from bench.workloads import SHAPES
 
 from bench.suite.variants import BASELINE, VBY
 
-# Issue 6: TFLOP/s targets of the grouped-GEMM problems (bench.workloads.GEMM_SHAPES), fc1 forward.
+# TFLOP/s targets of the grouped-GEMM problems (bench.workloads.GEMM_SHAPES), fc1 forward.
 GEMM_TARGETS = {"GEMM 4x8192 N=4096 K=7168": 1300.0, "GEMM 64x2304 N=2816 K=2048": 1100.0}
 
 
@@ -125,7 +125,7 @@ def render_markdown(res: dict) -> str:
                                      + (f" ({r['syncs']} sync)" if r.get("syncs") else ""))
                 rows.append([op_name[op], label_of(key)] + cells)
         # moegemm's fp8 variants over torch._grouped_mm's in the same batches: a ratio the host's own speed, which
-        # moves between runs, leaves alone (issue 26 bounds it at 0.5x)
+        # moves between runs, leaves alone (the target is at most 0.5x)
         def host_of(op, key, E):
             r = record_of(op, key, E)
             return r.get("host_us") if r and r.get("status") == "ok" and not r.get("host_gpu_went_idle") else None

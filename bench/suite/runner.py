@@ -1,5 +1,5 @@
 """The run: Runner measures the sections in order (peers loaded, probes and the JIT prewarm, ceilings, the
-model shapes and issue 6's GEMM problems, the training step, the host-overhead sweep over E, jitter) within
+model shapes and the grouped-GEMM problems, the training step, the host-overhead sweep over E, jitter) within
 the time budget, guards every variant, writes results.json after every section, then results.md and the
 plots. What comes before the measurements (loading the variants, DeepGEMM's build among them, the probes
 and the JIT prewarm) is the run's setup: recorded, and left out of the time budget."""
@@ -39,7 +39,7 @@ def _wanted(shape, shapes_arg) -> bool:
 
 
 def model_points(cfg, shapes_arg) -> list:
-    """(shape, E, H, F, T, splits name, splits, ops) of the model-shape points and issue 6's GEMM problems
+    """(shape, E, H, F, T, splits name, splits, ops) of the model-shape points and the grouped-GEMM problems
     (fc1 only), in the order they run."""
     pts = []
     for shape, (E, H, F, T) in {**SHAPES, **SMALL_EXPERTS}.items():
@@ -211,7 +211,7 @@ class Runner:
 
     # ------------------------------------------------------------------------------ training step
     def run_training(self):
-        """Issue 25's training step (bench/suite/training.py) per model point (shape and kind of splits), for
+        """The training step (bench/suite/training.py) per model point (shape and kind of splits), for
         each GA of cfg["train_ga"] and each variant of cfg["train_variants"] selected here."""
         cfg = self.cfg
         keys = [k for k in cfg["train_variants"] if k in self.selected()]

@@ -1,4 +1,4 @@
-"""The training-step section (issue 25): one optimizer step of the expert MLP as Megatron runs it, per
+"""The training-step section: one optimizer step of the expert MLP as Megatron runs it, per
 variant: GA micro-batches of forward + backward, the weight gradients accumulated in fp32 ``main_grad``
 buffers, then an in-place weight update. runner.py times ``TrainStep.run`` (measure.time_op) for each GA.
 

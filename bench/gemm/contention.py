@@ -1,11 +1,14 @@
 """The grouped GEMMs under contention: a kernel on another stream holds k SMs (one CTA per SM, ~200 KB of shared
 memory each, spinning for longer than the GEMMs run) while the GEMM runs on the current stream, as an expert-parallel
 all-to-all does. Each GEMM's time is reported over its ideal, its time alone x SMs / (SMs - k) (1.0: it uses the free
-SMs perfectly), without an SM budget and with the budget set to the free SMs (moegemm.set_num_sms).
+SMs perfectly), without an SM budget and with the budget set to the free SMs (moegemm.set_num_sms). Then the fc1
+forward with cached FP8 weights (one launch up to 2^23 values of x; MOEGEMM_ONE_LAUNCH_FORWARD=0 for two) with a
+4 ms kernel holding k SMs launched just before it, in ms; and the expert MLP's training step (GA = 1, FP8 with the
+weight cache) with `--step-held` SMs held for the whole step, over its time alone x SMs / (SMs - k).
 
     python -m bench.gemm.contention [--shapes DeepSeek-V3-EP8,Mixtral-8x7B] [--held 0,8,16,24,33] [--json PATH]
 
-Needs a Hopper GPU and CuPy (the holding kernel is compiled with NVRTC). Writes nothing unless --json names a file.
+Needs a Hopper GPU. Writes nothing unless --json names a file.
 """
 
 from __future__ import annotations
@@ -29,26 +32,50 @@ extern "C" __global__ void hold(long long cycles, int* started) {
 }
 """
 HOLD_SMEM = 200 * 1024
+HOLD_LAUNCHER = f"""
+#include <cstdint>
+#include <cuda_runtime.h>
+void hold_on(int64_t k, int64_t cycles, int64_t started, int64_t stream) {{
+  cudaFuncSetAttribute(hold, cudaFuncAttributeMaxDynamicSharedMemorySize, {HOLD_SMEM});
+  hold<<<k, 32, {HOLD_SMEM}, reinterpret_cast<cudaStream_t>(stream)>>>(cycles, reinterpret_cast<int*>(started));
+}}
+"""
 
 
 class Holder:
-    """Holds k SMs from a side stream for about `seconds` (SM clocks counted at 2 GHz, at most the boost clock)."""
+    """Holds k SMs from a side stream for about `seconds` (SM clocks counted at 2 GHz, at most the boost clock). The
+    holding kernel is compiled with CuPy's NVRTC where CuPy is installed, else as a small torch extension."""
 
     def __init__(self):
-        import cupy  # only here: the rest of the bench package imports without it
-        self.cupy = cupy
-        self.kernel = cupy.RawKernel(HOLD_SOURCE, "hold")
-        self.kernel.max_dynamic_shared_size_bytes = HOLD_SMEM
         self.stream = torch.cuda.Stream()
         self.started = torch.zeros(1, dtype=torch.int32, device="cuda")
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        if cupy is not None:
+            kernel = cupy.RawKernel(HOLD_SOURCE, "hold")
+            kernel.max_dynamic_shared_size_bytes = HOLD_SMEM
+
+            def launch(k, cycles):
+                with cupy.cuda.ExternalStream(self.stream.cuda_stream):
+                    kernel((k,), (32,), (cycles, self.started.data_ptr()), shared_mem=HOLD_SMEM)
+        else:
+            from torch.utils.cpp_extension import load_inline
+            ext = load_inline("moegemm_bench_hold", cpp_sources="void hold_on(int64_t k, int64_t cycles, "
+                              "int64_t started, int64_t stream);", cuda_sources=HOLD_SOURCE + HOLD_LAUNCHER,
+                              functions=["hold_on"], verbose=False)
+
+            def launch(k, cycles):
+                ext.hold_on(k, cycles, self.started.data_ptr(), self.stream.cuda_stream)
+        self.launch = launch
 
     def hold(self, k: int, seconds: float) -> None:
         if k == 0:
             return
         self.started.zero_()
         torch.cuda.synchronize()
-        with self.cupy.cuda.ExternalStream(self.stream.cuda_stream):
-            self.kernel((k,), (32,), (int(seconds * 2.0e9), self.started.data_ptr()), shared_mem=HOLD_SMEM)
+        self.launch(k, int(seconds * 2.0e9))
         while int(self.started.item()) < k:  # every holding CTA resident before the GEMM is launched
             time.sleep(1e-4)
 
@@ -89,9 +116,73 @@ def gemms(name: str, E: int, H: int, F: int, T: int):
         "fp8 dgrad": lambda: ops.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan),
         "fp8 wgrad": lambda: ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=main_grad),
         "bf16 fprop": lambda: ops.gemm_bf16_fprop(x, w, plan),
+        "bf16 dgrad": lambda: ops.gemm_bf16_dgrad(dy, w, plan),
         "bf16 wgrad": lambda: ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad),
         "torch._grouped_mm bf16 fprop": lambda: torch._grouped_mm(x, wt, offs=offs),
     }
+
+
+FC1_SHAPES = [(8, 1024, 1024, 8192), (64, 1024, 1024, 8192), (64, 2048, 2816, 4096), (128, 2048, 1536, 2048)]
+
+
+def fc1_forward(holder: Holder, held: list, reps: int) -> list:
+    """The fc1 forward with cached FP8 weights (E x hidden x columns x tokens) alone and with a 4 ms kernel holding
+    k SMs launched just before each call, in ms (median)."""
+    from moegemm.backends import cuda as ops
+    from moegemm.layout import FP8_BLOCKWISE
+    rows = []
+    for E, H, F, T in FC1_SHAPES:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(E, F, H, device="cuda", dtype=torch.bfloat16) * 0.05
+        m = torch.tensor(zipf_splits(E, T), device="cuda")
+        given = [*ops.quantize_weight(w)]
+        fn = lambda: ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, True, False, None, given)  # noqa: E731
+        for _ in range(3):
+            fn()
+        line = f"fc1 forward {E} x {H} x {F} x {T}:"
+        for k in held:
+            times = []
+            for _ in range(reps):
+                holder.hold(k, seconds=0.004)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+                holder.release()
+            t = statistics.median(times)
+            rows.append({"fc1_forward": [E, H, F, T], "held": k, "ms": t, "gpu": torch.cuda.get_device_name()})
+            line += f" k={k} {t:.3f} ms"
+        print(line, flush=True)
+    return rows
+
+
+def mlp_step(holder: Holder, name: str, held: int, reps: int) -> dict:
+    """The expert MLP's training step (forward and backward, GA = 1, FP8 with the weight cache) alone and with
+    `held` SMs held for the whole step."""
+    E, H, F, T = {**SHAPES, **SMALL_EXPERTS}[name]
+    torch.manual_seed(0)
+    mlp = moegemm.GroupedMLP(E, H, F, activation="swiglu", recipe="fp8_blockwise", device="cuda")
+    splits = small_experts_splits(E, T) if name in SMALL_EXPERTS else zipf_splits(E, T)
+    m = torch.tensor(splits, device="cuda")
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        mlp(x, m).backward(dy)
+
+    for _ in range(3):
+        step()
+    alone = median_ms(step, reps)
+    holder.hold(held, seconds=max(0.05, 40 * alone * 1e-3))
+    t = median_ms(step, reps)
+    holder.release()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ratio = t / (alone * sms / (sms - held))
+    print(f"MLP step {name}: alone {alone:.3f} ms, {held} SMs held {t:.3f} ms: {ratio:.2f} x ideal", flush=True)
+    return {"mlp_step": name, "held": held, "ms": t, "alone_ms": alone, "over_ideal": ratio,
+            "gpu": torch.cuda.get_device_name()}
 
 
 def main(argv=None) -> None:
@@ -99,6 +190,10 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
     ap.add_argument("--held", default="0,8,16,24,33", help="SMs held by the other stream, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--fc1-held", default="0,8,33", help="SMs held during the fc1 forward ('': skip it)")
+    ap.add_argument("--step-held", type=int, default=24, help="SMs held during the MLP step (0: skip it)")
+    ap.add_argument("--step-shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
+    ap.add_argument("--only", choices=["gemms", "fc1", "step"], help="one part only")
     ap.add_argument("--json", help="write the rows to this file (default: none)")
     args = ap.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -106,7 +201,8 @@ def main(argv=None) -> None:
     shapes = {**SHAPES, **SMALL_EXPERTS}
     rows = []
     print(f"{torch.cuda.get_device_name()}: {sms} SMs; time over ideal (alone x {sms} / ({sms} - k))")
-    for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()] if args.only in (None, "gemms") else []
+    for name in names:
         E, H, F, T = shapes[name]
         for gemm, fn in gemms(name, E, H, F, T).items():
             for _ in range(3):
@@ -126,6 +222,11 @@ def main(argv=None) -> None:
                                  "over_ideal": ratio, "gpu": torch.cuda.get_device_name()})
                     line += f" k={k}{'b' if budget else ''} {ratio:.2f}"
             print(line, flush=True)
+    if args.fc1_held and args.only in (None, "fc1"):
+        rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps)
+    if args.step_held and args.only in (None, "step"):
+        for name in [s.strip() for s in args.step_shapes.split(",") if s.strip()]:
+            rows.append(mlp_step(holder, name, args.step_held, args.reps))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

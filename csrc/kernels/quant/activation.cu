@@ -1,6 +1,6 @@
 // The fused kernels between an expert MLP's two GEMMs: activation x router probs -> FP8 multi-cast,
 // and its backward (activation gradient, rounded to bf16 -> FP8 multi-cast, plus the probs gradient). They are
-// the multi-cast kernel of multicast.cuh with loaders that compute their values on the fly in fp32; a GLU's
+// the multi-cast kernel of multicast/launch.cuh with loaders that compute their values on the fly in fp32; a GLU's
 // forward takes the per-tile kernel of glu_forward.cuh, its backward (F a multiple of 128) glu_backward.cuh's.
 // For the bf16 recipe, the same activations written in bf16 (act_bf16_kernel).
 #include <algorithm>
@@ -9,7 +9,7 @@
 #include "kernels/quant/act_functions.cuh"
 #include "kernels/quant/glu_backward.cuh"
 #include "kernels/quant/glu_forward.cuh"
-#include "kernels/quant/multicast.cuh"
+#include "kernels/quant/multicast/launch.cuh"
 
 namespace moegemm {
 namespace {

@@ -20,7 +20,7 @@
 #include "kernels/common/device.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/plan/plan.cuh"
-#include "kernels/quant/act_functions.cuh"
+#include "kernels/act/functions.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/two_pass.cuh"
 

@@ -5,7 +5,10 @@
 //   - the layer entries, one op per layer and direction (csrc/api/layers.h), which those nodes run (and
 //     the split backward's Python Functions);
 //   - the primitives, one kernel each (csrc/api/primitives.h): for tests and benchmarks.
-// Their fake (meta) implementations are in moegemm/backends/fakes.py.
+// Every schema is declared once in Python: the layer ops' in moegemm/backends/contract.py (api/layer_contract.h is
+// generated from it), the primitives' with their fakes in moegemm/backends/primitives.py, which the schemas spelled
+// out below must equal (tests/test_contract.py, tests/test_primitive_contract.py). The fakes are registered by
+// moegemm/backends/fakes.py.
 #include <torch/library.h>
 
 #include "api/autograd.h"
@@ -27,7 +30,7 @@ TORCH_LIBRARY(moegemm, m) {
   m.def(contract::mlp::kFwdSchema);
   m.def(contract::mlp::kBwdSchema);
   m.def(contract::mlp::kWgradSchema);
-  // primitives
+  // primitives: as declared in moegemm/backends/primitives.py (schema and fake; tests/test_primitive_contract.py)
   m.def("make_plan(Tensor m_splits, int T) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("requantize_cols(Tensor x, Tensor x_scales, Tensor plan) -> (Tensor, Tensor)");

@@ -196,7 +196,7 @@ def test_requantize_cols_bitwise(K, E):
 @pytest.mark.parametrize("K", [384, 272])
 def test_requantize_cols_power_of_two_scales(low, spread, specials, K):
     """Row scales that are powers of two 2^low .. 2^(low + spread) per row: the kernel's f16 path where a tile's
-    scales lie within 2^14 of each other and fp32's range (multicast.cuh, Fp8Window), its fp32 path where they do
+    scales lie within 2^14 of each other and fp32's range (multicast/per_tile.cuh, Fp8Window), its fp32 path where they do
     not, near fp32's limits, with columns of zeros (their factor 2^eS, beyond f16 from 2^16) and of values far
     below the rest (beyond f16 too), subnormal FP8 bytes and, with specials, NaN and -0 bytes: the reference's
     bytes; K = 272 ends in a partial column block (16 columns)."""

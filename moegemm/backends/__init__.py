@@ -4,6 +4,8 @@
   direction, and the primitives, one kernel each.
 * ``contract.py``: the layer ops' contract, declared once by name (schemas, saved and made slots, wgrad
   operands, FP8 weights); the C++ header ``csrc/api/layer_contract.h`` is generated from it.
+* ``primitives.py``: the primitive ops' contract, declared once (each op's schema, as ``csrc/binding.cpp``
+  registers it, and its fake).
 * ``cuda.py``: the CUDA extension's ops (built or loaded on first use); ``reference.py``: the same ops in
   plain PyTorch, from the oracle ``moegemm/reference.py``; ``fakes.py``: their meta functions.
 

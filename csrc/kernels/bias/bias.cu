@@ -176,22 +176,7 @@ __global__ void __launch_bounds__(kSumThreads) expert_sums_kernel(const float* p
 
 dim3 block_grid(int64_t T, int E, int64_t N) { return tile_grid(block_capacity(T, E), ceil_div(N, kCols)); }
 
-__global__ void sum_rows_kernel(const float* in, int64_t rows, int64_t cols, float* out) {
-  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  const float* row = in + r * cols;
-  float sum = 0.f;
-  for (int64_t c = 0; c < cols; ++c) sum += row[c];
-  out[r] = sum;
-}
-
 }  // namespace
-
-void sum_rows(const float* in, int64_t rows, int64_t cols, float* out, cudaStream_t stream) {
-  if (rows == 0) return;
-  sum_rows_kernel<<<static_cast<unsigned>(ceil_div(rows, kThreads)), kThreads, 0, stream>>>(in, rows, cols, out);
-  check_launch("sum_rows");
-}
 
 void add_bias(void* y_bf16, const void* bias, bool bias_is_f32, const int32_t* plan, int E, int64_t T, int64_t N,
               cudaStream_t stream) {

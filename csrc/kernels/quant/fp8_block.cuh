@@ -105,7 +105,7 @@ __device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the l
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 // f16 pairs (the first value in the low half), as requantize_cols' per-tile kernel keeps an FP8 row copy's values
-// when its tile allows (multicast.cuh, Fp8Window): e4m3 is a subset of f16, so the decode is exact, and products by
+// when its tile allows (multicast/per_tile.cuh, Fp8Window): e4m3 is a subset of f16, so the decode is exact, and products by
 // powers of two are exact wherever they stay above f16's smallest subnormal by e4m3's 3 fraction bits.
 // Bytes 2 kHalf, 2 kHalf + 1 of word -> the low, high half. The half is the conversion's operand (sm_90's F2FP reads a
 // register's upper half, .H1), so no shift goes before it (bench/NOTES.md, forty-third session: 1.02x on

@@ -20,7 +20,7 @@
 #include "kernels/common/device.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/plan/plan.cuh"
-#include "kernels/quant/act_functions.cuh"
+#include "kernels/act/functions.cuh"
 #include "kernels/quant/fp8_block.cuh"
 #include "kernels/quant/two_pass.cuh"
 
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) kernel(const __nv_bfloat
     in_gate[at1] = make_uint4(uw[4], uw[5], uw[6], uw[7]);
 
     // The row's dprobs share over the tile's columns (the row's 8 lanes are lanes 8 k .. 8 k + 7 of the warp), added
-    // in the order of the multi-cast kernel's row sums (multicast.cuh, scatter_sum4: chunk c with c ^ 8, ^ 4, ^ 2,
+    // in the order of the multi-cast kernel's row sums (multicast/common.cuh, scatter_sum4: chunk c with c ^ 8, ^ 4, ^ 2,
     // then ^ 1).
 #pragma unroll
     for (int o = kRowLanes / 2; o >= 1; o >>= 1) {

@@ -1,5 +1,5 @@
 // FP8 blockwise quantization kernels (docs/design.md#fp8-recipe).
-//   quantize_act: the multi-cast kernel (multicast.cuh) reading x as it is.
+//   quantize_act: the multi-cast kernel (multicast/launch.cuh) reading x as it is.
 //   requantize_cols: the same kernel (per tile) reading an FP8 row copy and its row scales (dequantized),
 //   writing only the column copy.
 //   quantize_weight_kernel: one CTA per 128x128 block of one expert, staged in shared memory by cp.async;
@@ -14,7 +14,7 @@
 #include "kernels/common/pdl.cuh"
 #include "kernels/plan/build.cuh"
 #include "kernels/quant/fp8_block.cuh"
-#include "kernels/quant/multicast.cuh"
+#include "kernels/quant/multicast/launch.cuh"
 
 namespace moegemm {
 namespace {

@@ -1,6 +1,6 @@
 // What the multi-cast quantizers' tiles share about the outputs' layout: the 16-byte chunks of a column line a
 // tile stores (column_chunks), the rows of no expert (zero_uncovered_rows) and a launch's side zeroing (zero_fill); where a tile lies under a plan is
-// kernels/plan/tile_lookup.cuh. Used by multicast.cuh's kernels and the per-tile GLU kernels.
+// kernels/plan/tile_lookup.cuh. Used by the multi-cast kernels (multicast/) and the per-tile GLU kernels.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,5 @@
-// The activations of the fused expert-MLP kernels (activation.cu, glu_forward.cuh, glu_backward.cuh) in fp32: each
+// The activations of the expert-MLP kernels (the FP8 recipe's fused ones, kernels/quant: act_quantize.cu, glu_forward.cuh,
+// glu_backward.cuh; the bf16 recipe's, act_bf16.cu) in fp32: each
 // a struct with f(x) and fdf(x, f, df) (value and derivative from one evaluation), and act_grad, one element of an
 // activation's gradient, so that every kernel computes the same values by the same fp32 operations.
 #pragma once

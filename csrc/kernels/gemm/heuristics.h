@@ -30,7 +30,7 @@ inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock
 // bandwidth (docs/performance.md, Ragged-row GEMM):
 // - at kRaggedRowsHighDramGBps and above (H200, 4.8 TB/s): 192 columns 0.80 and 256 columns 0.84 of 128's time
 //   per column, the costs that picked the fastest width most often on the GEMM table (bench/gemm/ragged_rows.py);
-//   clusters of two are left to a raw op's explicit choice, their lead being small and rare;
+//   clusters of two are no candidates, their lead over the best single CTA being small (about 1 %);
 // - below it (H100 SXM, 3.35 TB/s): 256 columns, which were the fastest single-CTA tiling almost everywhere,
 //   unless 128-column tiles take fewer waves (small problems, N of at most 128).
 // A device that reports no DRAM bandwidth (0) gets the H200's costs.
@@ -55,6 +55,7 @@ RaggedRowsTiling least_time_tiling(const RaggedRowsCandidate (&candidates)[kCoun
   }
   return kRaggedRowsTilings[best];
 }
+// The ragged-row GEMM's tiling: the least-time candidate of the device's DRAM class, over the expected row blocks.
 inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms, double dram_gbps) {
   const int64_t blocks = expected_row_blocks(T, E);
   if (dram_gbps > 0 && dram_gbps < kRaggedRowsHighDramGBps) return least_time_tiling(kRaggedRowsCandidatesLowDram, blocks, N, sms);

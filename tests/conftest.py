@@ -20,7 +20,7 @@ import tempfile
 
 # torch.compile's on-disk caches (inductor's FX graphs) key a graph by its code, not by the fakes of the custom ops
 # in it: a cache written by an older moegemm (other saved-list shapes) would fail the compiled tests' stride checks.
-# Each test session compiles into a fresh directory, removed at exit.
+# Each pytest run compiles into a fresh directory, removed at exit.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="moegemm-tests-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)

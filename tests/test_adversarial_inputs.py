@@ -1,4 +1,4 @@
-"""Adversarial inputs (issue 12): misaligned views, guard memory around caller buffers, empty weight
+"""Adversarial inputs (docs/design.md#errors): misaligned views, guard memory around caller buffers, empty weight
 dimensions, wrong dtypes before any device work, zero-stride weights, main_grad misuse, inference mode.
 
 Every case runs on the reference path on CPU and, with ``requires_cuda``, on the CUDA path. Caller

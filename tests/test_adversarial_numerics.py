@@ -1,4 +1,4 @@
-"""Adversarial numerics and execution contexts (issue 12): NaN/Inf through every activation and both
+"""Adversarial numerics and execution contexts (docs/design.md#errors): NaN/Inf through every activation and both
 recipes, double backward, bitwise-reproducible gradients (bias included), shapes past 2**31 elements,
 side streams, a non-current device, torch.compile.
 

@@ -1,4 +1,4 @@
-"""The raw ops ``torch.ops.moegemm.*`` under misuse (issue 12, docs/design.md#errors): every bad argument raises
+"""The raw ops ``torch.ops.moegemm.*`` under misuse (docs/design.md#errors): every bad argument raises
 (RuntimeError, or NotImplementedError from the dispatcher for CPU-only calls) and the CUDA context
 survives; misaligned data pointers either raise naming the argument ("aligned") or give the aligned
 result; ``torch.library.opcheck`` on every op, and aliasing/mutation checks where its schema test cannot

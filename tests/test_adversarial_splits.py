@@ -1,4 +1,4 @@
-"""Adversarial m_splits (issue 12, docs/design.md#errors): device counts of any value never cause out-of-bounds access.
+"""Adversarial m_splits (docs/design.md#errors): device counts of any value never cause out-of-bounds access.
 
 Semantics tested (independently of the implementation, by ``covered_counts`` below): each count is
 clamped to [0, T] first, then the running total is clamped to T; rows [covered, T) of y and dx are zero

@@ -93,8 +93,8 @@ def _sweep(op, variant, E, host_us, **kw):
 
 
 def test_host_sweep_ratio_rows():
-    """The host sweep's last rows: moegemm fp8's host time over torch._grouped_mm's of the same run and E (issue 26's
-    relative bound); a call that waited for the GPU gives no ratio."""
+    """The host sweep's last rows: moegemm fp8's host time over torch._grouped_mm's of the same run and E (the host
+    time's relative bound); a call that waited for the GPU gives no ratio."""
     sweep = [_sweep("mlp", "moegemm_fp8", 8, 300.0), _sweep("mlp", "torch_bf16", 8, 1000.0),
              _sweep("mlp", "moegemm_fp8", 256, 450.0), _sweep("mlp", "torch_bf16", 256, 900.0),
              _sweep("mlp", "moegemm_fp8_wcache", 8, 500.0, host_gpu_went_idle=1), _sweep("mlp", "moegemm_fp8_wcache", 256, 360.0),

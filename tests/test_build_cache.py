@@ -1,4 +1,4 @@
-"""The just-in-time build's cache under many processes and faults (issue 27; ``moegemm/_build.py``).
+"""The just-in-time build's cache under many processes and faults (``moegemm/_build.py``).
 
 On the CPU, with torch's ``load`` replaced by ``fake_load`` (torch's own lock file in the build folder, a
 "build" that writes the .so when it is missing and may sleep, hang or leave a running child behind):

@@ -1,5 +1,5 @@
-"""The layer entries on the GPU (issue 13): exactly one ``torch.ops.moegemm`` op per layer and direction,
-run by one C++ autograd node per call (issue 26), and every entry's fake (``moegemm/backends/fakes.py``,
+"""The layer entries on the GPU: exactly one ``torch.ops.moegemm`` op per layer and direction,
+run by one C++ autograd node per call, and every entry's fake (``moegemm/backends/fakes.py``,
 from the contract) agrees with the real op in shape, dtype and strides. Skipped without a Hopper GPU."""
 
 from __future__ import annotations

@@ -494,7 +494,7 @@ def mlp_kernels(fp8_weights=None):
 
 @pytest.mark.parametrize("need_dw", [False, True])
 def test_fc1_forward_launches(need_dw):
-    """Issue 26's bound: the fc1 forward with given FP8 weights is one kernel, with or without the weight gradient
+    """The launch bound: the fc1 forward with given FP8 weights is one kernel, with or without the weight gradient
     (the GEMM builds the plan and x's FP8 rows itself, the rows that backward makes wgrad's column copy from;
     tests/test_one_launch_forward.py)."""
     from moegemm.layout import FP8_BLOCKWISE
@@ -509,7 +509,7 @@ def test_fc1_forward_launches(need_dw):
 
 @pytest.mark.parametrize("cached", [False, True])
 def test_mlp_step_launches(cached):
-    """Issue 26's bound: at most 12 GPU operations per expert MLP forward + backward, weights quantized in the call
+    """The launch bound: at most 12 GPU operations per expert MLP forward + backward, weights quantized in the call
     (the plan built in the weights' launch) or given (the plan built by x's quantizer); no memset among them (each
     wgrad GEMM's tile counter is zeroed by the quantizer launched before it, csrc/moegemm.h ZeroFill)."""
     given = None

@@ -1,4 +1,4 @@
-"""Out of memory in the middle of a step (issue 27).
+"""Out of memory in the middle of a step (docs/design.md#errors).
 
 On a Hopper GPU, real allocation failures: the caching allocator is capped (``memory_cap``: every free
 byte it holds is taken by ballast, then ``torch.cuda.set_per_process_memory_fraction`` lets it grow by a

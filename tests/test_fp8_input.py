@@ -1,4 +1,4 @@
-"""FP8 input (issue 16): x given as its FP8 row copy with 1×128 scales (``Fp8Rows``, quantize_act's rows,
+"""FP8 input: x given as its FP8 row copy with 1×128 scales (``Fp8Rows``, quantize_act's rows,
 as an FP8 dispatcher delivers it). fprop reads the rows as given; wgrad's per-expert column copy is made
 from them (dequantize, quantize again in 128×1 blocks: ``requantize_cols``); dx (bf16) goes to
 ``Fp8Rows.grad_target``.

@@ -1,4 +1,4 @@
-"""The Megatron adapter with issue 16's features: megatron-core's ``delay_wgrad_compute`` wired to the
+"""The Megatron adapter with the split backward and FP8 input: megatron-core's ``delay_wgrad_compute`` wired to the
 split backward (``MoegemmExperts.backward_dw`` makes the weight gradients, then Megatron DDP's hooks run),
 and FP8 tokens (``Fp8Rows``) as an FP8 dispatcher delivers them."""
 

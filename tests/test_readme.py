@@ -1,7 +1,7 @@
 """README.md as a user meets it: every ```python snippet runs as written, the two shell commands keep the
 form CI (.ci/run) extracts them in, and the links into docs/design.md point at headings that exist.
 
-The snippets run in order in one fresh interpreter, as a reader would paste them into one session (the
+The snippets run in order in one fresh interpreter, as a reader would paste them into one prompt (the
 quick start defines what the later snippets use): on the CPU (GPUs hidden, so the reference path runs),
 and on a Hopper GPU where there is one (the CUDA path). Snippets that import megatron-core run on their
 own, where it is installed."""

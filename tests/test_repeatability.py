@@ -1,4 +1,4 @@
-"""Repeatability (issue 27): the same training step gives bitwise the same outputs and gradients, compared
+"""Repeatability (docs/design.md#determinism): the same training step gives bitwise the same outputs and gradients, compared
 byte for byte: run twice, on another CUDA stream, and in two threads at once, each driving its own layer
 on its own stream.
 

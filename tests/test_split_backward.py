@@ -1,4 +1,4 @@
-"""Split backward (issue 16): with a WgradStore / ``delay_wgrad_compute`` the backward computes dx, the
+"""Split backward: with a WgradStore / ``delay_wgrad_compute`` the backward computes dx, the
 bias and probs gradients at once and leaves the weight gradients to ``backward_dw()``. Gradients equal the
 non-split path's (same GEMMs on the same operands: bitwise); several pending backward passes accumulate;
 on the GPU: one op per direction (``linear_wgrad`` / ``mlp_wgrad`` for backward_dw), fakes, no host sync,

@@ -49,7 +49,7 @@ Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name,
 Quantized wgrad_x_rows(const Tensor& saved_q, const Tensor& saved_s, const std::optional<Tensor>& x,
                        const std::optional<Tensor>& x_scales, int64_t T, int64_t K, const Tensor& like);
 
-// An FP8 x (issue 16), fp8_blockwise recipe only: q [T, K] e4m3 on a CUDA device, contiguous, with its 1x128
+// An FP8 x (Fp8Rows), fp8_blockwise recipe only: q [T, K] e4m3 on a CUDA device, contiguous, with its 1x128
 // row scales x_scales [T, ceil(K/128)] fp32 in any strides (quantize_act's row copy; copied into the K-major
 // layout, csrc/moegemm.h row_scale_pitch, when not in it); both aligned. -> {q, s, [0], [0]}.
 Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe);

@@ -9,7 +9,7 @@ reference ones, which share one contract: ``backends/contract.py``). For ``fp8_b
 quantizes ``x`` once into its FP8 row copy (fprop's operand, saved), and backward makes wgrad's per-expert
 column copy from that row copy, so it never re-reads ``x`` in bf16.
 
-Two options (issue 16):
+Two options:
 * an FP8 ``x`` (``Fp8Rows``: quantize_act's row copy and scales, as an FP8 dispatcher delivers it): fprop
   reads the rows as they are, backward makes wgrad's column copy from them on the device, as from a bf16
   ``x``'s own row copy; dx (bf16) goes to ``Fp8Rows.grad_target``;

@@ -1,4 +1,4 @@
-"""The adversarial cases of issue 12 once each, small shapes, for compute-sanitizer memcheck (from the
+"""The adversarial cases (docs/design.md#errors) once each, small shapes, for compute-sanitizer memcheck (from the
 repository root, which must be on PYTHONPATH; bench/gpu_run.sh runs it with SANITIZE=1):
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize/adversarial.py

@@ -6,10 +6,9 @@
 // every kernel before this one finished), which lets the next dependent kernel be scheduled. Launched the ordinary
 // way, both are no-ops. The dependency is captured into CUDA graphs as a programmatic edge.
 // Launched dependent: the quantizers' per-tile kernels, the GLU kernels, the weight quantizer and the bias kernels
-// (bench/NOTES.md, fortieth session: 1.00-1.03x per kernel on the H200, most on the small-experts rows; a kernel of
-// a graph costs ~1.15 us there even when it does nothing), and the ragged-row GEMM but for its cooperative fused form
-// (forty-first session: 1.004x geometric mean over the quick GEMM table; the ragged reduction, bound by main_grad's
-// traffic, 0.997x: launched the ordinary way).
+// (a kernel of a graph costs ~1.15 us on the H200 even when it does nothing; docs/performance.md, Quantizers), and
+// the ragged-row GEMM but for its cooperative fused form (docs/performance.md, Ragged-row GEMM). The ragged
+// reduction, bound by main_grad's traffic, gains nothing from it and is launched the ordinary way.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -25,21 +25,13 @@ constexpr int kNumRaggedRowsTilings = sizeof(kRaggedRowsTilings) / sizeof(kRagge
 // Row blocks of 128 expected for T tokens over E experts: each non-empty expert's last block is partial.
 inline int64_t expected_row_blocks(int64_t T, int E) { return ceil_div(T, kBlock) + E / 2; }
 
-// The candidates of the choice below, each with its time per column of a tile relative to 128 columns
-// (wider tiles stream A once for more columns): the three widths without clusters. Which width is fastest
-// depends on the device, and the costs with it, by its DRAM bandwidth (what sets the difference was not
-// established: the two devices measured differ in their DRAM, HBM3e against HBM3, not in SMs or L2):
-// - at kRaggedRowsHighDramGBps and above (H200, 4.8 TB/s): in the GEMM table (bench/gemm/ragged_rows.py,
-//   bench/results/ragged_rows_h200.md at c87f490, again at 4167bd9) a 2-CTA form was the fastest tiling on 4 of
-//   42 problems (256 columns, by at most 3.5 %), never 128 or 192 columns in clusters; the costs are the ones that
-//   picked the fastest of the three most often there (192 columns 0.80 and 256 columns 0.84 of 128's time per
-//   column). At 999d86d (the K loop specialized; bench/NOTES.md, thirty-sixth session) they still picked within 0.5 % of
-//   the best of the three over the table's 42 rows (geometric mean; no other pair of costs did better); 256 columns in
-//   clusters were the fastest tiling on 13 rows, 0.9 % over the best single-CTA one (geometric mean over all 42), and
-//   their largest lead (Mixtral's fc1 dgrad, 9-14 %) did not come back in a sweep of long-K problems;
-// - below it (H100 SXM, 3.35 TB/s): 256 columns were the fastest single-CTA tiling on all but one of the quick
-//   table's 26 problems in two runs (within 3.4 % on that one; bench/NOTES.md twenty-ninth session), 192 columns
-//   up to 19 % slower on the large shapes (Mixtral-8x7B, DeepSeek-V3-EP8), 128 columns 10-37 % slower: 256 columns,
+// The candidates of the choice below: the three single-CTA widths, each with its time per column of a tile
+// relative to 128 columns (wider tiles stream A once for more columns). The costs depend on the device's DRAM
+// bandwidth (docs/performance.md, Ragged-row GEMM):
+// - at kRaggedRowsHighDramGBps and above (H200, 4.8 TB/s): 192 columns 0.80 and 256 columns 0.84 of 128's time
+//   per column, the costs that picked the fastest width most often on the GEMM table (bench/gemm/ragged_rows.py);
+//   clusters of two are no candidates, their lead over the best single CTA being small (about 1 %);
+// - below it (H100 SXM, 3.35 TB/s): 256 columns, which were the fastest single-CTA tiling almost everywhere,
 //   unless 128-column tiles take fewer waves (small problems, N of at most 128).
 // A device that reports no DRAM bandwidth (0) gets the H200's costs.
 struct RaggedRowsCandidate {
@@ -63,6 +55,7 @@ RaggedRowsTiling least_time_tiling(const RaggedRowsCandidate (&candidates)[kCoun
   }
   return kRaggedRowsTilings[best];
 }
+// The ragged-row GEMM's tiling: the least-time candidate of the device's DRAM class, over the expected row blocks.
 inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms, double dram_gbps) {
   const int64_t blocks = expected_row_blocks(T, E);
   if (dram_gbps > 0 && dram_gbps < kRaggedRowsHighDramGBps) return least_time_tiling(kRaggedRowsCandidatesLowDram, blocks, N, sms);
@@ -71,11 +64,9 @@ inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms,
 
 // Whether an FP8 forward from a bf16 x [T, K] quantizes x inside the GEMM's launch (the fused prologue,
 // gemm_fp8_ragged_m_quantize_a: one launch) rather than in one of its own before it: for an x of up to 2^23 values
-// (16 MiB), where the host's time per call is the bound. Its prologue quantizes x at a lower rate than the quantizer's
-// own kernel and the GEMM starts after all of it (a grid barrier): measured on an H200 (bench/NOTES.md, twenty-seventh
-// session; same machine, bitwise equal) the one launch took 0 to 11 % less GPU time on the host sweep's layers
-// (T 8192, K 1024, E 8-256) and 10-20 us less host time per call, but 1-3 % more GPU time on the model shapes' fc1 and
-// fc2 (x of 34-470 MiB).
+// (16 MiB), where the host's time per launch is the bound. Beyond that the prologue's lower quantizing rate and its
+// grid barrier (the GEMM starts after all of x) cost more than the saved launch (H200; docs/performance.md,
+// Ragged-row GEMM). Both forms give bitwise the same results.
 constexpr int64_t kQuantizeAInGemmMaxValues = int64_t(1) << 23;
 inline bool quantize_a_in_gemm(int64_t T, int64_t K) { return T * K <= kQuantizeAInGemmMaxValues; }
 
@@ -92,24 +83,20 @@ constexpr int kNumRaggedReductionTilings = sizeof(kRaggedReductionTilings) / siz
 // rounded up to 32; the counts themselves stay on the device).
 inline int64_t reduction_tokens(const RaggedReduction& p) { return std::max<int64_t>(0, p.cols - (kColAlign - 1) * int64_t(p.E)); }
 
-// Tokens per expert below which an fp32 accumulation is short: moving the gradient in and out is its
-// bound, and 128-column tiles beat 256-column ones. In the wgrad table (bench/gemm/ragged_reduction.py on an
-// H200, bench/results/ragged_reduction_h200.md) 128 columns were faster with up to ~400 tokens per expert
-// (V2-Lite, Qwen3, DeepGEMM's 64x384, small experts) and 256 from ~1000 (DeepSeek-V3-EP8 and DeepGEMM's 32x1024
-// on); with the reduce-add at 128 columns too, 128 still lost to 160 on the latter by 6-17 % (bench/NOTES.md,
-// forty-ninth session).
+// Tokens per expert below which an fp32 accumulation is short: moving main_grad in and out is its bound,
+// and 128-column tiles beat wider ones; from ~1000 tokens per expert the wider tiles win (H200, wgrad table
+// bench/gemm/ragged_reduction.py; docs/performance.md, Ragged-reduction GEMM).
 constexpr int64_t kShortReductionTokensPerExpert = 512;
 
 // Tokens per expert from which a written output (bf16, fp32) is a long reduction: 160-column tiles' cheaper
-// boxes outweigh their 1.6x as many tile ends (H200, same run, bench/NOTES.md twenty-fifth session: +5 to +10 %
-// against 256 with 4096-8192 tokens per expert, -2 to +3 % with 2048, mostly slower with 1024 or fewer).
+// boxes outweigh their 1.6x as many tile ends (H200; docs/performance.md, Ragged-reduction GEMM).
 constexpr int64_t kLongReductionTokensPerExpert = 4096;
 
 // The tiling of moegemm's kernel: wide tiles (160 columns for an fp32 accumulation or a long reduction, else
 // 256), except 128 for a short fp32 accumulation and when 256-wide tiles would leave SMs idle. For the
 // accumulation into main_grad, 160 columns in one part (their column scales in registers, read before the
-// chain; the stage released before the promotion) beat 256 in two parts on most wide rows of the wgrad table:
-// -3 to +16 % in the twenty-fifth session's run (bench/NOTES.md), DeepSeek-V3-EP8 +7-8 %.
+// chain; the stage released before the promotion) beat 256 in two parts on most wide problems (H200;
+// docs/performance.md, Ragged-reduction GEMM).
 inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, int sms) {
   const int64_t wide_tiles = p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, 256);
   const int64_t tokens = reduction_tokens(p);
@@ -135,10 +122,9 @@ inline bool enabled_by_env(const char* env) {
 // The ragged reduction's tile walk within an expert (scheduler.cuh): row-major, where the CTAs working at one
 // time share sms / n_blocks row tiles and read every column tile, or, with many column tiles, in bands of
 // kReductionBandRows row blocks walked column by column (about 16 row tiles and 8 column tiles at a time, each
-// read by 8-16 CTAs together: fewer DRAM bytes). The wgrad GEMMs run power-capped on an H200, and fewer DRAM
-// bytes leave the SMs a higher clock: in sustained runs (bench/NOTES.md, twenty-first session) bands were 2-12 %
-// faster with 28 or 56 column tiles of 256 (K = 7168, 14336; -1 % on DeepGEMM's 32x1024) and 1-4 % slower
-// with 8-16.
+// read by 8-16 CTAs together: fewer DRAM bytes). The wgrad GEMMs run power-capped, and fewer DRAM bytes leave the
+// SMs a higher clock: bands pay from kReductionBandMinColumnTiles column tiles on (many: K = 7168, 14336) and
+// cost a little with few (H200; docs/performance.md, Ragged-reduction GEMM).
 constexpr int kReductionBandRows = 16;
 constexpr int64_t kReductionBandMinColumnTiles = 24;
 inline int ragged_reduction_band(int64_t K, int block_n) {
@@ -146,9 +132,8 @@ inline int ragged_reduction_band(int64_t K, int block_n) {
 }
 
 // The FP8 ragged-reduction kernel: the caller's choice, else MOEGEMM_FP8_WGRAD (read once), else moegemm's
-// own kernel: in the wgrad table at 4928e16 faster than CUTLASS's on every problem with bf16 output, and
-// with fp32 accumulation on all but five (Zipf splits on V2-Lite fc1, Qwen3 and V3-EP8: by 1.4-4 %), by
-// 10-27 % on each model with balanced splits.
+// own kernel, faster than CUTLASS's on nearly every problem of the wgrad table (docs/performance.md,
+// Ragged-reduction GEMM).
 inline GemmKernel fp8_ragged_reduction_kernel(GemmKernel requested) {
   static const GemmKernel from_env = kernel_from_env("MOEGEMM_FP8_WGRAD");
   return requested != GemmKernel::kDefault ? requested : from_env;

@@ -108,8 +108,7 @@ __device__ __forceinline__ uint32_t e4m3x2_of(float a, float b) {  // a -> the l
 // when its tile allows (multicast/per_tile.cuh, Fp8Window): e4m3 is a subset of f16, so the decode is exact, and products by
 // powers of two are exact wherever they stay above f16's smallest subnormal by e4m3's 3 fraction bits.
 // Bytes 2 kHalf, 2 kHalf + 1 of word -> the low, high half. The half is the conversion's operand (sm_90's F2FP reads a
-// register's upper half, .H1), so no shift goes before it (bench/NOTES.md, forty-third session: 1.02x on
-// requantize_cols).
+// register's upper half, .H1), so no shift goes before it (docs/performance.md, Quantizers).
 template <int kHalf>
 __device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t word) {
   static_assert(kHalf == 0 || kHalf == 1, "a word has two halves");

@@ -51,8 +51,8 @@ __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c,
 
 // The weight tile is staged in shared memory by 16-byte cp.async instead of waiting in registers for its
 // amax, so that a thread needs 40 registers and 4 CTAs per SM (2 for fp32 weights) have their whole tiles
-// in flight at once: 93-98 % of the copy bandwidth on the H200, against 80-83 % with the values in
-// registers at 3 CTAs per SM (bench/NOTES.md). Shared memory: the tile in its own type, the FP8 tile, the
+// in flight at once: 93-98 % of the copy bandwidth on the H200, more than with the values in registers at 3 CTAs
+// per SM (docs/performance.md, Quantizers). Shared memory: the tile in its own type, the FP8 tile, the
 // warps' maxima.
 template <typename T>
 constexpr int kWeightCtasPerSm = sizeof(T) == 2 ? 4 : 2;

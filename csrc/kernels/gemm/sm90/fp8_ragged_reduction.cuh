@@ -83,9 +83,8 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // and the stage is released after it.
   static constexpr bool kColsInRegisters = kParts == 1;
   // At 160 columns their 20 pairs are read before the chain is issued and the warpgroups run independently (no
-  // turns, below), as DeepGEMM's k-grouped kernel does: fp32 accumulation +2 to +8 % on the wide rows of the wgrad
-  // table against reading them after the issue with turns (either change alone: -1 to +4 %, -3 to -6 %; H200,
-  // bench/NOTES.md twenty-fifth session). At 128 columns, read before the issue, the issue waited for them.
+  // turns, below), as DeepGEMM's k-grouped kernel does: faster for fp32 accumulation on the wide problems (H200;
+  // docs/performance.md, Ragged-reduction GEMM). At 128 columns, read before the issue, the issue waited for them.
   static constexpr bool kColsBeforeChain = kParts == 1 && kBlockN > 128;
 
   // epilogue: slabs of a warpgroup's 64 rows x one swizzle span, 128 bytes (128B swizzle), or 64 bytes (64B
@@ -100,22 +99,17 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // fp32 accumulation adds into the gradient by TMA reduce-add (in L2), the tile's gradient values prefetched
   // into L2 (by every fp32 accumulation) this many 128-token boxes before the end of its main loop so that the reduce-adds find them there
   // instead of reading DRAM behind the epilogue: 3 was the best of the tile's start, half-way and 3 or 6 boxes
-  // before its end (+1 to +8 % on the wgrad table's fp32 rows at 256 columns, bench/NOTES.md). At 128 columns
-  // it also beat loading the values into the epilogue's buffers by TMA at the tile's start and adding them in
-  // registers (+3 to +13 % on the short reductions, H200, bench/NOTES.md forty-ninth session): by arithmetic
-  // that form moved twice the shared-memory bytes per tile.
+  // before its end. At 128 columns it also beat loading the values into the epilogue's buffers by TMA and adding
+  // them in registers, a form that moves twice the shared-memory bytes per tile (H200; docs/performance.md,
+  // Ragged-reduction GEMM).
   static constexpr int kPrefetchBoxesAhead = 3;
   // How the two math warpgroups order their wgmma chains. Issued together, the two chains of a box share the
   // tensor cores and end together, and then both warpgroups promote while the tensor cores idle. With turns (two
   // named barriers) a warpgroup issues its chain once the other has handed the turn over: after issuing its own
   // chain (kAfterIssue), or, warpgroup 0, once its chain is done (kAfterChain: warpgroup 1's chain then runs
-  // alone while warpgroup 0 promotes, and warpgroup 0's next chain is queued behind it). Measured with fp32
-  // accumulation (H200, bench/NOTES.md): kAfterIssue over none 0 to +12 % on the wgrad table's 256-column rows
-  // (twenty-third session); kAfterChain (fifty-first session, same runs) over none +1.3 % at 160 columns (geometric
-  // mean), over kAfterIssue -3.3 % at 256 and +1.8 % at 128 (every row faster, DeepGEMM's 64x384 +9 %); at 128 again
-  // +2.3 %, 16 of 16 rows faster, racecheck clean twice on this kernel (fifty-second session; one earlier racecheck run
-  // had reported its scale reads, not reproduced). One-part tiles take kAfterChain, two parts kAfterIssue. Written
-  // outputs take no turns (bf16 1-5 % slower with kAfterIssue).
+  // alone while warpgroup 0 promotes, and warpgroup 0's next chain is queued behind it). With fp32 accumulation
+  // one-part tiles take kAfterChain, two parts kAfterIssue, the fastest of the three for each (H200;
+  // docs/performance.md, Ragged-reduction GEMM). Written outputs take no turns (turns made bf16 slower).
   enum class Turns { kNone, kAfterIssue, kAfterChain };
   static constexpr Turns kTurns = kOut != WgradOut::kF32Accumulate ? Turns::kNone
                                   : kParts == 1                    ? Turns::kAfterChain
@@ -162,7 +156,7 @@ namespace detail {
 // < end, end a multiple of 16). Thread t of kThreads takes rows t, t + kThreads, ... of the two tiles in
 // turn and in each the units from the one holding byte keep (its first keep % 16 bytes kept) to the one
 // before `end`: straight-line code, since two warps per scheduler hide no latency (a loop over every
-// unit with a branch per unit cost ~2 us per box, bench/NOTES.md).
+// unit with a branch per unit cost ~2 us per box).
 template <int kRowsA, int kRowsB, int kThreads>
 __device__ __forceinline__ void zero_past(uint8_t* a, uint8_t* b, int keep, int end, int t) {
   static_assert(kRowsA % 8 == 0, "B's rows on A's swizzle phases");

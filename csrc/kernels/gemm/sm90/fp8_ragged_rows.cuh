@@ -26,7 +26,7 @@
 //   past its expert's end (the last tile of an expert) skips its MMAs. The K loop takes what is fixed per tile
 //   (the 192-wide part's scale split, a 256-wide tile's parts inside N) as compile-time constants, chosen once per
 //   tile, and when K fills whole rounds of the stage ring it is unrolled over a round, so that each stage's
-//   barrier, scale and descriptor addresses are immediates (bench/NOTES.md, thirty-sixth session: +3-5 %).
+//   barrier, scale and descriptor addresses are immediates (docs/performance.md, Ragged-row GEMM).
 // - A scale warp of the producer warpgroup loads each stage's weight scales (sb of the tile's weight blocks)
 //   into shared memory beside the operands and arrives on the stage's full barrier with the TMA bytes; the math
 //   threads read both kinds of scales from shared memory, so no global load sits between a stage's wgmma and
@@ -39,8 +39,8 @@
 //   while the main loop does; one part's buffer (not the whole tile's) leaves shared memory for another
 //   pipeline stage. In tiles of one part (128, 192 columns) a tile's whole epilogue is deferred until the next
 //   tile's first wgmma chain is issued (or, for a warpgroup with no rows in that tile, before it drains its
-//   stages; after the last tile, at the end), so that the tensor cores work while it runs (bench/NOTES.md,
-//   thirty-sixth session: +1 %). Nothing may touch the accumulator of that chain meanwhile: ptxas would
+//   stages; after the last tile, at the end), so that the tensor cores work while it runs (docs/performance.md,
+//   Ragged-row GEMM). Nothing may touch the accumulator of that chain meanwhile: ptxas would
 //   make the chain wait (C7517), which the compile check (moegemm/_build.py) refuses.
 // - Single CTAs walk the tiles dynamically: the TMA warp draws each next id from a tile counter (the launch's
 //   workspace, zero at launch) a tile ahead and hands it to the scale warp through a ring of shared-memory slots
@@ -411,8 +411,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       // The scale warp: each stage's weight scales (the row scales come with the TMA copies). Its loads run
       // kRing - 1 stages ahead of its stores (a ring of registers, the loop unrolled over it so that no value is
       // copied between slots: a copy would wait for its loads); loaded just before each stage's wait, its pace
-      // would be one global load's latency per stage, slower than a K block of the narrower tilings
-      // (bench/NOTES.md, thirty-first session).
+      // would be one global load's latency per stage, slower than a K block of the narrower tilings.
       constexpr int kRing = 4;
       if constexpr (Cfg::kDynamicWalk) {
         // The loads' cursor: tile `lt` (no expert: past the walk's end), K block lkb; the tile after it (`lnext`),

@@ -9,7 +9,7 @@
 //
 // Tile ids run expert by expert; within an expert, in bands of kBandRows row blocks walked column by
 // column, so that the SMs working at one time share a band of A rows and a few B column tiles in L2
-// (16 rows measured at least as fast as 8 and 32 on the H200, bench/NOTES.md seventh session).
+// (16 rows measured at least as fast as 8 and 32 on the H200; docs/performance.md, Ragged-row GEMM).
 // The grid walks the ids statically (no atomics), in clusters of kCluster CTAs: cluster c takes the id
 // groups c, c + clusters, ... and its CTA of rank r the id kCluster * group + r (the last group may be
 // short: its missing ids repeat the group's first tile, computed but not stored). A CTA's producer and

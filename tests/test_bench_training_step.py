@@ -1,4 +1,4 @@
-"""The suite's issue-25 parts that run without a GPU: the training-step table of results.md from a small
+"""The benchmark suite's parts that run without a GPU: the training-step table of results.md from a small
 fake results dict; the training step itself (main_grad accumulation, the in-place update) with torch's
 grouped GEMM on the CPU; the DeepGEMM peer's MLP (bench/peers/deepgemm_mlp.py) against a stand-in for
 DeepGEMM's two SM90 FP8 grouped GEMMs that checks the operand layouts they read (K-major operands, MN-major

@@ -18,7 +18,7 @@ namespace {
 // A CTA of 4 warps takes one 128-token block x 256 columns: each lane 8 columns (16 bytes of bf16), the warps
 // the block's rows w, w + 4, ... in turn, kRowsInFlight rows' loads issued before their first use, so that
 // each thread has 128 bytes in flight (one 4-byte value per thread at a time left the kernels at 50-70 % of
-// copy bandwidth, bench/NOTES.md). N is a multiple of 16, so 8 columns lie within N or past it.
+// copy bandwidth; docs/performance.md, Activation kernels). N is a multiple of 16, so 8 columns lie within N or past it.
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kColsPerLane = 8;
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) add_bias_kernel(__nv_bfloat16* y, co
 
 // partial[b, n] = the sum of block b's rows of dy: each warp sums its rows in order, then the warps' sums are
 // added in warp order (a fixed order: bitwise reproducible). (16 rows in flight, or 16 columns per lane, were
-// no faster: bench/NOTES.md.)
+// no faster.)
 __global__ void __launch_bounds__(kThreads) block_sums_kernel(const __nv_bfloat16* dy, const int32_t* plan, int E,
                                                               int64_t T, int64_t N, float* partial) {
   grid_wait();  // (launched dependent: nothing read or written before)

@@ -7,7 +7,7 @@
 // pass reads up from global memory (a lane's 32 bytes of its next row loaded while it computes the current one),
 // writes both halves' values, rounded to bf16, over the row's da and gate (each lane rewrites what it read) and
 // makes each half's row block; the column pass takes the column scales on the packed bf16 pairs. (1.06x faster
-// on the memory-bound table than staging up too: 96 KB a CTA, two CTAs per SM; bench/NOTES.md.)
+// on the memory-bound table than staging up too: 96 KB a CTA, two CTAs per SM; docs/performance.md, Activation kernels.)
 #pragma once
 
 #include <cuda_bf16.h>

@@ -4,7 +4,7 @@
 //
 // One CTA of 8 warps per tile, three per SM, in the two passes of two_pass.cuh. The CTA stages the tile's gate
 // columns k0.. and up columns F + k0.. and its probs in four cp.async groups, one per row pass step of 32 rows,
-// each step waiting for its own (1.03x over one wait for the whole tile, bench/NOTES.md). The row pass writes a
+// each step waiting for its own (1.03x over one wait for the whole tile; docs/performance.md, Activation kernels). The row pass writes a
 // lane's 16 fp32 values over the 64 bytes of gate and up it read: column c of the tile (chunk c / 8) in gate's
 // chunk for c % 8 < 4, in up's for the others, at float c % 4; the column pass reads them there.
 #pragma once

@@ -3,7 +3,7 @@
 // requantize_cols).
 //
 // The persistent kernel (persistent.cuh) runs one CTA of 16 warps per SM in lock-step phases between CTA barriers: at 4
-// warps per scheduler its barriers and reductions leave the SM idle half the time (bench/NOTES.md). Here a CTA
+// warps per scheduler its barriers and reductions leave the SM idle half the time (docs/performance.md, Quantizers). Here a CTA
 // takes one tile and leaves, so that several CTAs share an SM and one's barriers and loads overlap another's
 // work (the weight quantizer's form). A CTA stages its tile by 16-byte cp.async (its row factors by 4-byte ones), then
 //   row pass: 4 rows x 8 columns per thread at a time, two row groups (16 rows per warp): the row copy, and
@@ -16,8 +16,8 @@
 // and column maxima are taken on the pairs (exact: a maximum of bf16 values is one of them). An FP8 row copy
 // (Fp8RowsLoader) keeps each row's eight bytes and its scale, decoded where a value is used, and makes no row copy;
 // where the tile's row scales allow (Fp8Window: quantize_act's powers of two within 2^14 of each other) its
-// values are f16 pairs, else floats with the same arithmetic: 40 registers, 6 CTAs per SM (bench/NOTES.md,
-// thirty-seventh, thirty-eighth and forty-third sessions).
+// values are f16 pairs, else floats with the same arithmetic: 40 registers, 6 CTAs per SM (docs/performance.md,
+// Quantizers).
 #pragma once
 
 #include <cstdint>
@@ -195,7 +195,7 @@ constexpr __host__ __device__ TileLayout tile_layout(bool cols) {
 
 // CTAs of the per-tile form per SM: as many as their shared memory allows, at most 6 for an FP8 row copy (40 registers a
 // thread, 48 bytes of spills outside the passes; 1.017x its 5 CTAs of 48 registers on the memory-bound table, which
-// were 1.06x 4 CTAs of 64: bench/NOTES.md), 4 for bf16 kept as pairs (64) and 3 for the values as floats (80).
+// were 1.06x 4 CTAs of 64: docs/performance.md, Quantizers), 4 for bf16 kept as pairs (64) and 3 for the values as floats (80).
 template <class Loader>
 constexpr int tile_ctas_per_sm() {
   constexpr Kept kForm = kept_form<Loader>();

@@ -149,8 +149,7 @@ void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t b
 // ---- the SM budget: moegemm's persistent kernels (the grouped GEMMs, the multi-cast quantizer) spread over at most
 // `sms` SMs of the device (0: every SM), leaving the others to kernels on other streams (an all-to-all's). Process-wide,
 // read at each launch (a captured CUDA graph keeps the budget of its capture); a budget above the device's SM count is
-// refused at the launch. The one-launch forward (gemm_fp8_ragged_m_quantize_a, all CTAs resident at once) is not
-// preferred while a budget below the device's SMs is set.
+// refused at the launch.
 void set_sm_budget(int sms);  // sms >= 0
 int sm_budget();
 
@@ -216,15 +215,16 @@ void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBi
 // plan of plan.m_splits into plan.plan (make_plan's, for the kernels after it too; m_splits null: plan.plan was built
 // by an earlier launch on the stream, e.g. quantize_weights') and x's FP8 row copy into qa [T, K] and sa
 // (quantize_act's bytes on the rows the plan covers; the rows past them, which quantize_act zeroes, are quantized
-// too and never read), then wait for each other (a cooperative launch: one CTA per SM, all resident at once) and
-// run the GEMM out [T, N] with a = (qa, sa). Needs T >= 1 and make_plan's requirements.
-// `zero`: words that the launch zeroes too, for the GEMMs after it (their tile counters), or none.
+// too and never read), then run the GEMM out [T, N] with a = (qa, sa). The CTAs claim that work off counters in
+// `workspace` (gemm_fp8_ragged_m_quantize_a_workspace_size bytes, of any contents) rather than meet at a grid
+// barrier: none waits for a CTA that a kernel on another stream keeps from starting. Needs T >= 1 and make_plan's
+// requirements. `zero`: words that the launch zeroes too, for the GEMMs after it (their tile counters), or none.
+size_t gemm_fp8_ragged_m_quantize_a_workspace_size();
 void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
-                                  float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, cudaStream_t stream);
-// Whether to take that one launch for an x of T x K values: where csrc/kernels/gemm/heuristics.h finds it faster,
-// the device launches cooperative kernels, and MOEGEMM_ONE_LAUNCH_FORWARD (read once) is not "0" (the opt-out for
-// a context whose kernels cannot all be resident at once: an SM-limited MPS client, a kernel on another stream
-// that must overlap it).
+                                  float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, void* workspace,
+                                  cudaStream_t stream);
+// Whether to take that one launch for an x of T x K values: where csrc/kernels/gemm/heuristics.h finds it faster
+// and MOEGEMM_ONE_LAUNCH_FORWARD (read once) is not off.
 bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K);
 // The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
 // moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.

@@ -11,9 +11,8 @@ DeepEP or NCCL reserve) gives them those SMs from the start, as DeepGEMM's ``set
 
 or ``MOEGEMM_NUM_SMS=108`` in the environment (read at import). The budget is read at each launch: a CUDA graph
 keeps the budget of its capture. It changes which SMs compute, never the results (bitwise the same for every
-budget). It bounds the grouped GEMMs (FP8 and bf16) and the multi-cast quantizer; with a budget below the GPU's
-SM count, the FP8 forward quantizes x in a launch of its own rather than inside the GEMM's launch (whose CTAs must
-all be resident at once). On the CPU (the reference path) it is checked and kept, and changes nothing.
+budget). It bounds the grouped GEMMs (FP8 and bf16) and the multi-cast quantizer. On the CPU (the reference path)
+it is checked and kept, and changes nothing.
 """
 
 from __future__ import annotations

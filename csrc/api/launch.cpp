@@ -191,9 +191,10 @@ Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits,
   Tensor out = empty({T, N}, at::kBFloat16, x);
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   const DeviceSplits from = device_splits(m_splits);
+  const Tensor claims = empty({words_of(gemm_fp8_ragged_m_quantize_a_workspace_size())}, at::kInt, x);  // any contents
   gemm_fp8_ragged_m_quantize_a({from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, x.data_ptr(), N, K, out.data_ptr(),
                                bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, zero_fill_of(zero),
-                               current_stream(x));
+                               claims.data_ptr(), current_stream(x));
   rows = {qa, sa, Tensor(), Tensor()};
   return out;
 }

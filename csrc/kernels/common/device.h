@@ -1,6 +1,5 @@
-// What the kernels' launchers and kernels share about the device: its SM count, the SM budget and DRAM bandwidth, whether it
-// launches cooperative kernels, raising a kernel's dynamic shared-memory limit (once per device), and zeroing a range
-// of output rows.
+// What the kernels' launchers and kernels share about the device: its SM count, the SM budget and DRAM bandwidth,
+// raising a kernel's dynamic shared-memory limit (once per device), and zeroing a range of output rows.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -53,9 +52,6 @@ inline int grid_sms() {
 inline double dram_gbps() {
   return 2.0 * device_attribute<cudaDevAttrMemoryClockRate>() * 1e3 * (device_attribute<cudaDevAttrGlobalMemoryBusWidth>() / 8) / 1e9;
 }
-
-// Whether the current device launches cooperative kernels (all CTAs resident at once).
-inline bool cooperative_launch() { return device_attribute<cudaDevAttrCooperativeLaunch>() != 0; }
 
 // Raises `kKernel`'s dynamic shared-memory limit to `bytes`, once per device and kernel.
 template <auto kKernel>

@@ -7,8 +7,8 @@
 // way, both are no-ops. The dependency is captured into CUDA graphs as a programmatic edge.
 // Launched dependent: the quantizers' per-tile kernels, the GLU kernels, the weight quantizer and the bias kernels
 // (a kernel of a graph costs ~1.15 us on the H200 even when it does nothing; docs/performance.md, Quantizers), and
-// the ragged-row GEMM but for its cooperative fused form (docs/performance.md, Ragged-row GEMM). The ragged
-// reduction, bound by main_grad's traffic, gains nothing from it and is launched the ordinary way.
+// the ragged-row GEMM but for its fused form (docs/performance.md, Ragged-row GEMM). The ragged reduction, bound by
+// main_grad's traffic, gains nothing from it and is launched the ordinary way.
 #pragma once
 
 #include <cuda_runtime.h>

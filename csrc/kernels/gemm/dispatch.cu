@@ -26,20 +26,22 @@ void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBi
   gemm::sm90_fp8_ragged_rows(p, a, b, bias, chosen, workspace, stream);
 }
 
+size_t gemm_fp8_ragged_m_quantize_a_workspace_size() { return gemm::kSm90OneLaunchWorkspace; }
+
 void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
-                                  float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, cudaStream_t stream) {
+                                  float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, void* workspace,
+                                  cudaStream_t stream) {
   check_plan_size(plan.E, plan.T, "gemm_fp8_ragged_m_quantize_a");
   if (plan.T < 1 || plan.plan == nullptr)
     throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a: needs T >= 1 and the plan");
   const RaggedRows p{plan.plan, plan.E, plan.T, N, K, out};
-  gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa, zero}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, N, grid_sms(), dram_gbps()), stream);
+  gemm::sm90_fp8_ragged_rows_quantize_a(p, {x, plan, qa, sa, zero}, b, bias, gemm::ragged_rows_tiling(p.T, p.E, N, grid_sms(), dram_gbps()),
+                                        workspace, stream);
 }
 
 bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K) {
   static const bool enabled = gemm::enabled_by_env("MOEGEMM_ONE_LAUNCH_FORWARD");  // read once
-  // (a budget below the device's SMs: the one launch would need every SM's CTA resident at once)
-  const int budget = sm_budget();
-  return enabled && gemm::quantize_a_in_gemm(T, K) && cooperative_launch() && (budget == 0 || budget >= sm_count());
+  return enabled && gemm::quantize_a_in_gemm(T, K);
 }
 
 int num_ragged_reduction_tilings() { return gemm::kNumRaggedReductionTilings; }

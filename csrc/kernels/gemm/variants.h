@@ -34,8 +34,10 @@ struct RowsPrologue {
   float* sa;
   ZeroFill zero;  // words zeroed by the launch too (the tile counters of the GEMMs after it), or none
 };
+// workspace: kSm90OneLaunchWorkspace bytes of any contents (csrc/kernels/common/grid_claims.cuh)
+constexpr size_t kSm90OneLaunchWorkspace = 8 * sizeof(uint32_t);
 void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& prologue, Fp8Operand b, ExpertBias bias,
-                                     const RaggedRowsTiling& tiling, cudaStream_t stream);
+                                     const RaggedRowsTiling& tiling, void* workspace, cudaStream_t stream);
 struct RaggedReductionTiling;  // heuristics.h
 void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, const RaggedReductionTiling& tiling,
                                void* workspace, cudaStream_t stream);

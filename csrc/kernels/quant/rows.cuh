@@ -20,16 +20,23 @@ constexpr int kVec = 8;                      // values per lane
 constexpr int kLanesPerSegment = kBlock / kVec;  // 16: a half-warp per 128-column segment
 constexpr int kUnroll = 8;                   // segments per half-warp whose loads are in flight together
 
+constexpr int kRowsPerGroup = 2 * kUnroll;
+
+// The work items of x [T, K]: groups of kRowsPerGroup consecutive rows and one K block.
+__host__ __device__ inline int64_t groups(int64_t T, int64_t K) {
+  return (K + kBlock - 1) / kBlock * ((T + kRowsPerGroup - 1) / kRowsPerGroup);
+}
+
 // The FP8 row copy of x [T, K] bf16 (K a multiple of 16): q [T, K] e4m3, s K-major [Kb, row_scale_pitch(T)]. The
-// warps `warp`, `warp` + `warps`, ... of the caller's grid (all 32 lanes of each call it) take the groups of
-// 2 * kUnroll consecutive rows and one K block, K block fastest.
+// warps `warp`, `warp` + `warps`, ... of the caller's grid (all 32 lanes of each call it) take the groups below
+// `end` (of groups(T, K)), K block fastest.
 __device__ __forceinline__ void quantize_bf16(const __nv_bfloat16* x, int64_t T, int64_t K, uint8_t* q, float* s, int64_t warp,
-                                              int64_t warps) {
-  constexpr int kRowsPerGroup = 2 * kUnroll;
+                                              int64_t warps, int64_t end) {
   const int lane = threadIdx.x % 32, half = lane / kLanesPerSegment, hl = lane % kLanesPerSegment;
-  const int64_t Kb = (K + kBlock - 1) / kBlock, row_groups = (T + kRowsPerGroup - 1) / kRowsPerGroup;
+  const int64_t Kb = (K + kBlock - 1) / kBlock;
   const int64_t pitch = row_scale_pitch(T);
-  for (int64_t g = warp; g < Kb * row_groups; g += warps) {
+  end = min(end, groups(T, K));
+  for (int64_t g = warp; g < end; g += warps) {
     const int64_t rg = g / Kb, kb = g - rg * Kb, row0 = rg * kRowsPerGroup;
     const int64_t col = kb * kBlock + kVec * hl;
     const bool col_in = col < K;  // K is a multiple of 16: a lane's 8 columns lie inside K or past it

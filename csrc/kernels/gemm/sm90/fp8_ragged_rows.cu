@@ -43,11 +43,11 @@ int max_active_clusters(const char* name) {
   return std::max(1, std::min(count[device], grid_sms() / Cfg::kCluster));
 }
 
-// `prologue`: the fused form's (Cfg::kQuantizeA), whose `a` is the memory its prologue writes.
-// `tile_counter`: the dynamic walk's (Cfg::kDynamicWalk), zero at launch.
+// `prologue`: the fused form's (Cfg::kQuantizeA), whose `a` is the memory its prologue writes; `words` its
+// claims' workspace (kSm90OneLaunchWorkspace bytes). `tile_counter`: the dynamic walk's otherwise, zero at launch.
 template <class Cfg>
 void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int* tile_counter, cudaStream_t stream,
-            const RowsPrologue* prologue = nullptr) {
+            const RowsPrologue* prologue = nullptr, uint32_t* words = nullptr) {
   constexpr auto kKernel = sm90::fp8_ragged_rows_kernel<Cfg>;
   const char* name = Cfg::kQuantizeA ? "gemm_fp8_ragged_m_quantize_a (sm90)" : "gemm_fp8_ragged_m (sm90)";
   if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: E * N exceeds the TMA coordinate range");
@@ -56,7 +56,8 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, in
   const int64_t max_tiles = block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN);
   // (the counter of a dynamic walk draws one id per CTA past the last tile)
   if (max_tiles + grid_sms() > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 tiles or more (the scheduler's ids are 32-bit)");
-  if (Cfg::kDynamicWalk && tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no workspace for the tile counter");
+  if (Cfg::kQuantizeA && words == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a (sm90): no workspace");
+  if (Cfg::kDynamicWalk && !Cfg::kQuantizeA && tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no workspace for the tile counter");
   sm90::Fp8RaggedRowsParams k{};
   const uint64_t T = p.T, N = p.N, K = p.K;
   k.a = sm90::make_tensor_map({a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, T, K, K, Cfg::kBoxRowsA, Cfg::kBlockK,
@@ -80,11 +81,12 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, in
     k.qa = prologue->qa;
     k.sa_out = prologue->sa;
     k.zero = prologue->zero;
+    k.claims = {words, next_grid_claims_tag()};
   }
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   // as many clusters as fit at once within the SM budget, or one per group of tiles when there are fewer (an upper
-  // bound: the row blocks live on the device); the fused form on every SM of the budget (its prologue's
-  // quantization uses them all)
+  // bound: the row blocks live on the device); the fused form on every SM of the budget (its prologue's items
+  // spread over them all)
   const int64_t max_groups = ceil_div(max_tiles, Cfg::kCluster);
   const int clusters = Cfg::kQuantizeA ? grid_sms() : int(std::max<int64_t>(1, std::min<int64_t>(max_active_clusters<Cfg>(name), max_groups)));
   cudaLaunchConfig_t config{};
@@ -95,12 +97,9 @@ void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, in
   cudaLaunchAttribute attrs[2]{};
   config.attrs = attrs;
   config.numAttrs = 1;
-  if constexpr (Cfg::kQuantizeA) {  // one CTA per SM, all resident at once: they meet at a grid barrier
-    attrs[0].id = cudaLaunchAttributeCooperative;
-    attrs[0].val.cooperative = 1;
-  } else {
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = Cfg::kCluster, attrs[0].val.clusterDim.y = 1, attrs[0].val.clusterDim.z = 1;
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = Cfg::kCluster, attrs[0].val.clusterDim.y = 1, attrs[0].val.clusterDim.z = 1;
+  if constexpr (!Cfg::kQuantizeA) {  // (the fused form writes memory before any wait: not dependent)
     attrs[1] = dependent_launch_attribute();  // launched dependent: kernels/common/pdl.cuh
     config.numAttrs = 2;
   }
@@ -124,12 +123,14 @@ void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, Exper
 }
 
 void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& prologue, Fp8Operand b, ExpertBias bias,
-                                     const RaggedRowsTiling& tiling, cudaStream_t stream) {
+                                     const RaggedRowsTiling& tiling, void* workspace, cudaStream_t stream) {
+  static_assert(kSm90OneLaunchWorkspace == GridClaims::kWords * sizeof(uint32_t), "the claims' workspace");
   // the single-CTA tilings of kRaggedRowsTilings, each also built with the prologue
   const Fp8Operand a{prologue.qa, prologue.sa};
-  if (tiling.cluster == 1 && tiling.block_n == 128) return launch<Config<128, 1, true>>(p, a, b, bias, nullptr, stream, &prologue);
-  if (tiling.cluster == 1 && tiling.block_n == 192) return launch<Config<192, 1, true>>(p, a, b, bias, nullptr, stream, &prologue);
-  if (tiling.cluster == 1 && tiling.block_n == 256) return launch<Config<256, 1, true>>(p, a, b, bias, nullptr, stream, &prologue);
+  uint32_t* words = static_cast<uint32_t*>(workspace);
+  if (tiling.cluster == 1 && tiling.block_n == 128) return launch<Config<128, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
+  if (tiling.cluster == 1 && tiling.block_n == 192) return launch<Config<192, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
+  if (tiling.cluster == 1 && tiling.block_n == 256) return launch<Config<256, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a (sm90): no kernel built for this tiling");
 }
 

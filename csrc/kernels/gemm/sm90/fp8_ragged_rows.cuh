@@ -59,14 +59,14 @@
 //   tokens are zeroed.
 // - Launched dependent (kernels/common/pdl.cuh): the barriers' set-up and the descriptors' prefetch (kernel
 //   parameters) overlap the kernel before it; every thread waits for that kernel before the plan check.
-// - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above,
-//   CTA 0 builds the plan from m_splits (unless an earlier launch built it: no counts given) and every warp of
-//   the grid quantizes rows of a bf16 x into A's memory (csrc/kernels/quant/rows.cuh); a cooperative launch whose
-//   CTAs then meet at a grid barrier, after each thread's proxy fence (the TMA copies of A and its row scales read
-//   what the generic proxy wrote).
+// - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above, the
+//   CTAs claim the prologue's work items off a counter (kernels/common/grid_claims.cuh): the plan built from
+//   m_splits (unless an earlier launch built it: no counts given), then chunks of a bf16 x's rows quantized into
+//   A's memory (csrc/kernels/quant/rows.cuh); each CTA then waits until every item is done (each item's writes
+//   behind a proxy fence: the TMA copies of A and its row scales read what the generic proxy wrote). A plain launch
+//   whose CTAs need not be resident at once: a CTA that starts late finds the items taken and joins the tile walk.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -88,6 +88,7 @@
 #include "kernels/gemm/sm90/scheduler.cuh"
 #include "kernels/gemm/sm90/wgmma.cuh"
 #include "kernels/plan/build.cuh"
+#include "kernels/common/grid_claims.cuh"
 #include "kernels/quant/rows.cuh"
 
 namespace moegemm::sm90 {
@@ -98,17 +99,18 @@ namespace moegemm::sm90 {
 // accumulator and its promoted copy would not fit in the registers). A 192-wide tile starts at a column
 // n0 with n0 % 128 in {0, 64}, so its part straddles two weight-scale blocks at column 128 or 64.
 // kStages: as many as fit beside the epilogue buffer.
-template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false, bool kDynamicWalk_ = kCluster_ == 1 && !kQuantizeA_>
+template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false, bool kDynamicWalk_ = kCluster_ == 1>
 struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
-  // The fused prologue: the plan and A (x's FP8 row copy) made by the kernel's own CTAs first (a cooperative
-  // launch, the CTAs meeting at a grid barrier before the GEMM)
+  // The fused prologue: the plan and A (x's FP8 row copy) made by the kernel's own CTAs first, as work items
+  // claimed off a counter, every CTA waiting for all of them before the GEMM
   static constexpr bool kQuantizeA = kQuantizeA_;
   // Tile ids drawn from the launch's tile counter (single CTAs whose grid need not be resident at once), else
   // walked statically
   static constexpr bool kDynamicWalk = kDynamicWalk_;
-  static_assert(!kDynamicWalk || (kCluster == 1 && !kQuantizeA), "the dynamic walk in grids of single CTAs");
+  static_assert(!kDynamicWalk || kCluster == 1, "the dynamic walk in grids of single CTAs");
+  static_assert(!kQuantizeA || kDynamicWalk, "the fused prologue's CTAs may start late: their tiles drawn, not assigned");
   static constexpr int kIdSlots = 4;
   static constexpr int kIdReaders = 32;  // the scale warp's lanes (the math warpgroups see the walk's end in a stage)
   static constexpr int kIdRingBytes = kDynamicWalk ? TileIdRing<kIdSlots>::kBytes : 0;
@@ -164,7 +166,7 @@ struct Fp8RaggedRowsParams {
   CUtensorMap sa;  // sa as [Kb, T] fp32, rows row_scale_pitch(T) apart, box 1 x kSaBox
   const float* sb;
   const int32_t* plan;
-  int* tile_counter;  // Cfg::kDynamicWalk: the walk's counter, zero at launch
+  int* tile_counter;  // Cfg::kDynamicWalk without kQuantizeA: the walk's counter, zero at launch
   __nv_bfloat16* out;
   const void* bias;  // [E, N] fp32 (bias_f32) or bf16, added before the rounding to bf16; null: none
   bool bias_f32;
@@ -175,7 +177,8 @@ struct Fp8RaggedRowsParams {
   const __nv_bfloat16* x;
   uint8_t* qa;
   float* sa_out;
-  ZeroFill zero;  // zeroed by CTA 0 before the grid barrier
+  ZeroFill zero;  // zeroed by the prologue's first work item
+  GridClaims claims;  // the prologue's work items and the walk's counter
 };
 
 namespace detail {
@@ -250,17 +253,49 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: descriptors in uniform registers
 
   if constexpr (Cfg::kQuantizeA) {
-    // The fused prologue: CTA 0 builds the plan (unless an earlier launch did: no counts given), every warp of the
-    // grid quantizes rows of x into A; the generic proxy's stores made visible to the TMA's reads (async proxy), then
-    // the whole grid meets.
-    // (the scans' storage in the epilogue buffer, unused until the GEMM: no static shared memory)
-    if (blockIdx.x == 0)
+    // The fused prologue: item 0 zeroes `zero` and builds the plan (unless an earlier launch did: no counts given),
+    // items 1.. quantize chunks of x's row groups into A (about four per CTA of the grid); each item's stores made
+    // visible to the TMA's reads (async proxy) before it counts as done. Every CTA that runs claims items until none
+    // is left (the next drawn while the current one is worked on), then waits until all are done: only for CTAs
+    // that run. (the scans' storage in the epilogue buffer and the claimed item in the id ring's, both unused until
+    // the GEMM: no static shared memory)
+    constexpr int kWarps = Cfg::kThreads / 32;
+    int* claimed = reinterpret_cast<int*>(smem + Cfg::kOffsetIdRing);
+    const int64_t groups = rows::groups(p.T, p.K), spread = 4LL * kWarps * gridDim.x;
+    const int64_t per_item = kWarps * ((groups + spread - 1) / spread);
+    const int items = 1 + static_cast<int>((groups + per_item - 1) / per_item);
+    if (threadIdx.x == 0) p.claims.open();
+    auto draw = [&] { return threadIdx.x == 0 ? atomicAdd(p.claims.tickets(), 1) : 0; };
+    auto broadcast = [&](int drawn) {  // thread 0's draw to the whole CTA
+      if (threadIdx.x == 0) *claimed = drawn;
+      __syncthreads();
+      const int item = *claimed;
+      __syncthreads();
+      return item;
+    };
+    auto finish = [&] {
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      __syncthreads();
+      if (threadIdx.x == 0) p.claims.finish_item();
+    };
+    int item = broadcast(draw());
+    if (item == 0) {  // (outside the loop below: the plan's scan there would spill)
       for (int64_t i = threadIdx.x; i < p.zero.count; i += Cfg::kThreads) p.zero.words[i] = 0;
-    if (blockIdx.x == 0 && p.plan_build.m_splits != nullptr) build_plan<Cfg::kThreads>(p.plan_build, *reinterpret_cast<typename PlanScan<Cfg::kThreads>::Storage*>(smem_d));
-    rows::quantize_bf16(p.x, p.T, p.K, p.qa, p.sa_out, int64_t(blockIdx.x) * (Cfg::kThreads / 32) + threadIdx.x / 32,
-                        int64_t(gridDim.x) * (Cfg::kThreads / 32));
+      if (p.plan_build.m_splits != nullptr)
+        build_plan<Cfg::kThreads>(p.plan_build, *reinterpret_cast<typename PlanScan<Cfg::kThreads>::Storage*>(smem_d));
+      finish();
+      item = broadcast(draw());
+    }
+    while (item < items) {
+      const int next = draw();
+      const int64_t first = (item - 1) * per_item;
+      rows::quantize_bf16(p.x, p.T, p.K, p.qa, p.sa_out, first + threadIdx.x / 32, kWarps, first + per_item);
+      finish();
+      item = broadcast(next);
+    }
+    if (threadIdx.x == 0) p.claims.wait_done(items);
+    __syncthreads();
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    cooperative_groups::this_grid().sync();
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -325,7 +360,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         // scale warp as the tile before it starts; the walk ends with the first id past the last tile.
         auto draw = [&] {
           int id = 0;
-          if (lane == 0) id = atomicAdd(p.tile_counter, 1);
+          if (lane == 0) id = atomicAdd(Cfg::kQuantizeA ? p.claims.tiles() : p.tile_counter, 1);
           return __shfl_sync(0xffffffff, id, 0);
         };
         auto hand_over = [&](int id) {
@@ -363,6 +398,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         if (lane == 0) {
           smem_tile[stage] = RowTile{-1, 0, 0, 0};
           Barrier::arrive(&full[stage]);
+          if constexpr (Cfg::kQuantizeA) p.claims.close();  // this CTA's last use of the claims' counters
         }
       } else {
         RowTile next{};

@@ -80,6 +80,21 @@ def test_commands_in_the_form_ci_extracts():
     assert "'^    pip install torch'" in ci and "'^    python -m pytest'" in ci
 
 
+def test_cpu_install_command():
+    """Beside the default install (PyPI's CUDA torch, the line CI runs), a copyable line that installs torch's CPU
+    build first and then exactly what the default line installs."""
+    text = read(README)
+    lines = re.findall(r"^    (pip install .*)$", text, re.M)
+    default = next(line for line in lines if line.startswith("pip install torch"))
+    cpu = [line for line in lines if "download.pytorch.org/whl/cpu" in line]
+    assert len(cpu) == 1, "README lost its CPU install line (or has two)"
+    assert lines.index(default) < lines.index(cpu[0]), "the default (GPU) install line must come first: CI runs it"
+    first, rest = cpu[0].split(" && ", 1)
+    assert first == "pip install --index-url https://download.pytorch.org/whl/cpu torch"
+    assert rest == "pip install " + default[len("pip install torch "):], (rest, default)
+    assert not re.search(r"^    pip install torch", cpu[0]), "CI would run the CPU line instead of the default one"
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

@@ -210,9 +210,9 @@ void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBi
 void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
                                   float* sa, Fp8Operand b, ExpertBias bias, cudaStream_t stream);
 // Whether to take that one launch for an x of T x K values: where csrc/kernels/gemm/heuristics.h finds it faster,
-// the device launches cooperative kernels, and MOEGEMM_ONE_LAUNCH_FORWARD (read once) is not "0" (the opt-out for
-// a context whose kernels cannot all be resident at once: an SM-limited MPS client, a kernel on another stream
-// that must overlap it).
+// the device launches cooperative kernels, and MOEGEMM_ONE_LAUNCH_FORWARD (read once, csrc/env_flag.h) is not off
+// (the opt-out for a context whose kernels cannot all be resident at once: an SM-limited MPS client, a kernel on
+// another stream that must overlap it).
 bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K);
 // The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
 // moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.

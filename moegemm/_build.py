@@ -31,6 +31,16 @@ import threading
 import time
 from pathlib import Path
 
+try:
+    from ._env import env_flag
+except ImportError:  # loaded on its own (setup.py): its sibling _env.py, which imports nothing, by path
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("_moegemm_env", Path(__file__).resolve().parent / "_env.py")
+    _env = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_env)
+    env_flag = _env.env_flag
+
 PKG = Path(__file__).resolve().parent
 ROOT = PKG.parent
 NAME = "moegemm_C"
@@ -369,7 +379,7 @@ def build_with_torch(load_kwargs: dict) -> str:
         print(f"moegemm: building the CUDA extension ({len(srcs)} translation units, "
               f"MAX_JOBS={os.environ['MAX_JOBS']}; about a minute on 16 cores, several minutes on few) in {build_dir}",
               file=sys.stderr, flush=True)
-    if os.environ.get("MOEGEMM_VERBOSE_BUILD", "0") not in ("", "0"):
+    if env_flag("MOEGEMM_VERBOSE_BUILD"):
         return cpp_extension.load(**load_kwargs, verbose=True)
     start = time.time()
     progress = _NinjaProgress(srcs, os.path.join(build_dir, "build.log"))

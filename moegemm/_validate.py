@@ -12,15 +12,15 @@ a device tensor is never read on the host unless the checked mode is on (``check
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Sequence, Union
 
 import torch
 
+from ._env import env_flag
 from .layout import ACTIVATIONS, DIM_ALIGN, GLU_ACTIVATIONS, MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS, act_width
 
 # The default of check_splits, read once at import (tests set it directly).
-CHECK_SPLITS = os.environ.get("MOEGEMM_CHECK_SPLITS", "0") not in ("", "0")
+CHECK_SPLITS = env_flag("MOEGEMM_CHECK_SPLITS")
 RECIPES = tuple(RECIPE_IDS)
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 W_DTYPES = (torch.bfloat16, torch.float32)

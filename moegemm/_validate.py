@@ -55,6 +55,44 @@ def check_expert_dims(E: int, N: int, K: int, name: str = "weight") -> None:
         raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of {DIM_ALIGN}, got {K}")
 
 
+def check_int_arg(name: str, value) -> int:
+    """A size argument of a layer's constructor: an int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_bool_arg(name: str, value) -> bool:
+    """A switch argument of a layer's constructor: True or False (a string or a number here is a mistake, e.g.
+    a recipe passed positionally where ``bias`` is)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_weight_dtype(name: str, dtype) -> torch.dtype:
+    """The dtype of a layer's weights (``name``: the argument): None (bf16), or one that the functions take."""
+    if dtype is None:
+        return torch.bfloat16
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, one of {W_DTYPES}, got {type(dtype).__name__} {dtype!r}")
+    if dtype not in W_DTYPES:
+        raise TypeError(f"{name} must be one of {W_DTYPES} (the dtype of the expert weights), got {dtype}")
+    return dtype
+
+
+def check_layer_sizes(experts: tuple, *dims: tuple) -> None:
+    """A layer's sizes at construction, each ``(argument name, value)``: the experts in [1, MAX_EXPERTS], the
+    widths positive multiples of DIM_ALIGN (the functions' rules for its weights), named by the argument."""
+    name, E = experts
+    E = check_int_arg(name, E)
+    check_num_experts(E, name)
+    for name, v in dims:
+        v = check_int_arg(name, v)
+        if v <= 0 or v % DIM_ALIGN:
+            raise ValueError(f"{name} must be a positive multiple of {DIM_ALIGN}, got {v}")
+
+
 def check_tokens_input(x: torch.Tensor) -> None:
     """``x`` [T, K] for the quantizers: a tensor with K a positive multiple of DIM_ALIGN."""
     if not isinstance(x, torch.Tensor):

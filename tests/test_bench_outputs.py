@@ -18,12 +18,22 @@ import pytest
 from bench import outputs
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED = REPO / "bench" / "results"
 
 
 def _tracked_results() -> dict:
-    """sha256 of every file directly in bench/results/ (the committed results)."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(COMMITTED.iterdir()) if p.is_file()}
+    """sha256 of every file under bench/ (its code and the committed results), by path; caches left out."""
+    return {str(p.relative_to(REPO)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((REPO / "bench").rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    """Results as a run writes them, in a folder standing for bench/results (a copy of no committed file)."""
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "lm_loss.json").write_text(json.dumps(_fake_results()))
+    (d / "results.json").write_text(json.dumps({"meta": {}}))
+    return d
 
 
 @pytest.fixture
@@ -88,7 +98,7 @@ def _fake_results():
                                                  "fp8_blockwise": {"losses": [1.1], "eval_loss": 1.1}}}
 
 
-def test_train_lm_default_and_out(cache, tmp_path, monkeypatch):
+def test_train_lm_default_and_out(cache, tmp_path, results_dir, monkeypatch):
     from bench.examples import train_lm
 
     before = _tracked_results()
@@ -101,20 +111,23 @@ def test_train_lm_default_and_out(cache, tmp_path, monkeypatch):
         train_lm.main()
         assert json.loads((folder / "lm_loss.json").read_text())["runs"]["bf16"]["eval_loss"] == 1.0
         assert plots[-1] == str(folder / "lm_loss.png")
-    monkeypatch.setattr(sys, "argv", ["train_lm", "--plot", str(COMMITTED / "lm_loss.json")])
-    train_lm.main()  # the PNG of a committed JSON: not beside it
+    monkeypatch.setattr(sys, "argv", ["train_lm", "--plot", str(results_dir / "lm_loss.json")])
+    train_lm.main()  # the PNG of a JSON (a committed one, say): not beside it
+    assert not (results_dir / "lm_loss.png").exists()
     assert plots[-1] == str(cache / "train_lm" / "lm_loss.png")
     assert _tracked_results() == before
 
 
-def test_train_moe_lm_plot_only_default_and_out(cache, tmp_path, monkeypatch):
+def test_train_moe_lm_plot_only_default_and_out(cache, tmp_path, results_dir, monkeypatch):
     from bench.examples import train_moe_lm
 
     before = _tracked_results()
     plots = []
     monkeypatch.setattr(train_moe_lm, "plot", lambda results, path: plots.append(path))
     monkeypatch.setattr(train_moe_lm, "print_summary", lambda results: None)
-    committed = str(COMMITTED / "train_moe_lm.json")
+    monkeypatch.setattr(train_moe_lm, "compare", lambda results: {})
+    committed = str(results_dir / "train_moe_lm.json")
+    Path(committed).write_text(json.dumps({"args": {}, "runs": {"bf16": {}}}))
     monkeypatch.setattr(sys, "argv", ["train_moe_lm", "--plot-only", committed])
     train_moe_lm.main()
     assert plots[-1] == str(cache / "train_moe_lm" / "train_moe_lm.png")
@@ -128,15 +141,15 @@ def test_train_moe_lm_plot_only_default_and_out(cache, tmp_path, monkeypatch):
     assert _tracked_results() == before
 
 
-def test_suite_plot_default_and_out(cache, tmp_path, monkeypatch, capsys):
+def test_suite_plot_default_and_out(cache, tmp_path, results_dir, monkeypatch, capsys):
     from bench.suite import plot
 
     before = _tracked_results()
     seen = []
     monkeypatch.setattr(plot, "make_plots", lambda res, out_dir: seen.append(Path(out_dir)) or [])
-    assert plot.main([str(COMMITTED / "results.json")]) == 0
-    assert seen[-1] == cache / "suite"
-    assert plot.main([str(COMMITTED / "results.json"), "--out", str(tmp_path / "p")]) == 0
+    assert plot.main([str(results_dir / "results.json")]) == 0
+    assert seen[-1] == cache / "suite"  # not results.json's folder
+    assert plot.main([str(results_dir / "results.json"), "--out", str(tmp_path / "p")]) == 0
     assert seen[-1] == tmp_path / "p"
     assert _tracked_results() == before
 

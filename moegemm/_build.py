@@ -767,6 +767,7 @@ def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only:
     counts as a failure. Returns the number of failures. What the check needs and lacks (nvcc, the CUDA
     toolkit's headers, the CUTLASS or torch headers, the host compiler) raises ``BuildEnvironmentError``
     first, in one line naming each (``check_tools``), before anything is compiled."""
+    import shutil
     import subprocess
     import sysconfig
     import tempfile

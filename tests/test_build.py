@@ -150,6 +150,22 @@ def test_compile_check_finds_what_ci_has():
     assert os.path.isfile(os.path.join(tools["torch_include"], "torch", "extension.h"))
 
 
+def test_compile_check_runs_end_to_end(monkeypatch, tmp_path, capsys):
+    """compile_check's whole path (tools, commands, the pool, the report, the cleanup) on two tiny translation
+    units standing for csrc/'s, one good and one broken: one failure counted, each named."""
+    try:
+        _build.check_tools()
+    except _build.BuildEnvironmentError as exc:
+        pytest.skip(f"the compile check cannot run here: {exc}")
+    good, bad = tmp_path / "good.cu", tmp_path / "bad.cu"
+    good.write_text("__global__ void k(int* p) { p[threadIdx.x] = 1; }\n")
+    bad.write_text("__global__ void k(int* p) { p[threadIdx.x] = undeclared; }\n")
+    monkeypatch.setattr(_build, "sources", lambda: [str(good), str(bad)])
+    assert _build.compile_check(jobs=2) == 1
+    out = capsys.readouterr().out
+    assert "compile good.cu: ok" in out and "compile bad.cu: FAILED" in out and "undeclared" in out
+
+
 def test_build_command_help():
     proc, _ = _run("--help")
     assert proc.returncode == 0 and "--check" in proc.stdout

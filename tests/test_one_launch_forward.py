@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from moegemm import reference as R
+from moegemm._env import env_flag
 from moegemm.backends import contract
 from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
 
 from conftest import (GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, cuda_kernels, poisoned, rel, requires_cuda,
                       zipf_splits)
 
-pytestmark = [requires_cuda, pytest.mark.skipif(os.environ.get("MOEGEMM_ONE_LAUNCH_FORWARD") == "0",
+pytestmark = [requires_cuda, pytest.mark.skipif(not env_flag("MOEGEMM_ONE_LAUNCH_FORWARD", True),
                                                  reason="MOEGEMM_ONE_LAUNCH_FORWARD=0 turns the fused forward off")]
 
 if HAS_HOPPER:

@@ -320,7 +320,8 @@ def missing_for_build(toolkit: bool = True) -> list[str]:
         missing.append(f"a CUDA build of torch (torch {torch.__version__} is a CPU build)")
     if toolkit and cuda_home() is None:
         missing.append("the CUDA toolkit (no nvcc found: set CUDA_HOME or put nvcc on PATH)")
-    if (not torch.cuda.is_available()) if not cpu_torch else not _driver_lists_a_gpu():
+    gpu = _driver_lists_a_gpu() if cpu_torch else torch.cuda.is_available()
+    if not gpu:
         missing.append("a CUDA GPU (none is visible)")
     return missing
 

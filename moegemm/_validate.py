@@ -1,9 +1,10 @@
 """Input validation of docs/design.md#errors, shared by the CUDA and the reference path, the functions and the layers.
 
 Every check runs on the host before any kernel is launched and names the argument, the expected and the
-actual value. The layers (``GroupedLinear``, ``GroupedMLP``, the Megatron experts) check their sizes at
-construction with the same functions (``check_expert_dims``, ``check_mlp_dims``) as the functions check
-their weights. The C++ ops check their own arguments again (they are public ops); nothing here repeats
+actual value. The layers (``GroupedLinear``, ``GroupedMLP``, the Megatron experts) check their arguments at
+construction, each error naming the argument (``check_layer_sizes``, ``check_weight_dtype``, ``check_bool_arg``,
+``check_recipe``, ``check_activation``), and their sizes with the same rules (``check_mlp_dims``) as the
+functions check their weights. The C++ ops check their own arguments again (they are public ops); nothing here repeats
 what only they can see. ``m_splits`` given as a list or CPU tensor is checked here (negative counts, sum ≠ T);
 a device tensor is never read on the host unless the checked mode is on (``check_splits=True`` or
 ``MOEGEMM_CHECK_SPLITS=1``, read once at import), which validates it on the device and raises.

@@ -49,7 +49,7 @@ class build_py_with_sources(build_py):
 
 
 def extensions():
-    if os.environ.get("MOEGEMM_NO_EXTENSION", "0") not in ("", "0"):
+    if _load_build_module().env_flag("MOEGEMM_NO_EXTENSION"):
         print("moegemm: MOEGEMM_NO_EXTENSION set: installing without the extension (it builds on first use)")
         return [], {}
     try:

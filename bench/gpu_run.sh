@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install carried wheels, build the extension, run the GPU tests and the
-# quick benchmark; logs under $OUT (or ./gpu_out), a short table last. From the repository root:
+# quick benchmark; logs under $OUT (default, as bench/outputs.py: ~/.cache/moegemm-bench/gpu_run), a short
+# table last. From the repository root:
 #   bash bench/gpu_run.sh [pytest args...]
 # TRAIN_LM=1 adds the small LM example, SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/),
 # SKIP_BENCH=1 leaves the benchmark out.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/moegemm-bench/gpu_run}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."  # the repository root: the bench scripts run as modules from there
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # moegemm and bench from this checkout, for every script

@@ -224,7 +224,8 @@ void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t 
                                   float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, void* workspace,
                                   cudaStream_t stream);
 // Whether to take that one launch for an x of T x K values: where csrc/kernels/gemm/heuristics.h finds it faster
-// and MOEGEMM_ONE_LAUNCH_FORWARD (read once) is not off.
+// and MOEGEMM_ONE_LAUNCH_FORWARD (read once, csrc/env_flag.h)
+// is not off.
 bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K);
 // The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
 // moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.

@@ -222,13 +222,40 @@ def run(E: int, H: int, Fh: int, T: int, device: str, name: str, iters: int) -> 
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+MAX_EXPERTS = 1024  # the kernels' limit (README, Limits)
+DIM_ALIGN = 16  # hidden and ffn: positive multiples of this
+
+
+def shape_problem(E: int, H: int, Fh: int, T: int):
+    """Why ``--shape E HIDDEN FFN T`` cannot run (a sentence), or None."""
+    if not 1 <= E <= MAX_EXPERTS:
+        return f"E (experts) must be in [1, {MAX_EXPERTS}], got {E}"
+    for name, v in (("HIDDEN", H), ("FFN", Fh)):
+        if v <= 0 or v % DIM_ALIGN:
+            return f"{name} must be a positive multiple of {DIM_ALIGN}, got {v}"
+    if T <= 0:
+        return f"T (routed tokens) must be positive, got {T}"
+    return None
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m moegemm", description=__doc__.replace("``", ""),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs=4, type=int, metavar=("E", "HIDDEN", "FFN", "T"),
-                    help="experts, hidden size, ffn size per expert, routed tokens")
+                    help="experts, hidden size, ffn size per expert, routed tokens "
+                         f"(HIDDEN and FFN multiples of {DIM_ALIGN})")
     ap.add_argument("--iters", type=int, default=20, help="timed iterations on a GPU")
     ap.add_argument("--cpu", action="store_true", help="run the reference path on the CPU even with a GPU")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.shape and shape_problem(*args.shape):
+        ap.error(f"argument --shape: {shape_problem(*args.shape)}")
+    if args.iters < 1:
+        ap.error(f"argument --iters: must be at least 1, got {args.iters}")
     # torch's first backward on a fresh autograd thread may warn about a missing CUDA context: harmless
     warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     gpu = torch.cuda.is_available() and not args.cpu

@@ -31,6 +31,16 @@ import threading
 import time
 from pathlib import Path
 
+try:
+    from ._env import env_flag
+except ImportError:  # loaded on its own (setup.py): its sibling _env.py, which imports nothing, by path
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("_moegemm_env", Path(__file__).resolve().parent / "_env.py")
+    _env = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_env)
+    env_flag = _env.env_flag
+
 PKG = Path(__file__).resolve().parent
 ROOT = PKG.parent
 NAME = "moegemm_C"
@@ -68,13 +78,14 @@ def cutlass_include_dirs() -> list[str]:
         try:
             import cutlass_library
         except ImportError as exc:
-            raise RuntimeError(
-                f"moegemm needs the CUTLASS headers: `pip install --no-deps {cutlass_pin()}` "
-                "or set MOEGEMM_CUTLASS_DIR to a CUTLASS checkout") from exc
+            raise BuildEnvironmentError(
+                f"moegemm: no CUTLASS headers (the nvidia-cutlass package is not installed): `pip install --no-deps "
+                f"{cutlass_pin()}` or set MOEGEMM_CUTLASS_DIR to a CUTLASS checkout") from exc
         root = cutlass_library.source_path
     dirs = [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
     if not os.path.isfile(os.path.join(dirs[0], "cutlass", "cutlass.h")):
-        raise RuntimeError(f"no CUTLASS headers under {dirs[0]}")
+        where = "MOEGEMM_CUTLASS_DIR" if os.environ.get("MOEGEMM_CUTLASS_DIR") else "the nvidia-cutlass package"
+        raise BuildEnvironmentError(f"moegemm: no CUTLASS headers under {dirs[0]} (cutlass/cutlass.h, from {where})")
     return dirs
 
 
@@ -247,32 +258,70 @@ class _NinjaProgress:
 
 
 class BuildEnvironmentError(RuntimeError):
-    """The extension cannot be built (or loaded) here: no CUDA build of torch, CUDA toolkit or CUDA GPU."""
+    """The extension cannot be built (or loaded, or compile-checked) here: no CUDA build of torch, CUDA toolkit,
+    CUDA GPU, CUTLASS or torch headers, or compiler. Its message is one line; ``python -m moegemm.build`` prints
+    it without a traceback."""
+
+
+def search_cuda_home() -> str | None:
+    """The CUDA toolkit's root as torch's extension builder looks for it (``CUDA_HOME``, ``CUDA_PATH``, the
+    folder above the ``nvcc`` on ``PATH``, ``/usr/local/cuda``), the first with ``bin/nvcc``; for a CPU build
+    of torch, whose ``cpp_extension.CUDA_HOME`` is always None."""
+    import shutil
+
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(nvcc)))
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return home
+    return None
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit (its root, with ``bin/nvcc``) the build uses: torch's ``CUDA_HOME`` with a CUDA build of
+    torch (what its just-in-time build compiles with), else ``search_cuda_home()``; None if there is none."""
+    import torch
+
+    if torch.version.cuda is None:
+        return search_cuda_home()
+    # torch's extension builder logs "No CUDA runtime is found" at import on a machine without a GPU;
+    # missing_for_build's sentence says so already
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_log.level
+    cpp_log.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    finally:
+        cpp_log.setLevel(level)
+    return CUDA_HOME if CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")) else None
+
+
+def _driver_lists_a_gpu() -> bool:
+    """Whether the NVIDIA driver shows a GPU, asked without torch (a CPU build of torch cannot tell)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    try:
+        return (gpus.is_dir() and any(gpus.iterdir())) or any(Path("/dev").glob("nvidia[0-9]*"))
+    except OSError:
+        return False
 
 
 def missing_for_build(toolkit: bool = True) -> list[str]:
     """What building and running the extension here lacks, in words (empty: nothing): a CUDA build of
     torch, the CUDA toolkit (nvcc, as torch's just-in-time build finds it; only with ``toolkit``) and a
-    CUDA GPU."""
+    CUDA GPU (with a CPU build of torch, as the driver lists them)."""
     import torch
 
     missing = []
-    if torch.version.cuda is None:
-        missing.append(f"a CUDA build of torch (the installed torch {torch.__version__} is CPU-only)")
-    if toolkit:
-        # torch's extension builder logs "No CUDA runtime is found" at import on a machine without a GPU;
-        # the sentence below says so already
-        cpp_log = logging.getLogger("torch.utils.cpp_extension")
-        level = cpp_log.level
-        cpp_log.setLevel(logging.ERROR)
-        try:
-            from torch.utils.cpp_extension import CUDA_HOME
-        finally:
-            cpp_log.setLevel(level)
-
-        if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
-            missing.append("the CUDA toolkit (no nvcc found: set CUDA_HOME or put nvcc on PATH)")
-    if not torch.cuda.is_available():
+    cpu_torch = torch.version.cuda is None
+    if cpu_torch:
+        missing.append(f"a CUDA build of torch (torch {torch.__version__} is a CPU build)")
+    if toolkit and cuda_home() is None:
+        missing.append("the CUDA toolkit (no nvcc found: set CUDA_HOME or put nvcc on PATH)")
+    gpu = _driver_lists_a_gpu() if cpu_torch else torch.cuda.is_available()
+    if not gpu:
         missing.append("a CUDA GPU (none is visible)")
     return missing
 
@@ -369,7 +418,7 @@ def build_with_torch(load_kwargs: dict) -> str:
         print(f"moegemm: building the CUDA extension ({len(srcs)} translation units, "
               f"MAX_JOBS={os.environ['MAX_JOBS']}; about a minute on 16 cores, several minutes on few) in {build_dir}",
               file=sys.stderr, flush=True)
-    if os.environ.get("MOEGEMM_VERBOSE_BUILD", "0") not in ("", "0"):
+    if env_flag("MOEGEMM_VERBOSE_BUILD"):
         return cpp_extension.load(**load_kwargs, verbose=True)
     start = time.time()
     progress = _NinjaProgress(srcs, os.path.join(build_dir, "build.log"))
@@ -665,27 +714,72 @@ def wgmma_serialized(compiler_output: str) -> list[str]:
     return [line for line in compiler_output.splitlines() if any(m in line for m in WGMMA_SERIALIZED)]
 
 
+def check_tools(torch_include: str | None = None, binding_only: bool = False) -> dict:
+    """What ``compile_check`` compiles with, found or refused: ``nvcc`` (the kernels; on ``PATH``, else in the
+    CUDA toolkit's ``bin``; not needed with ``binding_only``), the CUDA toolkit's headers (``cuda_runtime.h``,
+    which csrc/moegemm.h includes), the CUTLASS headers, torch's headers and the host compiler (``$CXX`` or
+    ``c++``). A CPU build of torch will do: the check links nothing. Raises ``BuildEnvironmentError`` naming
+    everything missing, in one line."""
+    import shutil
+
+    problems = []
+    given = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    home = given or search_cuda_home() or "/usr/local/cuda"
+    nvcc = shutil.which("nvcc") or os.path.join(home, "bin", "nvcc")
+    if not binding_only and not (os.path.isfile(nvcc) and os.access(nvcc, os.X_OK)):
+        problems.append(f"nvcc (the CUDA toolkit's compiler: none on PATH nor at {nvcc}; install the CUDA toolkit, "
+                        "set CUDA_HOME or put nvcc on PATH)")
+    # the headers: in CUDA_HOME (CUDA_PATH) when set, else in /usr/local/cuda or beside the nvcc found
+    homes = [given] if given else ["/usr/local/cuda", home, os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    homes = list(dict.fromkeys(homes))
+    cuda_include = next((os.path.join(h, "include") for h in homes
+                         if os.path.isfile(os.path.join(h, "include", "cuda_runtime.h"))), None)
+    if cuda_include is None:
+        places = " nor ".join(os.path.join(h, "include") for h in homes)
+        problems.append(f"the CUDA toolkit's headers (no cuda_runtime.h in {places}; set CUDA_HOME to the toolkit's "
+                        "root)")
+    try:
+        dirs = include_dirs()
+    except BuildEnvironmentError as exc:
+        dirs = []
+        problems.append("the CUTLASS headers (" + str(exc)[len("moegemm: "):] + ")")
+    if torch_include is None:
+        try:
+            torch_include = torch_include_dir()
+        except RuntimeError:
+            torch_include = None
+    if torch_include is None or not os.path.isfile(os.path.join(torch_include, "torch", "extension.h")):
+        problems.append(f"torch's C++ headers (no torch/extension.h in {torch_include}; --torch-include names a "
+                        "torch/include folder)" if torch_include else "torch's C++ headers (torch is not installed)")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        problems.append(f"a host C++ compiler ({cxx!r} not found; set CXX)")
+    if problems:
+        raise BuildEnvironmentError("moegemm: the compile check cannot run here: it needs " + "; ".join(problems))
+    return {"nvcc": nvcc, "cuda_include": cuda_include, "include_dirs": dirs, "torch_include": torch_include, "cxx": cxx}
+
+
 def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only: bool = False) -> int:
     """Compile every translation unit of csrc/ without linking (no GPU and no CUDA build of torch
     needed): the .cu kernels with nvcc for sm_90a, the binding with the host compiler against torch's
     headers (syntax only) in the standard those headers demand. ``torch_include``: another torch's
     ``include`` folder for the binding (e.g. unpacked from a wheel); ``binding_only``: skip the
     kernels (they include no torch header). A kernel whose wgmma ptxas serialized (``WGMMA_SERIALIZED``)
-    counts as a failure. Returns the number of failures."""
+    counts as a failure. Returns the number of failures. What the check needs and lacks (nvcc, the CUDA
+    toolkit's headers, the CUTLASS or torch headers, the host compiler) raises ``BuildEnvironmentError``
+    first, in one line naming each (``check_tools``), before anything is compiled."""
     import shutil
     import subprocess
     import sysconfig
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    if torch_include is None:
-        torch_include = torch_include_dir()
+    tools = check_tools(torch_include, binding_only)
+    torch_include, nvcc, cxx = tools["torch_include"], tools["nvcc"], tools["cxx"]
     torch_includes = [f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}"]
     python_include = sysconfig.get_paths()["include"]  # csrc/api/main_grad.cpp reads a Python attribute
-    includes = [f"-I{d}" for d in include_dirs()]
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    nvcc = shutil.which("nvcc") or os.path.join(cuda_home, "bin", "nvcc")
-    cxx = os.environ.get("CXX", "c++")
+    includes = [f"-I{d}" for d in tools["include_dirs"]]
+    cuda_include = tools["cuda_include"]
     out = tempfile.mkdtemp()
     host = cxx_flags(torch_include)
     print(f"torch headers: {torch_include} -> binding compiled with -{host[-1].lstrip('-')}", flush=True)
@@ -697,7 +791,7 @@ def compile_check(jobs: int = 2, torch_include: str | None = None, binding_only:
                 cmds.append([nvcc, *NVCC_FLAGS, *includes, "-c", src, "-o", obj])
         else:
             cmds.append([cxx, *host, "-fsyntax-only", *includes, *torch_includes, f"-I{python_include}",
-                         f"-I{os.path.join(cuda_home, 'include')}", src])
+                         f"-I{cuda_include}", src])
 
     def run(cmd):
         start = time.time()

@@ -1,9 +1,10 @@
 """Input validation of docs/design.md#errors, shared by the CUDA and the reference path, the functions and the layers.
 
 Every check runs on the host before any kernel is launched and names the argument, the expected and the
-actual value. The layers (``GroupedLinear``, ``GroupedMLP``, the Megatron experts) check their sizes at
-construction with the same functions (``check_expert_dims``, ``check_mlp_dims``) as the functions check
-their weights. The C++ ops check their own arguments again (they are public ops); nothing here repeats
+actual value. The layers (``GroupedLinear``, ``GroupedMLP``, the Megatron experts) check their arguments at
+construction, each error naming the argument (``check_layer_sizes``, ``check_weight_dtype``, ``check_bool_arg``,
+``check_recipe``, ``check_activation``), and their sizes with the same rules (``check_mlp_dims``) as the
+functions check their weights. The C++ ops check their own arguments again (they are public ops); nothing here repeats
 what only they can see. ``m_splits`` given as a list or CPU tensor is checked here (negative counts, sum ≠ T);
 a device tensor is never read on the host unless the checked mode is on (``check_splits=True`` or
 ``MOEGEMM_CHECK_SPLITS=1``, read once at import), which validates it on the device and raises.
@@ -12,15 +13,15 @@ a device tensor is never read on the host unless the checked mode is on (``check
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Sequence, Union
 
 import torch
 
+from ._env import env_flag
 from .layout import ACTIVATIONS, DIM_ALIGN, GLU_ACTIVATIONS, MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS, act_width
 
 # The default of check_splits, read once at import (tests set it directly).
-CHECK_SPLITS = os.environ.get("MOEGEMM_CHECK_SPLITS", "0") not in ("", "0")
+CHECK_SPLITS = env_flag("MOEGEMM_CHECK_SPLITS")
 RECIPES = tuple(RECIPE_IDS)
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 W_DTYPES = (torch.bfloat16, torch.float32)
@@ -53,6 +54,44 @@ def check_expert_dims(E: int, N: int, K: int, name: str = "weight") -> None:
         raise ValueError(f"{name}.shape[1] (N, out_features) must be a positive multiple of {DIM_ALIGN}, got {N}")
     if K <= 0 or K % DIM_ALIGN:
         raise ValueError(f"{name}.shape[2] (K, in_features) must be a positive multiple of {DIM_ALIGN}, got {K}")
+
+
+def check_int_arg(name: str, value) -> int:
+    """A size argument of a layer's constructor: an int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_bool_arg(name: str, value) -> bool:
+    """A switch argument of a layer's constructor: True or False (a string or a number here is a mistake, e.g.
+    a recipe passed positionally where ``bias`` is)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_weight_dtype(name: str, dtype) -> torch.dtype:
+    """The dtype of a layer's weights (``name``: the argument): None (bf16), or one that the functions take."""
+    if dtype is None:
+        return torch.bfloat16
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, one of {W_DTYPES}, got {type(dtype).__name__} {dtype!r}")
+    if dtype not in W_DTYPES:
+        raise TypeError(f"{name} must be one of {W_DTYPES} (the dtype of the expert weights), got {dtype}")
+    return dtype
+
+
+def check_layer_sizes(experts: tuple, *dims: tuple) -> None:
+    """A layer's sizes at construction, each ``(argument name, value)``: the experts in [1, MAX_EXPERTS], the
+    widths positive multiples of DIM_ALIGN (the functions' rules for its weights), named by the argument."""
+    name, E = experts
+    E = check_int_arg(name, E)
+    check_num_experts(E, name)
+    for name, v in dims:
+        v = check_int_arg(name, v)
+        if v <= 0 or v % DIM_ALIGN:
+            raise ValueError(f"{name} must be a positive multiple of {DIM_ALIGN}, got {v}")
 
 
 def check_tokens_input(x: torch.Tensor) -> None:

@@ -72,3 +72,62 @@ def test_grouped_mlp_module_fullgraph(recipe):
     for got, want in zip(*runs):
         assert torch.equal(got, want)
     torch._dynamo.reset()
+
+
+def _split_layer(kind: str):
+    torch.manual_seed(0)
+    if kind == "GroupedLinear":
+        layer = moegemm.GroupedLinear(E, K, N, recipe="bf16", delay_wgrad_compute=True)
+        return layer, (lambda x, m: layer(x, m))
+    if kind == "GroupedMLP":
+        layer = moegemm.GroupedMLP(E, K, 64, recipe="fp8_blockwise", delay_wgrad_compute=True)
+        return layer, (lambda x, m: layer(x, m))
+    w = torch.nn.Parameter((torch.randn(E, N, K) * 0.05).to(torch.bfloat16))
+    store = moegemm.WgradStore()
+    holder = torch.nn.Module()
+    holder.weight, holder.backward_dw = w, store.backward_dw
+    return holder, (lambda x, m: moegemm.grouped_linear(x, w, m, recipe="bf16", wgrad_store=store))
+
+
+@pytest.mark.parametrize("kind", ["GroupedLinear", "GroupedMLP", "grouped_linear"])
+def test_split_backward_refused_under_fullgraph_with_moegemms_message(kind):
+    """Split mode runs outside torch.compile's graphs (a graph break): fullgraph=True gets moegemm's own sentence,
+    not torch's hint to remove a torch.compiler.disable from moegemm."""
+    torch._dynamo.reset()
+    _, f = _split_layer(kind)
+    m = zipf_splits(E, T)
+    x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError) as err:
+        torch.compile(f, fullgraph=True)(x, m)
+    msg = str(err.value)
+    assert msg.startswith("moegemm: the split backward (delay_wgrad_compute=True, or a wgrad_store) cannot run inside "
+                          "a torch.compile graph with fullgraph=True"), msg
+    assert "Compile without fullgraph=True" in msg
+    assert "Remove the `torch.compiler.disable` call" not in msg and "InternalTorchDynamoError" not in msg
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["GroupedLinear", "GroupedMLP", "grouped_linear"])
+def test_split_backward_under_compile_without_fullgraph(kind):
+    """Without fullgraph the split layer still runs (outside the graph) and gives eager's gradients, the weight's
+    after backward_dw(); so does it under torch.no_grad() with fullgraph (no backward, nothing deferred)."""
+    m = zipf_splits(E, T)
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        layer, f = _split_layer(kind)
+        xi = x.clone().requires_grad_()
+        fn = torch.compile(f) if compiled else f
+        y = fn(xi, m)
+        y.float().square().sum().backward()
+        layer.backward_dw()
+        weight = next(p for p in layer.parameters())
+        results.append((y.detach(), xi.grad, weight.grad))
+    for got, want in zip(*results):
+        assert got is not None and torch.equal(got, want)
+    torch._dynamo.reset()
+    layer, f = _split_layer(kind)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(f, fullgraph=True)(x, m), f(x, m))
+    torch._dynamo.reset()

@@ -73,11 +73,11 @@ HUGE = 1 << 40
 
 
 @pytest.mark.parametrize("args, match", [
-    ((2000, 128, 128), r"weight\.shape\[0\] \(number of experts\) must be in \[1, 1024\], got 2000"),
-    ((0, 128, 128), r"weight\.shape\[0\]"),
-    ((2000, HUGE, HUGE), r"weight\.shape\[0\]"),
-    ((4, HUGE + 8, 128), r"weight\.shape\[2\] \(K, in_features\).*multiple of 16"),
-    ((4, 128, HUGE + 8), r"weight\.shape\[1\] \(N, out_features\).*multiple of 16"),
+    ((2000, 128, 128), r"^num_experts must be in \[1, 1024\], got 2000$"),
+    ((0, 128, 128), r"^num_experts must be in \[1, 1024\], got 0$"),
+    ((2000, HUGE, HUGE), r"^num_experts "),
+    ((4, HUGE + 8, 128), r"^in_features must be a positive multiple of 16, got 1099511627784$"),
+    ((4, 128, HUGE + 8), r"^out_features must be a positive multiple of 16, got 1099511627784$"),
 ])
 def test_grouped_linear_sizes_checked_at_construction(args, match):
     """GroupedLinear(E, in, out) refuses what grouped_linear would, at construction, before allocating."""
@@ -88,10 +88,10 @@ def test_grouped_linear_sizes_checked_at_construction(args, match):
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
-    ((2000, HUGE, HUGE), {}, r"fc1_weight\.shape\[0\] \(number of experts\)"),
-    ((4, HUGE + 8, 128), {}, r"fc1_weight\.shape\[2\]"),
-    ((4, 128, HUGE + 8), {"activation": "relu"}, r"fc1_weight\.shape\[1\]"),
-    ((4, 128, 72), {}, r"fc2_weight\.shape\[2\]"),
+    ((2000, HUGE, HUGE), {}, r"^num_experts must be in \[1, 1024\], got 2000$"),
+    ((4, HUGE + 8, 128), {}, r"^hidden_size must be a positive multiple of 16, got 1099511627784$"),
+    ((4, 128, HUGE + 8), {"activation": "relu"}, r"^ffn_hidden_size must be a positive multiple of 16"),
+    ((4, 128, 72), {}, r"^ffn_hidden_size must be a positive multiple of 16, got 72$"),
     ((4, 128, 128), {"activation": "tanh"}, r"activation"),
     ((4, 128, 128), {"recipe": "fp4"}, r"recipe"),
 ])

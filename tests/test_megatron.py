@@ -614,7 +614,7 @@ def test_unsupported_config_errors(cpu):
         MoegemmExperts(4, bad)
     with pytest.raises(ValueError, match="multiple of 16"):
         MoegemmExperts(4, make_config(cpu, "swiglu", ffn=40))
-    with pytest.raises(ValueError, match=r"number of experts\) must be in \[1, 1024\], got 2000"):
+    with pytest.raises(ValueError, match=r"^num_local_experts must be in \[1, 1024\], got 2000$"):
         MoegemmExperts(2000, make_config(cpu, "swiglu", H=1 << 20, ffn=1 << 20))  # refused before allocating
     ex = MoegemmExperts(4, cfg)
     with pytest.raises(NotImplementedError, match="output_buffer"):
@@ -637,6 +637,40 @@ def test_specs(cpu):
     assert experts_builder() is MoegemmExperts
     with pytest.raises(ValueError, match="no MoE layer"):
         patch_layer_spec(get_gpt_layer_local_spec())
+
+
+def test_constructor_arguments_checked_at_construction(cpu):
+    """The experts' own arguments and what they read from the config, checked before any allocation, each error
+    naming the argument (fp16 params used to fail only at the first forward)."""
+    with pytest.raises(TypeError) as err:
+        MoegemmExperts(4, make_config(cpu, "swiglu", dtype=torch.float16))
+    assert str(err.value) == ("config.params_dtype must be one of (torch.bfloat16, torch.float32) (the dtype of the "
+                              "expert weights), got torch.float16")
+    with pytest.raises(TypeError, match=r"^num_local_experts must be an int, got float 4\.0$"):
+        MoegemmExperts(4.0, make_config(cpu, "swiglu"))
+    with pytest.raises(ValueError, match=r"^num_local_experts must be in \[1, 1024\], got 0$"):
+        MoegemmExperts(0, make_config(cpu, "swiglu"))
+    with pytest.raises(ValueError, match=r"^config\.moe_ffn_hidden_size must be a positive multiple of 16, got 40$"):
+        MoegemmExperts(4, make_config(cpu, "swiglu", ffn=40))
+    with pytest.raises(ValueError, match=r"^config\.hidden_size must be a positive multiple of 16, got 72$"):
+        MoegemmExperts(4, make_config(cpu, "swiglu", H=72))
+    with pytest.raises(TypeError, match=r"^fp8_weight_cache must be True or False, got str 'no'$"):
+        MoegemmExperts(4, make_config(cpu, "swiglu"), fp8_weight_cache="no")
+    with pytest.raises(ValueError, match=r"^recipe must be one of \('bf16', 'fp8_blockwise'\), got 'fp8'$"):
+        MoegemmExperts(4, make_config(cpu, "swiglu"), recipe="fp8")
+    assert MoegemmExperts(4, make_config(cpu, "swiglu", dtype=torch.float32)).linear_fc1.weight.dtype == torch.float32
+
+
+def test_spec_arguments_checked_when_the_spec_is_made():
+    """The experts' keyword arguments given to the spec helpers are checked there, not when Megatron builds the layer."""
+    with pytest.raises(ValueError, match=r"^recipe must be one of \('bf16', 'fp8_blockwise'\), got 'fp8'$"):
+        get_gpt_layer_spec(num_experts=8, recipe="fp8")
+    with pytest.raises(TypeError, match=r"^unexpected keyword arguments for MoegemmExperts: \['recipie'\]; it takes "
+                                        r"\['recipe', 'fp8_weight_cache'\]$"):
+        patch_layer_spec(get_gpt_layer_local_spec(num_experts=8), recipie="bf16")
+    with pytest.raises(TypeError, match=r"^fp8_weight_cache must be True or False, got int 1$"):
+        experts_builder(fp8_weight_cache=1)
+    assert experts_builder(recipe="bf16", fp8_weight_cache=False).params == {"recipe": "bf16", "fp8_weight_cache": False}
 
 
 def test_import_moegemm_does_not_import_megatron():

@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from moegemm import reference as R
+from moegemm._env import env_flag
 from moegemm.backends import contract
 from moegemm.layout import ACTIVATIONS, FP8_BLOCKWISE
 
 from conftest import (GEMM_EDGE_SPLITS, HAS_HOPPER, capture_step, cuda_kernels, poisoned, rel, requires_cuda,
                       zipf_splits)
 
-pytestmark = [requires_cuda, pytest.mark.skipif(os.environ.get("MOEGEMM_ONE_LAUNCH_FORWARD") == "0",
+pytestmark = [requires_cuda, pytest.mark.skipif(not env_flag("MOEGEMM_ONE_LAUNCH_FORWARD", True),
                                                  reason="MOEGEMM_ONE_LAUNCH_FORWARD=0 turns the fused forward off")]
 
 if HAS_HOPPER:
@@ -213,12 +214,23 @@ print(sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceTy
 """
 
 
-@pytest.mark.parametrize("value,launches", [("0", 2), ("1", 1)])
+@pytest.mark.parametrize("value,launches", [("0", 2), ("false", 2), ("OFF", 2), ("1", 1), ("true", 1), ("", 1)])
 def test_opt_out(value, launches):
-    """MOEGEMM_ONE_LAUNCH_FORWARD=0 (read once per process) keeps x's quantizer in a launch of its own."""
+    """MOEGEMM_ONE_LAUNCH_FORWARD=0 (read once per process; any boolean of csrc/env_flag.h) keeps x's quantizer in a
+    launch of its own."""
     env = {**os.environ, "MOEGEMM_ONE_LAUNCH_FORWARD": value}
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", OPT_OUT_CHILD], cwd=root, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) == launches
+
+
+def test_opt_out_not_a_boolean():
+    """A value that is no boolean is an error naming the variable (it used to turn the fused forward on)."""
+    env = {**os.environ, "MOEGEMM_ONE_LAUNCH_FORWARD": "maybe"}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", OPT_OUT_CHILD], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode != 0
+    assert "environment variable MOEGEMM_ONE_LAUNCH_FORWARD='maybe' is not a boolean" in out.stderr, out.stderr[-2000:]

@@ -80,6 +80,44 @@ def test_commands_in_the_form_ci_extracts():
     assert "'^    pip install torch'" in ci and "'^    python -m pytest'" in ci
 
 
+def test_no_stale_counts():
+    """README states no counts that drift as the project changes: no test tallies ("848 passed"), and the number
+    of translation units only if it is the build's (``moegemm._build.sources()``)."""
+    from moegemm import _build
+
+    text = read(README)
+    assert not re.search(r"\d+\s+(passed|skipped|failed|tests?\b)", text), re.findall(r".*\d+\s+(?:passed|skipped).*", text)
+    for n in re.findall(r"(\d+) translation units", text):
+        assert int(n) == len(_build.sources()), f"README says {n} translation units; the build has {len(_build.sources())}"
+
+
+def test_skip_reasons_are_the_tests():
+    """Every skip reason README's Tests section quotes is one the tests give (word for word)."""
+    section = read(README).split("## Tests", 1)[1].split("\n## ", 1)[0]
+    quoted = re.findall(r'"([^"]+)"', section.replace("\n", " "))
+    assert len(quoted) >= 3, section
+    sources = "".join(read(os.path.join(ROOT, "tests", f)) for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
+                      if f.endswith(".py"))
+    sources = re.sub(r'"\s*\n\s*"', "", sources)  # reasons split over implicitly joined string literals
+    missing = [q for q in quoted if q not in sources]
+    assert not missing, f"README quotes skip reasons no test gives: {missing}"
+
+
+def test_cpu_install_command():
+    """Beside the default install (PyPI's CUDA torch, the line CI runs), a copyable line that installs torch's CPU
+    build first and then exactly what the default line installs."""
+    text = read(README)
+    lines = re.findall(r"^    (pip install .*)$", text, re.M)
+    default = next(line for line in lines if line.startswith("pip install torch"))
+    cpu = [line for line in lines if "download.pytorch.org/whl/cpu" in line]
+    assert len(cpu) == 1, "README lost its CPU install line (or has two)"
+    assert lines.index(default) < lines.index(cpu[0]), "the default (GPU) install line must come first: CI runs it"
+    first, rest = cpu[0].split(" && ", 1)
+    assert first == "pip install --index-url https://download.pytorch.org/whl/cpu torch"
+    assert rest == "pip install " + default[len("pip install torch "):], (rest, default)
+    assert not re.search(r"^    pip install torch", cpu[0]), "CI would run the CPU line instead of the default one"
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

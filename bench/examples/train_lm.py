@@ -4,9 +4,10 @@ Character-level (bytes) model on the Python standard library's own source (avail
 embedding -> L x [RMSNorm, causal attention, RMSNorm, MoE (top-2 router + moegemm.GroupedMLP, SwiGLU,
 probs applied inside)] -> head. Both runs use the same seed, initial weights and batches; only the
 experts' recipe differs. Writes the loss curves as JSON (and a PNG when matplotlib is importable; else
-`python -m bench.examples.train_lm --plot lm_loss.json` on any machine).
+`python -m bench.examples.train_lm --plot lm_loss.json` on any machine), into ~/.cache/moegemm-bench/train_lm/
+unless --out names a folder.
 
-    python -m bench.examples.train_lm --steps 300 --out bench/results
+    python -m bench.examples.train_lm --steps 300 --out bench/results   # the committed lm_loss.json and .png
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moegemm
+from bench.outputs import describe, out_dir
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -161,13 +163,13 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--plot", default=None, help="only plot an existing results JSON")
+    ap.add_argument("--out", default=None, help=f"output folder of lm_loss.json and .png ({describe('train_lm')})")
+    ap.add_argument("--plot", default=None, help="only plot an existing results JSON (the PNG goes to the output folder)")
     args = ap.parse_args()
     if args.plot:
         with open(args.plot) as f:
             results = json.load(f)
-        plot(results, os.path.splitext(args.plot)[0] + ".png")
+        plot(results, str(out_dir(args.out, "train_lm") / (os.path.splitext(os.path.basename(args.plot))[0] + ".png")))
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     data = load_corpus(8 << 20)
@@ -180,12 +182,13 @@ def main():
     results["final_train_loss_last20"] = final
     results["eval_gap_fp8_minus_bf16"] = gap
     print(f"final train loss (mean of last 20 steps): {final}; held-out loss gap fp8 - bf16: {gap:+.4f}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "lm_loss.json")
+    out = out_dir(args.out, "train_lm")
+    path = str(out / "lm_loss.json")
     with open(path, "w") as f:
         json.dump(results, f)
+    print(f"wrote {path}")
     try:
-        plot(results, os.path.join(args.out, "lm_loss.png"))
+        plot(results, str(out / "lm_loss.png"))
     except ImportError:
         print("matplotlib missing: plot later with --plot", path)
 

@@ -37,6 +37,9 @@ in the JSON, which is rewritten after every evaluation (a run cut off by a timeo
     python -m bench.examples.train_moe_lm              # the full run (one H200: bf16, fp8_blockwise, bf16_again)
     python -m bench.examples.train_moe_lm --plot-only bench/results/train_moe_lm.json   # PNG from the JSON
     python -m bench.examples.train_moe_lm --tiny       # CPU smoke configuration (reference backend)
+
+The JSON (and the PNG beside it) go to --out, by default ~/.cache/moegemm-bench/train_moe_lm/train_moe_lm.json
+(outside the repository); ``--out bench/results/train_moe_lm.json`` rewrites the committed results.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moegemm
+from bench.outputs import describe, out_file
 
 RECIPES = ("bf16", "fp8_blockwise")
 # Diagnostic variants (same parameters, init and batches; the experts' math differs), for --recipes:
@@ -652,7 +656,7 @@ def main():
     ap.add_argument("--recipes", default=",".join(RECIPES + ("bf16_again",)), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--reference", default=None, help="results JSON of the full comparison, for diagnostic runs")
     ap.add_argument("--max-corpus-bytes", type=int, default=0)
-    ap.add_argument("--out", default="bench/results/train_moe_lm.json")
+    ap.add_argument("--out", default=None, help=f"the results JSON; its PNG goes beside it ({describe('train_moe_lm')})")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke configuration")
     ap.add_argument("--plot-only", nargs="+", metavar="JSON",
                     help="plot existing results (several JSON files of single runs are merged into --out)")
@@ -667,12 +671,15 @@ def main():
             else:
                 results["runs"].update(r["runs"])
         results["comparison"] = compare(results)
+        # the merged JSON and the PNG: --out, else outside the repository (the PNG named after the one JSON)
+        out = out_file(a.out, "train_moe_lm",
+                       "train_moe_lm.json" if len(a.plot_only) > 1 else os.path.basename(a.plot_only[0]))
         if len(a.plot_only) > 1:
-            with open(a.out, "w") as f:
+            with open(out, "w") as f:
                 json.dump(results, f)
-            print(f"wrote {a.out}")
+            print(f"wrote {out}")
         print_summary(results)
-        png = os.path.splitext(a.out if len(a.plot_only) > 1 else a.plot_only[0])[0] + ".png"
+        png = os.path.splitext(str(out))[0] + ".png"
         if results["args"].get("reference"):
             with open(a.reference or results["args"]["reference"]) as f:
                 plot_variants(results, json.load(f), png)
@@ -694,7 +701,8 @@ def main():
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable)] + script + sys.argv[1:]),
                "args": vars(a), "corpus": corpus, "runs": {}}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    a.out = str(out_file(a.out, "train_moe_lm", "train_moe_lm.json"))
+    print(f"results: {a.out}", flush=True)
     ref = None
     if a.reference:
         with open(a.reference) as f:

@@ -1,11 +1,12 @@
 """The moegemm benchmark suite: moegemm next to its peers, side by side in one process.
 
-    python -m bench.suite            # full run (~8-10 min of GPU time), results under bench/results/
+    python -m bench.suite            # full run (~8-10 min of GPU time), results in ~/.cache/moegemm-bench/suite/
+    python -m bench.suite --out bench/results   # the same, rewriting the committed results
     python -m bench.suite --quick    # ~2.5 min: fewer iterations, Zipf splits only, short jitter run
     LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) python -m bench.suite ...   # with the DeepGEMM rows
     (DeepGEMM: its source carried to .peers/DeepGEMM; its first build, ~80 s, and the JIT prewarm of its
     kernels come on top of the time budget, as the probes do)
-    python -m bench.suite.plot bench/results/results.json   # the PNGs again, on any machine with matplotlib
+    python -m bench.suite.plot bench/results/results.json --out bench/results   # the PNGs again (matplotlib)
 
 Model shapes (E, hidden, ffn per expert, routed tokens T) with Zipf-skewed m_splits (empty experts
 included) and a balanced variant. Variants (each guarded: a failure is recorded, never fatal):
@@ -39,13 +40,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from bench.outputs import describe, out_dir
 from bench.preflight import require_cuda_gpu
 from bench.suite.variants import VARIANTS  # torch-free: the options are known before torch is imported
 
 PROG = "python -m bench.suite"
-RESULTS = Path(__file__).resolve().parents[1] / "results"  # the committed results (bench/README.md)
 
 
 def make_cfg(args) -> dict:
@@ -94,7 +94,8 @@ def make_cfg(args) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations, Zipf splits only, short jitter (~2.5 min)")
-    ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
+    ap.add_argument("--out", default=None, help=f"output folder ({describe('suite')}; bench/results for the "
+                    "committed results)")
     ap.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
     ap.add_argument("--splits", default=None, help="comma-separated: zipf,balanced")
     ap.add_argument("--variants", default=None, help="comma-separated substrings of variant keys "
@@ -131,6 +132,7 @@ def main(argv=None) -> int:
     if args.prewarm:
         return prewarm_main(args.prewarm, args.prewarm_job)
     torch.backends.cuda.matmul.allow_tf32 = False
+    args.out = str(out_dir(args.out, "suite"))
     return Runner(args, make_cfg(args)).run()
 
 

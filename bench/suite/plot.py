@@ -1,6 +1,6 @@
 """PNG plots of a benchmark run (needs matplotlib; any machine, no GPU):
 
-    python -m bench.suite.plot bench/results/results.json [--out DIR]
+    python -m bench.suite.plot bench/results/results.json [--out DIR]   # default: ~/.cache/moegemm-bench/suite
 
 speedup.png        speed-up over torch._grouped_mm bf16, grouped bars per model shape and variant
                    (rows: fc1 forward, MLP forward+backward; columns: the m_splits kinds measured)
@@ -13,6 +13,8 @@ import argparse
 import json
 import math
 from pathlib import Path
+
+from bench.outputs import describe, out_dir
 
 SECTIONS = {"fc1": "fc1 forward", "mlp": "MLP forward+backward"}
 
@@ -131,12 +133,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.suite.plot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="results.json written by python -m bench.suite")
-    ap.add_argument("--out", default=None, help="output folder (default: the folder of results.json)")
+    ap.add_argument("--out", default=None, help=f"output folder ({describe('suite')})")
     args = ap.parse_args(argv)
     path = Path(args.results)
     with open(path) as f:
         res = json.load(f)
-    for p in make_plots(res, args.out or path.parent):
+    for p in make_plots(res, out_dir(args.out, "suite")):
         print(p)
     return 0
 

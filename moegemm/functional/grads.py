@@ -22,6 +22,38 @@ def refuse_double_backward(what: str) -> None:
                            "create_graph=True (double backward)")
 
 
+SPLIT_BACKWARD_IN_FULLGRAPH = (
+    "moegemm: the split backward (delay_wgrad_compute=True, or a wgrad_store) cannot run inside a torch.compile graph "
+    "with fullgraph=True: its backward leaves the weight gradients to a Python store (backward_dw()), which a traced "
+    "graph cannot hold, so such a layer runs outside the graph. Compile without fullgraph=True (the layer then runs "
+    "eagerly between the compiled graphs), or turn the split backward off in the compiled region.")
+
+
+def refuse_split_backward_in_fullgraph() -> None:
+    """The split-backward layers run outside torch.compile's graphs (``torch.compiler.disable``): a graph break,
+    which ``fullgraph=True`` (and export) refuses with torch's hint to remove the disable from moegemm. Refuse
+    it first with moegemm's own message instead; without fullgraph the graph break stays what it was."""
+    if torch.compiler.is_compiling():
+        _refuse_if_one_graph()
+
+
+@torch._dynamo.assume_constant_result  # run by dynamo while it traces (not traced): it sees the tracer
+def _refuse_if_one_graph() -> bool:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        one_graph = bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # noqa: BLE001 - another torch's internals: leave the refusal to torch
+        return False
+    if one_graph:
+        # TorchRuntimeError: the kind of error dynamo passes on as it is (others it rewraps as internal errors)
+        from torch._dynamo.exc import TorchRuntimeError
+
+        raise TorchRuntimeError(SPLIT_BACKWARD_IN_FULLGRAPH)
+    return False
+
+
 def weight_grad_target(weight, need_dw: bool):
     """Megatron's gradient-accumulation fusion: wgrad goes into ``weight.main_grad`` when it exists.
     Checked again here: the attribute may have been replaced between forward and backward."""

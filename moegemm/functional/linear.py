@@ -28,7 +28,7 @@ from .._validate import SplitsLike, check_bias, check_main_grad, check_recipe, c
 from ..backends import contract
 from ..layout import BF16, RECIPE_IDS
 from .grads import (WgradStore, add_grad, check_deferrable, drops_on_failure, finish_sum, finish_weight_grad,
-                    grad_target, refuse_double_backward, weight_grad_target)
+                    grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph, weight_grad_target)
 from .inputs import split_x
 
 _WGRAD_GATHER = {recipe: contract.LINEAR.wgrad_gather(recipe) for recipe in RECIPE_IDS.values()}
@@ -121,6 +121,7 @@ def grouped_linear(
                               fp8 or None)[0]  # inference
     if wgrad_store is not None:
         check_deferrable(("weight", weight))
+        refuse_split_backward_in_fullgraph()
     apply = _GroupedLinear.apply if wgrad_store is None else _apply_deferred
     return apply(x, weight, bias, m, RECIPE_IDS[recipe], x_fp8, x_scales, wgrad_store, fp8)
 

@@ -23,7 +23,7 @@ from .._validate import (SplitsLike, check_activation, check_bias, check_main_gr
 from ..backends import contract
 from ..layout import ACTIVATIONS, BF16, RECIPE_IDS
 from .grads import (WgradStore, add_grad, check_deferrable, drops_on_failure, finish_sum, finish_weight_grad,
-                    grad_target, refuse_double_backward, weight_grad_target)
+                    grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph, weight_grad_target)
 from .inputs import split_x
 
 _RELEASED = "released"
@@ -147,6 +147,7 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
                            False, False, x_scales)[0]
     if wgrad_store is not None:
         check_deferrable(("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight))
+        refuse_split_backward_in_fullgraph()
     apply = _GroupedMLP.apply if wgrad_store is None else _apply_deferred
     return apply(*inputs, m, act_id, recipe_id, fp8, x_fp8, x_scales, wgrad_store)
 

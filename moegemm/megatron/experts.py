@@ -12,7 +12,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from .. import backends
-from .._validate import check_mlp_dims
+from .._validate import check_bool_arg, check_layer_sizes, check_mlp_dims, check_weight_dtype
 from ..functional import grouped_mlp
 from ..layout import GLU_ACTIVATIONS
 from ..modules.base import ExpertLayer, GroupedWeights
@@ -124,12 +124,18 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
                              "(--expert-tensor-parallel-size 1) and scale out with expert parallelism")
         if getattr(config, "moe_latent_size", None):
             raise ValueError(f"moegemm experts do not support moe_latent_size, got {config.moe_latent_size}")
+        ffn_name = "config.moe_ffn_hidden_size" if config.moe_ffn_hidden_size is not None else "config.ffn_hidden_size"
+        ffn = config.moe_ffn_hidden_size if config.moe_ffn_hidden_size is not None else config.ffn_hidden_size
+        check_layer_sizes(("num_local_experts", num_local_experts), ("config.hidden_size", config.hidden_size),
+                          (ffn_name, ffn))
+        dtype = check_weight_dtype("config.params_dtype", config.params_dtype)
+        if fp8_weight_cache is not None:
+            check_bool_arg("fp8_weight_cache", fp8_weight_cache)
         self.num_local_experts = int(num_local_experts)
         self.name = name
         self.activation = resolve_activation(config)
         self.glu = self.activation in GLU_ACTIVATIONS
         self.hidden_size = config.hidden_size
-        ffn = config.moe_ffn_hidden_size if config.moe_ffn_hidden_size is not None else config.ffn_hidden_size
         self.ffn_hidden_size = ffn
         E, H = self.num_local_experts, self.hidden_size
         F1 = check_mlp_dims(E, H, ffn, self.activation, names=("linear_fc1.weight", "linear_fc2.weight"))
@@ -142,7 +148,6 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
 
         use_cpu = bool(getattr(config, "use_cpu_initialization", False)) or not torch.cuda.is_available()
         device = torch.device("cpu") if use_cpu else torch.device("cuda", torch.cuda.current_device())
-        dtype = config.params_dtype
         bias = bool(config.add_bias_linear)
         self.linear_fc1 = GroupedWeights(E, H, F1, bias, device, dtype)
         self.linear_fc2 = GroupedWeights(E, ffn, H, bias, device, dtype)

@@ -11,7 +11,10 @@ from typing import Optional
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from .._validate import check_bool_arg, check_recipe
 from .experts import MoegemmExperts
+
+EXPERTS_KWARGS = ("recipe", "fp8_weight_cache")  # MoegemmExperts' own keyword arguments
 
 class _CallableSpec(ModuleSpec):
     """A ModuleSpec that is also a builder: megatron-core <= 0.16 builds experts with
@@ -23,7 +26,14 @@ class _CallableSpec(ModuleSpec):
 
 def experts_builder(**experts_kwargs):
     """What to put in ``MoESubmodules.experts`` (any megatron-core version): ``MoegemmExperts`` itself,
-    or a spec carrying ``experts_kwargs`` (e.g. ``recipe='fp8_blockwise'``)."""
+    or a spec carrying ``experts_kwargs`` (e.g. ``recipe='fp8_blockwise'``), checked here."""
+    unknown = sorted(set(experts_kwargs) - set(EXPERTS_KWARGS))
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments for MoegemmExperts: {unknown}; it takes {list(EXPERTS_KWARGS)}")
+    if experts_kwargs.get("recipe") is not None:
+        check_recipe(experts_kwargs["recipe"])
+    if experts_kwargs.get("fp8_weight_cache") is not None:
+        check_bool_arg("fp8_weight_cache", experts_kwargs["fp8_weight_cache"])
     if not experts_kwargs:
         return MoegemmExperts
     return _CallableSpec(module=MoegemmExperts, params=dict(experts_kwargs))

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._validate import SplitsLike, check_expert_dims
+from .._validate import SplitsLike, check_bool_arg, check_layer_sizes, check_recipe, check_weight_dtype
 from ..functional import grouped_linear
 from .base import ExpertLayer, init_uniform_
 
@@ -28,11 +28,16 @@ class GroupedLinear(ExpertLayer, nn.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
                  recipe: str = "fp8_blockwise", device=None, dtype=None, delay_wgrad_compute: bool = False,
                  fp8_weight_cache: bool = True):
-        check_expert_dims(num_experts, out_features, in_features)
+        check_layer_sizes(("num_experts", num_experts), ("in_features", in_features), ("out_features", out_features))
+        check_recipe(recipe)
+        dtype = check_weight_dtype("dtype", dtype)
+        for name, flag in (("bias", bias), ("delay_wgrad_compute", delay_wgrad_compute),
+                           ("fp8_weight_cache", fp8_weight_cache)):
+            check_bool_arg(name, flag)
         super().__init__()
         self._init_expert_layer(recipe, fp8_weight_cache, delay_wgrad_compute)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
-        factory = {"device": device, "dtype": dtype if dtype is not None else torch.bfloat16}
+        factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias else None
         self.reset_parameters()

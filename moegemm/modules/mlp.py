@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._validate import SplitsLike, check_activation, check_mlp_dims
+from .._validate import (SplitsLike, check_activation, check_bool_arg, check_layer_sizes, check_mlp_dims, check_recipe,
+                         check_weight_dtype)
 from ..functional import grouped_mlp
 from ..quantize import Fp8Rows
 from .base import ExpertLayer, GroupedWeights
@@ -39,12 +40,17 @@ class GroupedMLP(ExpertLayer, nn.Module):
                  bias: bool = False, recipe: str = "fp8_blockwise", device=None, dtype=None,
                  fp8_weight_cache: bool = True, delay_wgrad_compute: bool = False):
         check_activation(activation)
+        check_layer_sizes(("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size))
         fc1_out = check_mlp_dims(num_experts, hidden_size, ffn_hidden_size, activation)
+        check_recipe(recipe)
+        dtype = check_weight_dtype("dtype", dtype)
+        for name, flag in (("bias", bias), ("fp8_weight_cache", fp8_weight_cache),
+                           ("delay_wgrad_compute", delay_wgrad_compute)):
+            check_bool_arg(name, flag)
         super().__init__()
         self._init_expert_layer(recipe, fp8_weight_cache, delay_wgrad_compute)
         self.activation = activation
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
-        dtype = dtype if dtype is not None else torch.bfloat16
         self.fc1 = GroupedWeights(num_experts, hidden_size, fc1_out, bias, device, dtype)
         self.fc1.reset_parameters()
         self.fc2 = GroupedWeights(num_experts, ffn_hidden_size, hidden_size, bias, device, dtype)

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "env_flag.h"
 #include "moegemm.h"
 
 namespace moegemm::gemm {
@@ -113,11 +114,9 @@ inline GemmKernel kernel_from_env(const char* env) {
   return v != nullptr && std::strcmp(v, "cutlass") == 0 ? GemmKernel::kCutlass : GemmKernel::kSm90;
 }
 
-// A form that the environment variable `env` turns off with "0" (on otherwise).
-inline bool enabled_by_env(const char* env) {
-  const char* v = std::getenv(env);
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+// A form that the boolean environment variable `env` turns off (on when unset; env_flag.h's strict rule: a value
+// that is not a boolean throws std::invalid_argument naming the variable).
+inline bool enabled_by_env(const char* env) { return env_flag(env, true); }
 
 // The ragged reduction's tile walk within an expert (scheduler.cuh): row-major, where the CTAs working at one
 // time share sms / n_blocks row tiles and read every column tile, or, with many column tiles, in bands of

@@ -87,26 +87,26 @@ class _SwigluExperts(torch.autograd.Function):
                                                 need_dw13 or need_dw2, None)
         made, saved = C.by_name(_MADE[recipe], made), C.by_name(_SAVED[recipe], saved)
         F = w1.shape[1]
-        dw1 = dw3 = dw2 = None
-        if recipe == FP8_BLOCKWISE:
-            if need_dw2:
-                dw2 = ops.linear_wgrad(plan, [made["qdyT"], made["sdyT"], saved["qaT"], saved["saT"]], w2, None, recipe)
-            qdhT, sdhT, xT = made["qdhT"], made["sdhT"], [made["qxT"], made["sxT"]]
-            if need_dw1:  # the gate rows of dh's column copy: a contiguous slice; its scales' columns: a small copy
-                dw1 = ops.linear_wgrad(plan, [qdhT[:F], sdhT[:, :F].contiguous(), *xT], w1, None, recipe)
-            if need_dw3:
-                dw3 = ops.linear_wgrad(plan, [qdhT[F:], sdhT[:, F:].contiguous(), *xT], w3, None, recipe)
-        else:
-            if need_dw2:
-                dw2 = ops.linear_wgrad(plan, [dy.contiguous(), saved["a"]], w2, None, recipe)
-            dh = made["dh"]
-            if need_dw1:
-                dw1 = ops.linear_wgrad(plan, [dh[:, :F].contiguous(), x], w1, None, recipe)
-            if need_dw3:
-                dw3 = ops.linear_wgrad(plan, [dh[:, F:].contiguous(), x], w3, None, recipe)
+        if recipe == FP8_BLOCKWISE:  # fc1's operands: the gate / up rows of dh's column copy (contiguous slices)
+            fc2 = [made["qdyT"], made["sdyT"], saved["qaT"], saved["saT"]]  # and small copies of their scales' columns
+            rows = [made["qdhT"], made["sdhT"]]  # placeholders unless need_dw13
+            gate = [rows[0][:F], rows[1][:, :F].contiguous()] if need_dw1 else rows
+            up = [rows[0][F:], rows[1][:, F:].contiguous()] if need_dw3 else rows
+            gate, up = gate + [made["qxT"], made["sxT"]], up + [made["qxT"], made["sxT"]]
+        else:  # bf16: the halves of dh [T, 2F] copied out
+            fc2 = [dy.contiguous(), saved["a"]]
+            gate = [made["dh"][:, :F].contiguous(), x] if need_dw1 else [made["dh"], x]
+            up = [made["dh"][:, F:].contiguous(), x] if need_dw3 else [made["dh"], x]
+        # one wgrad GEMM per weight, each into its own gradient: w1 with w2 (mlp_wgrad: fc1 = w1, fc2 = w2), then w3
+        dw1 = dw2 = dw3 = None
+        if need_dw1 or need_dw2:
+            dw1, dw2 = ops.mlp_wgrad(plan, fc2 + gate, w1, w2, None, None, recipe, need_dw1, need_dw2)
+        if need_dw3:
+            dw3 = ops.mlp_wgrad(plan, fc2 + up, w3, w2, None, None, recipe, True, False)[0]
         if dp is not None and need_dp:
             dp = dp.to(probs.dtype)
-        return (dx if need_dx else None, dw1, dw3, dw2, dp if need_dp else None, None, None, None, None)
+        return (dx if need_dx else None, dw1 if need_dw1 else None, dw3, dw2 if need_dw2 else None,
+                dp if need_dp else None, None, None, None, None)
 
 
 def _stand_in(w1: torch.Tensor) -> torch.Tensor:

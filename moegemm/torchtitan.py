@@ -12,6 +12,12 @@
   - the ``@override`` ``moegemm_experts``: ``--override.imports moegemm.torchtitan.moegemm_experts`` (with
     options: ``'moegemm.torchtitan.moegemm_experts={"recipe": "bf16"}'``), no code.
   Both replace every stock ``GroupedExperts.Config`` of the model and leave the token dispatcher as it is.
+* ``MoegemmRoutedExperts`` (the converter's default, ``fuse_scores=True``; the override
+  ``moegemm.torchtitan.moegemm_routed_experts``): torchtitan's ``RoutedExperts`` (dispatch, experts, combine)
+  with moegemm's experts, where the router's scores scale each token's activation inside the experts' op (its
+  SwiGLU kernel, and the scores' gradient from its backward) instead of a separate multiplication of the experts'
+  output in ``combine``: with the local token dispatcher (no expert parallelism); with any other dispatcher, or
+  an expert-parallel mesh, it runs torchtitan's own forward. It has no state: checkpoints are unchanged.
 
 fc1 without copies. moegemm's expert MLP takes fc1 as one ``[E, 2·hidden, dim]`` weight, gate rows (``w1``) first,
 up rows (``w3``) second. torchtitan keeps ``w1`` and ``w3`` apart, so:
@@ -40,7 +46,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.config.override import derive, override
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from . import backends, weight_cache
 from ._validate import check_mlp_dims, check_probs, check_recipe, check_x, splits_to_device
@@ -48,7 +57,8 @@ from .backends import contract as C
 from .functional.grads import refuse_double_backward
 from .layout import ACTIVATIONS, BF16, FP8_BLOCKWISE, RECIPE_IDS
 
-__all__ = ["MoegemmGroupedExperts", "MoegemmExpertsConverter", "moegemm_experts", "swiglu_experts"]
+__all__ = ["MoegemmGroupedExperts", "MoegemmRoutedExperts", "MoegemmExpertsConverter", "moegemm_experts",
+           "moegemm_routed_experts", "swiglu_experts"]
 
 _SWIGLU = ACTIVATIONS["swiglu"]
 _MADE = {r: C.MLP_BWD.made[r] for r in (BF16, FP8_BLOCKWISE)}
@@ -209,6 +219,39 @@ class MoegemmGroupedExperts(GroupedExperts):
         return f"num_experts={E}, dim={D}, hidden_dim={F}, recipe={self.recipe!r}"
 
 
+def _local_dispatch(dispatcher) -> bool:
+    """Whether ``dispatcher`` only reorders tokens locally (combine = score, then scatter_add): torchtitan's
+    local dispatcher, or its all-to-all one without an expert-parallel mesh."""
+    return type(dispatcher) is LocalTokenDispatcher or (type(dispatcher) is AllToAllTokenDispatcher
+                                                        and dispatcher.ep_mesh is None)
+
+
+class MoegemmRoutedExperts(RoutedExperts):
+    """torchtitan's ``RoutedExperts`` whose moegemm experts take the router's scores (this module's docstring):
+    dispatch as torchtitan's, ``inner_experts(x, counts, scores)``, combine without the multiplication (the
+    deterministic scatter_add alone). Falls back to torchtitan's forward where that does not apply."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
+                num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(self.inner_experts, MoegemmGroupedExperts) and _local_dispatch(self.token_dispatcher)):
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        B, L, D = x_BLD.shape
+        K = topk_scores_BLK.size(-1)
+        x_TD = x_BLD.view(B * L, D)
+        routed_RD, counts_E, meta = LocalTokenDispatcher.dispatch(
+            self.token_dispatcher, x_TD, topk_scores_BLK.view(-1, K), topk_expert_ids_BLK.view(-1, K),
+            num_local_tokens_per_expert_E)
+        with maybe_set_sparse_mesh():
+            out_RD = self.inner_experts(routed_RD, counts_E, meta.topk_scores_experts_sorted_N)
+        index = meta.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, D)
+        out_TD = deterministic_scatter_add(torch.zeros_like(x_TD), index, out_RD)
+        return out_TD.view(B, -1, D)
+
+
 # ------------------------------------------------------------------------------------ installing it
 def _convert(cfg: GroupedExperts.Config, recipe: str, fp8_weight_cache: bool) -> MoegemmGroupedExperts.Config:
     """The moegemm config replacing a stock ``GroupedExperts.Config`` (its fields copied: sizes, param_init,
@@ -232,21 +275,40 @@ class MoegemmExpertsConverter(QuantizationConverter):
         """moegemm's recipe: FP8 with 1x128 / 128x128 block scales, or bf16."""
         fp8_weight_cache: bool = True
         """Keep the experts' FP8 weights between calls (re-quantized when the weights change)."""
+        fuse_scores: bool = True
+        """Apply the router's scores inside the experts' op (``MoegemmRoutedExperts``; local dispatch only)."""
 
     def __init__(self, config: Config):
         check_recipe(config.recipe)
         self.config = config
 
     def convert(self, model_config):
+        c = self.config
+        if c.fuse_scores:
+            for _fqn, cfg, parent, attr in list(model_config.traverse(RoutedExperts.Config)):
+                model_config = _replace(model_config, parent, attr, _convert_routed(cfg, c.recipe, c.fp8_weight_cache))
         for _fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
-            new = _convert(cfg, self.config.recipe, self.config.fp8_weight_cache)
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
+            model_config = _replace(model_config, parent, attr, _convert(cfg, c.recipe, c.fp8_weight_cache))
         return model_config
+
+
+def _replace(root, parent, attr, new):
+    """Put ``new`` where a traversal found a config (``parent``, ``attr``); the root, possibly new."""
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return root
+
+
+def _convert_routed(cfg: RoutedExperts.Config, recipe: str, fp8_weight_cache: bool) -> MoegemmRoutedExperts.Config:
+    """``MoegemmRoutedExperts.Config`` in place of a ``RoutedExperts.Config``, its experts converted."""
+    if type(cfg) not in (RoutedExperts.Config, MoegemmRoutedExperts.Config):
+        raise ValueError(f"moegemm replaces torchtitan's stock RoutedExperts only, got {type(cfg).__qualname__}")
+    return derive(cfg, MoegemmRoutedExperts.Config,
+                  inner_experts=_convert(cfg.inner_experts, recipe, fp8_weight_cache))
 
 
 @override(target=GroupedExperts.Config, exact=True,
@@ -256,3 +318,12 @@ def moegemm_experts(cfg: GroupedExperts.Config, recipe: str = "fp8_blockwise",
     """torchtitan override: ``--override.imports moegemm.torchtitan.moegemm_experts`` (options as JSON:
     ``'moegemm.torchtitan.moegemm_experts={"recipe": "bf16"}'``)."""
     return _convert(cfg, recipe, fp8_weight_cache)
+
+
+@override(target=RoutedExperts.Config, exact=True,
+          description="moegemm routed experts: the router scores applied inside moegemm's experts op")
+def moegemm_routed_experts(cfg: RoutedExperts.Config, recipe: str = "fp8_blockwise",
+                           fp8_weight_cache: bool = True) -> MoegemmRoutedExperts.Config:
+    """torchtitan override: ``--override.imports moegemm.torchtitan.moegemm_routed_experts`` (``MoegemmRoutedExperts``
+    with moegemm's experts; list it instead of ``moegemm_experts``, not with it)."""
+    return _convert_routed(cfg, recipe, fp8_weight_cache)

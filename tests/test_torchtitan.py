@@ -32,7 +32,8 @@ try:
     from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
     from torchtitan.models.common.moe import GroupedExperts
 
-    from moegemm.torchtitan import MoegemmExpertsConverter, MoegemmGroupedExperts, swiglu_experts
+    from moegemm.torchtitan import MoegemmExpertsConverter, MoegemmGroupedExperts, MoegemmRoutedExperts
+    from torchtitan.models.common.moe import RoutedExperts
 
     HAS_TORCHTITAN, WHY = True, ""
 except ImportError as e:  # torchtitan, or one of the packages its import needs
@@ -88,7 +89,7 @@ def experts64(x, w1, w3, w2, counts, scores=None):
     return torch.cat(out)
 
 
-def moe_config(recipe=None, cache=True, hidden=HIDDEN, experts=E):
+def moe_config(recipe=None, cache=True, hidden=HIDDEN, experts=E, fuse=True):
     """A torchtitan MoE layer's config (DeepSeek-V3's helpers), converted to moegemm when ``recipe`` is given."""
     init = {"weight": functools.partial(torch.nn.init.trunc_normal_, std=0.02)}
     einit = {k: functools.partial(torch.nn.init.trunc_normal_, std=0.05) for k in ("w1_EFD", "w2_EDF", "w3_EFD")}
@@ -98,16 +99,16 @@ def moe_config(recipe=None, cache=True, hidden=HIDDEN, experts=E):
         routed_experts=make_routed_experts_config(dim=DIM, hidden_dim=hidden, num_experts=experts, top_k=TOP_K,
                                                   param_init=einit, comm_backend="standard"))
     if recipe is not None:
-        cfg = MoegemmExpertsConverter.Config(recipe=recipe, fp8_weight_cache=cache).build().convert(cfg)
+        cfg = MoegemmExpertsConverter.Config(recipe=recipe, fp8_weight_cache=cache, fuse_scores=fuse).build().convert(cfg)
     return cfg
 
 
 class TinyMoEModel(torch.nn.Module):
     """Two torchtitan MoE layers with residuals: the tiny model of these tests."""
 
-    def __init__(self, recipe=None, cache=True, hidden=HIDDEN):
+    def __init__(self, recipe=None, cache=True, hidden=HIDDEN, fuse=True):
         super().__init__()
-        self.layers = torch.nn.ModuleList(moe_config(recipe, cache, hidden).build() for _ in range(2))
+        self.layers = torch.nn.ModuleList(moe_config(recipe, cache, hidden, fuse=fuse).build() for _ in range(2))
 
     def init_states(self):
         for layer in self.layers:
@@ -119,11 +120,11 @@ class TinyMoEModel(torch.nn.Module):
         return x
 
 
-def twins(recipe, device, cache=True, hidden=HIDDEN, dtype=None):
+def twins(recipe, device, cache=True, hidden=HIDDEN, dtype=None, fuse=True):
     """(torchtitan's tiny model, moegemm's with the same weights) on ``device``."""
     stock = TinyMoEModel(hidden=hidden)
     stock.init_states()
-    ours = TinyMoEModel(recipe, cache, hidden)
+    ours = TinyMoEModel(recipe, cache, hidden, fuse)
     ours.load_state_dict(stock.state_dict())
     return stock.to(device=device, dtype=dtype), ours.to(device=device, dtype=dtype)
 
@@ -278,11 +279,15 @@ def test_experts_equal_grouped_mlp_on_the_fused_fc1(device, recipe, hidden):
 
 @requires_torchtitan
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_tiny_model_forward_backward_against_torchtitan(recipe):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused_scores", "experts_only"])
+def test_tiny_model_forward_backward_against_torchtitan(recipe, fuse):
     """A tiny model of torchtitan MoE layers (router, reorder, experts, combine): moegemm's against torchtitan's,
-    output, input gradient and every parameter's gradient (the router's too)."""
+    output, input gradient and every parameter's gradient (the router's too); the router's scores applied in the
+    experts' op (MoegemmRoutedExperts) or by torchtitan's combine (the experts module alone swapped)."""
     torch.manual_seed(0)
-    stock, ours = twins(recipe, "cpu")
+    stock, ours = twins(recipe, "cpu", fuse=fuse)
+    assert type(ours.layers[0].routed_experts) is (MoegemmRoutedExperts if fuse else RoutedExperts)
+    assert type(inner(ours)) is MoegemmGroupedExperts
     x = torch.randn(2, 64, DIM)
     dy = torch.randn_like(x)
     # two layers against torchtitan's bf16; FP8: the router's gradient (from differences of expert outputs)
@@ -360,7 +365,7 @@ def test_sizes_are_checked_at_construction():
 
 # ------------------------------------------------------------------------------- installing it
 @requires_torchtitan
-@pytest.mark.parametrize("how", ["converter", "override"])
+@pytest.mark.parametrize("how", ["converter", "override", "override_routed"])
 def test_converter_and_override_on_deepseek_debug_model(how):
     """Every GroupedExperts of DeepSeek-V3's debug model becomes moegemm's, with its options, param_init and
     sharding config; the model builds, satisfies the Module protocol, and has torchtitan's state-dict keys and
@@ -373,7 +378,10 @@ def test_converter_and_override_on_deepseek_debug_model(how):
         cfg = model_registry("debugmodel", converters=[MoegemmExpertsConverter.Config(recipe="bf16")]).model
     else:
         cfg = model_registry("debugmodel").model
-        apply_overrides(OverrideConfig(imports=[("moegemm.torchtitan.moegemm_experts", {"recipe": "bf16"})]), cfg)
+        name = "moegemm_experts" if how == "override" else "moegemm_routed_experts"
+        apply_overrides(OverrideConfig(imports=[(f"moegemm.torchtitan.{name}", {"recipe": "bf16"})]), cfg)
+    routed = {type(c) for _, c, _, _ in cfg.traverse(RoutedExperts.Config)}
+    assert routed == {RoutedExperts.Config if how == "override" else MoegemmRoutedExperts.Config}
     found = list(cfg.traverse(GroupedExperts.Config))
     stock_found = list(stock_cfg.traverse(GroupedExperts.Config))
     assert len(found) == len(stock_found) > 0

@@ -8,11 +8,14 @@ The layer is torchtitan 0.3.0's ``MoE`` built from its config helpers (softmax r
 dispatcher, no shared experts) with bf16 weights (what FSDP2's mixed precision hands a layer) and bf16 tokens
 ``[batch, seq, dim]``. Variants (``--variants``), every one with the same weights and inputs:
 
-* ``moegemm_fp8``: ``MoegemmGroupedExperts`` (``moegemm.torchtitan``), ``fp8_blockwise`` with the FP8 weight cache
-  (weights unchanged between steps: the copies are reused, as between micro-batches and for recomputation);
+* ``moegemm_fp8``: ``MoegemmExpertsConverter``'s default (``moegemm.torchtitan``): ``MoegemmGroupedExperts``,
+  ``fp8_blockwise``, with the FP8 weight cache (weights unchanged between steps: the copies are reused, as between
+  micro-batches and for recomputation), the router's scores applied inside the experts' op (``MoegemmRoutedExperts``);
 * ``moegemm_fp8_requant``: the same, ``moegemm.weights_changed()`` before every step (the cache re-quantizes every
   step: one micro-batch per optimizer step);
-* ``moegemm_bf16``: ``MoegemmGroupedExperts`` with the ``bf16`` recipe;
+* ``moegemm_fp8_unfused``: ``moegemm_fp8`` with ``fuse_scores=False`` (torchtitan's ``RoutedExperts``: the scores
+  multiply the experts' output in ``combine``): the experts module alone swapped;
+* ``moegemm_bf16``: ``moegemm_fp8`` with the ``bf16`` recipe;
 * ``torchtitan_bf16``: torchtitan's ``GroupedExperts`` (``torch._grouped_mm``, SwiGLU in eager ops): the baseline;
 * ``torchao_fp8``: torchtitan's ``Float8GroupedExpertsConverter`` (torchao FP8 rowwise grouped GEMMs, its padding
   token dispatcher), when torchao imports and the GPU has FP8.
@@ -42,7 +45,8 @@ import tempfile
 import time
 
 PROG = "python -m bench.examples.torchtitan_layer"
-VARIANTS = ["moegemm_fp8", "moegemm_fp8_requant", "moegemm_bf16", "torchtitan_bf16", "torchao_fp8"]
+VARIANTS = ["moegemm_fp8", "moegemm_fp8_requant", "moegemm_fp8_unfused", "moegemm_bf16", "torchtitan_bf16",
+            "torchao_fp8"]
 BASELINE, FP8_PEER = "torchtitan_bf16", "torchao_fp8"
 
 
@@ -97,7 +101,8 @@ def moe_config(a, variant: str, mode: str):
         from moegemm.torchtitan import MoegemmExpertsConverter
 
         recipe = "bf16" if variant == "moegemm_bf16" else "fp8_blockwise"
-        cfg = MoegemmExpertsConverter.Config(recipe=recipe).build().convert(cfg)
+        fuse = variant != "moegemm_fp8_unfused"
+        cfg = MoegemmExpertsConverter.Config(recipe=recipe, fuse_scores=fuse).build().convert(cfg)
     elif variant == "torchao_fp8":
         from torchtitan.components.quantization import Float8GroupedExpertsConverter
 

@@ -630,3 +630,20 @@ def test_cuda_debug_model_training_step(recipe):
     for got, want in zip(outs[1], outs[0]):
         if want is not None and want.norm() > 0:
             assert rel(got, want) < tol
+
+
+# ------------------------------------------------------------------------------------------- benchmark
+@requires_torchtitan
+def test_layer_benchmark_smoke(tmp_path):
+    """``python -m bench.examples.torchtitan_layer --tiny`` runs on this machine and writes its table outside the
+    tree (here: tmp_path), with each variant's errors against float64 within its recipe's."""
+    from bench.examples import torchtitan_layer
+
+    out = torchtitan_layer.main(["--tiny", "--out", str(tmp_path), "--iters", "1", "--warmup", "0",
+                                 "--variants", "moegemm_fp8,moegemm_bf16,torchtitan_bf16"])
+    assert (tmp_path / "torchtitan_layer.json").exists() and (tmp_path / "torchtitan_layer.md").exists()
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert not any("skipped" in r for r in rows.values())
+    for variant, tol in (("moegemm_fp8", TOL["fp8_blockwise"]), ("moegemm_bf16", TOL["bf16"]),
+                         ("torchtitan_bf16", TOL["bf16"])):
+        assert max(rows[variant]["errors"].values()) < tol and rows[variant]["step_ms"] > 0

@@ -1,7 +1,13 @@
 """The FP8 weight cache: the FP8 copies of expert weights (``quantize_weight``: ``W`` and ``Wᵀ`` with their
 scales), made once per change of the weights (a layer's weights together: one launch on the GPU) and reused by
 every call in between (the micro-batches of a gradient-accumulation step, evaluation, activation recomputation).
-Used by ``GroupedLinear``, ``GroupedMLP`` and ``moegemm.megatron.MoegemmExperts``.
+Used by ``GroupedLinear``, ``GroupedMLP``, ``moegemm.megatron.MoegemmExperts`` and ``moegemm.torchtitan``.
+
+A weight may also be given as a tuple of tensors (its *parts*, e.g. ``(w1, w3)``): the copy is then the
+quantization of their concatenation along dim 1, made without keeping that concatenation, and it is valid only
+while every part is (each rule below holds for each part). An expert MLP whose gate and up weights are separate
+parameters so gets the fused fc1 copies that ``grouped_mlp`` takes, concatenated once per change of the weights
+rather than in every call.
 
 When is a cached copy used? A copy of weight ``w`` is valid only while all of these still hold:
 
@@ -111,7 +117,16 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _version(w: torch.Tensor) -> Optional[int]:
+def _parts(w) -> tuple:
+    """The tensors a cached weight is made of: itself, or the parts of a combined weight (a tuple)."""
+    return tuple(w) if isinstance(w, (tuple, list)) else (w,)
+
+
+def _version(w):
+    """The version counter of a weight, a tuple of them for a combined weight; None if any has none."""
+    if isinstance(w, (tuple, list)):
+        versions = tuple(_version(p) for p in w)
+        return None if None in versions else versions
     try:
         return w._version
     except RuntimeError:  # inference tensors have no version counter: never trusted automatically
@@ -119,11 +134,19 @@ def _version(w: torch.Tensor) -> Optional[int]:
 
 
 def quantize(weights: Sequence[torch.Tensor]) -> list:
-    """``quantize_weight`` of each weight (one device), as ordinary (non-inference) tensors: one 4-tuple per
-    weight, from the backend's ``quantize_weights`` (on the GPU a layer's two weights in one launch)."""
-    ops = backends.select(weights[0].device)
+    """``quantize_weight`` of each weight (one device; a tuple: of its parts' concatenation along dim 1), as
+    ordinary (non-inference) tensors: one 4-tuple per weight, from the backend's ``quantize_weights`` (on the GPU
+    a layer's two weights in one launch)."""
+    ops = backends.select(_parts(weights[0])[0].device)
     with torch.no_grad(), torch.inference_mode(False):
-        return [tuple(q) for q in ops.quantize_weights([w.detach().contiguous() for w in weights])]
+        return [tuple(q) for q in ops.quantize_weights([_combined(w) for w in weights])]
+
+
+def _combined(w) -> torch.Tensor:
+    """The tensor a weight's copy quantizes: the weight itself, or its parts concatenated along dim 1."""
+    if isinstance(w, (tuple, list)):
+        return torch.cat([p.detach() for p in w], 1)
+    return w.detach().contiguous()
 
 
 _TOKEN = "_moegemm_fp8_token"
@@ -138,22 +161,26 @@ def _token(w: torch.Tensor) -> int:
     return token
 
 
-class _Entry:
-    __slots__ = ("token", "ptr", "shape", "dtype", "device", "version", "stamp", "fp8", "captured", "pinned")
+def _identity(w: torch.Tensor, token) -> tuple:
+    return token, w.data_ptr(), tuple(w.shape), w.dtype, w.device
 
-    def __init__(self, w: torch.Tensor, version, stamp, fp8, captured: bool):
-        self.token = _token(w)
-        self.ptr, self.shape, self.dtype, self.device = w.data_ptr(), tuple(w.shape), w.dtype, w.device
+
+class _Entry:
+    __slots__ = ("ids", "version", "stamp", "fp8", "captured", "pinned")
+
+    def __init__(self, w, version, stamp, fp8, captured: bool):
+        self.ids = tuple(_identity(p, _token(p)) for p in _parts(w))  # per part: token, address, shape, dtype, device
         self.version, self.stamp, self.fp8 = version, stamp, fp8
         self.captured = captured  # made during a capture: graph-pool memory that replays rewrite
         self.pinned = False  # read by a captured graph: re-quantize in place from now on
 
-    def holds(self, w: torch.Tensor) -> bool:
-        """Made from this tensor, at its current address, shape, dtype and device."""
-        return (w.__dict__.get(_TOKEN) == self.token and self.ptr == w.data_ptr() and self.shape == tuple(w.shape)
-                and self.dtype == w.dtype and self.device == w.device)
+    def holds(self, w) -> bool:
+        """Made from this tensor (from these parts), at its current address, shape, dtype and device."""
+        parts = _parts(w)
+        return len(parts) == len(self.ids) and all(
+            _identity(p, p.__dict__.get(_TOKEN)) == ids for p, ids in zip(parts, self.ids))
 
-    def fresh(self, w: torch.Tensor, stamp) -> bool:
+    def fresh(self, w, stamp) -> bool:
         return (not self.captured and self.version is not None and self.stamp == stamp
                 and self.version == _version(w))
 
@@ -198,10 +225,11 @@ class FP8WeightCache:
 
     # ------------------------------------------------------------------------------- use
     def get(self, weights: Sequence[torch.Tensor], is_first_microbatch: Optional[bool] = None):
-        """One ``quantize_weight`` 4-tuple per weight, for this call; None: quantize inside the call."""
+        """One ``quantize_weight`` 4-tuple per weight (a tensor, or a tuple of parts: see the module's docstring),
+        for this call; None: quantize inside the call."""
         if torch.compiler.is_compiling():
             return None
-        capture = capturing(weights[0].device)
+        capture = capturing(_parts(weights[0])[0].device)
         if is_first_microbatch is None and (capture or not self.auto):
             return None
         stamp = (_generation, self._epoch)
@@ -228,7 +256,7 @@ class FP8WeightCache:
     def refresh(self, weights: Sequence[torch.Tensor]) -> tuple:
         """Quantize every weight now, all in one call (in place for copies a captured graph reads); the copies."""
         stamp = (_generation, self._epoch)
-        capture = capturing(weights[0].device)
+        capture = capturing(_parts(weights[0])[0].device)
         if len(self._entries) != len(weights):
             self._entries = [None] * len(weights)
         return tuple(self._quantize(range(len(weights)), weights, stamp, capture))

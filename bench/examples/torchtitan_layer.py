@@ -28,8 +28,8 @@ most allocated during a step beyond what was allocated before it. Errors (eager,
 output and the three expert weight gradients against float64 (the experts and the combine recomputed in float64
 from the same routing), ‖out − ref‖ / ‖ref‖.
 
-Writes ``torchtitan_layer.json`` and ``torchtitan_layer.md`` into ``--out`` (default: a folder in the system's
-temporary directory, outside the checkout) and prints the table. Needs torchtitan 0.3.0 (``docs/torchtitan.md``
+Writes ``torchtitan_layer.json`` and ``torchtitan_layer.md`` into ``--out`` (default: ``~/.cache/moegemm-bench/torchtitan_layer/``,
+outside the checkout) and prints the table. Needs torchtitan 0.3.0 (``docs/torchtitan.md``
 lists the wheels); on a machine without a Hopper GPU only ``--tiny`` makes sense (moegemm's reference path).
 """
 
@@ -41,8 +41,9 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
+
+from bench.outputs import describe, out_dir
 
 PROG = "python -m bench.examples.torchtitan_layer"
 VARIANTS = ["moegemm_fp8", "moegemm_fp8_requant", "moegemm_fp8_unfused", "moegemm_bf16", "torchtitan_bf16",
@@ -52,8 +53,7 @@ BASELINE, FP8_PEER = "torchtitan_bf16", "torchao_fp8"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "moegemm_torchtitan_layer"),
-                   help="folder for torchtitan_layer.json / .md (default: %(default)s)")
+    p.add_argument("--out", default=None, help=f"folder for torchtitan_layer.json / .md ({describe('torchtitan_layer')})")
     p.add_argument("--tiny", action="store_true", help="small sizes, few iterations: a smoke run (CPU or GPU)")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=1408, help="each expert's hidden size")
@@ -365,13 +365,13 @@ def main(argv=None) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     md = table(rows, meta)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "torchtitan_layer.json"), "w") as f:
+    out = str(out_dir(a.out, "torchtitan_layer"))
+    with open(os.path.join(out, "torchtitan_layer.json"), "w") as f:
         json.dump({"meta": meta, "args": vars(a), "rows": rows}, f, indent=1)
-    with open(os.path.join(a.out, "torchtitan_layer.md"), "w") as f:
+    with open(os.path.join(out, "torchtitan_layer.md"), "w") as f:
         f.write(md)
     print(md)
-    print(f"written: {os.path.join(a.out, 'torchtitan_layer.json')} and .md")
+    print(f"written: {os.path.join(out, 'torchtitan_layer.json')} and .md")
     return {"meta": meta, "rows": rows}
 
 

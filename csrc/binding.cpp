@@ -40,9 +40,9 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("act_bf16(Tensor h, Tensor? probs, int activation) -> Tensor");
   m.def("act_backward_bf16(Tensor da, Tensor h, Tensor? probs, int activation) -> (Tensor, Tensor)");
-  m.def("gemm_fp8_ragged_m(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan, int tiling=-1) -> Tensor");
-  m.def("gemm_fp8_ragged_k(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, ScalarType out_dtype, int kernel=0, int tiling=-1) -> Tensor");
-  m.def("gemm_fp8_ragged_k_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, Tensor(a!) out, int kernel=0, int tiling=-1) -> ()");
+  m.def("gemm_fp8_ragged_rows(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan, int tiling=-1) -> Tensor");
+  m.def("gemm_fp8_ragged_reduction(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, ScalarType out_dtype, int kernel=0, int tiling=-1) -> Tensor");
+  m.def("gemm_fp8_ragged_reduction_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, Tensor(a!) out, int kernel=0, int tiling=-1) -> ()");
   m.def("gemm_bf16_fprop(Tensor x, Tensor w, Tensor plan) -> Tensor");
   m.def("gemm_bf16_dgrad(Tensor dy, Tensor w, Tensor plan) -> Tensor");
   m.def("gemm_bf16_wgrad(Tensor dy, Tensor x, Tensor plan, ScalarType out_dtype) -> Tensor");
@@ -77,9 +77,9 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("act_backward_quantize", &act_backward_quantize_op);
   m.impl("act_bf16", &act_bf16_op);
   m.impl("act_backward_bf16", &act_backward_bf16_op);
-  m.impl("gemm_fp8_ragged_m", &gemm_fp8_ragged_m_op);
-  m.impl("gemm_fp8_ragged_k", &gemm_fp8_ragged_k_op);
-  m.impl("gemm_fp8_ragged_k_accumulate", &gemm_fp8_ragged_k_accumulate_op);
+  m.impl("gemm_fp8_ragged_rows", &gemm_fp8_ragged_rows_op);
+  m.impl("gemm_fp8_ragged_reduction", &gemm_fp8_ragged_reduction_op);
+  m.impl("gemm_fp8_ragged_reduction_accumulate", &gemm_fp8_ragged_reduction_accumulate_op);
   m.impl("gemm_bf16_fprop", &gemm_bf16_fprop_op);
   m.impl("gemm_bf16_dgrad", &gemm_bf16_dgrad_op);
   m.impl("gemm_bf16_wgrad", &gemm_bf16_wgrad_op);

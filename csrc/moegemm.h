@@ -52,7 +52,7 @@ struct DeviceSplits {
   bool m_is_int64 = false;
 };
 // The same plan built inside another launch (quantize_weights: one more CTA; quantize_act: by its CTAs;
-// gemm_fp8_ragged_m_quantize_a: its first CTA), with the same requirements. Built only when the counts are given:
+// gemm_fp8_ragged_rows_quantize_a: its first CTA), with the same requirements. Built only when the counts are given:
 // without them (m_splits null) nothing is built, and a launch that reads a plan (the fused GEMM) reads plan as an
 // earlier launch on the stream left it.
 struct PlanBuild {
@@ -64,7 +64,7 @@ struct PlanBuild {
 };
 
 // Words a quantizer's launch zeroes besides its outputs (none when count is 0): the workspace of the wgrad GEMM
-// launched after it on the stream (gemm_fp8_ragged_k needs it zeroed), which then needs no launch of its own to zero it.
+// launched after it on the stream (gemm_fp8_ragged_reduction needs it zeroed), which then needs no launch of its own to zero it.
 // A quantizer with nothing to quantize (T = 0, no outputs) launches no kernel and zeroes them with a memset.
 struct ZeroFill {
   int32_t* words = nullptr;
@@ -155,7 +155,7 @@ int sm_budget();
 
 // ---- grouped GEMMs. A problem travels as one struct; `workspace` (the device-built arguments of the
 // CUTLASS kernels, or the tile counter of moegemm's sm90 ragged reduction) has the size the matching
-// *_workspace_size returns (0: none needed); gemm_fp8_ragged_k's is zeroed by the caller (by the ZeroFill of the
+// *_workspace_size returns (0: none needed); gemm_fp8_ragged_reduction's is zeroed by the caller (by the ZeroFill of the
 // quantizer launched before it, or by a fill of its own).
 
 // An FP8 operand: e4m3 bytes and their fp32 block scales.
@@ -205,28 +205,28 @@ struct ExpertBias {
 
 // The FP8 ragged-row GEMM (fprop, dgrad) runs on moegemm's own persistent sm90 kernel
 // (csrc/kernels/gemm/sm90/) with the tiling heuristics.h picks (tiling < 0) or the one at that index of its
-// table (kRaggedRowsTilings). workspace: gemm_fp8_ragged_m_workspace_size bytes, zeroed before the launch (the
+// table (kRaggedRowsTilings). workspace: gemm_fp8_ragged_rows_workspace_size bytes, zeroed before the launch (the
 // kernel's tile walk draws from a counter that starts at 0).
 int num_ragged_rows_tilings();  // the size of that table
-size_t gemm_fp8_ragged_m_workspace_size();
-void gemm_fp8_ragged_m(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, void* workspace,
+size_t gemm_fp8_ragged_rows_workspace_size();
+void gemm_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, void* workspace,
                        cudaStream_t stream);
 // The same GEMM on a bf16 x [plan.T, K] in one launch, with the tiling heuristics.h picks: its CTAs first build the
 // plan of plan.m_splits into plan.plan (make_plan's, for the kernels after it too; m_splits null: plan.plan was built
 // by an earlier launch on the stream, e.g. quantize_weights') and x's FP8 row copy into qa [T, K] and sa
 // (quantize_act's bytes on the rows the plan covers; the rows past them, which quantize_act zeroes, are quantized
 // too and never read), then run the GEMM out [T, N] with a = (qa, sa). The CTAs claim that work off counters in
-// `workspace` (gemm_fp8_ragged_m_quantize_a_workspace_size bytes, of any contents) rather than meet at a grid
+// `workspace` (gemm_fp8_ragged_rows_quantize_a_workspace_size bytes, of any contents) rather than meet at a grid
 // barrier: none waits for a CTA that a kernel on another stream keeps from starting. Needs T >= 1 and make_plan's
 // requirements. `zero`: words that the launch zeroes too, for the GEMMs after it (their tile counters), or none.
-size_t gemm_fp8_ragged_m_quantize_a_workspace_size();
-void gemm_fp8_ragged_m_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
+size_t gemm_fp8_ragged_rows_quantize_a_workspace_size();
+void gemm_fp8_ragged_rows_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,
                                   float* sa, Fp8Operand b, ExpertBias bias, ZeroFill zero, void* workspace,
                                   cudaStream_t stream);
 // Whether to take that one launch for an x of T x K values: where csrc/kernels/gemm/heuristics.h finds it faster
 // and MOEGEMM_ONE_LAUNCH_FORWARD (read once, csrc/env_flag.h)
 // is not off.
-bool gemm_fp8_ragged_m_quantize_a_preferred(int64_t T, int64_t K);
+bool gemm_fp8_ragged_rows_quantize_a_preferred(int64_t T, int64_t K);
 // The FP8 ragged reduction (wgrad) runs on the choice of heuristics.h, CUTLASS's ptr-array kernel, or
 // moegemm's own sm90 kernel with heuristics.h's tiling or the one at that index of kRaggedReductionTilings.
 enum class GemmKernel : int { kDefault = 0, kCutlass = 1, kSm90 = 2 };
@@ -235,14 +235,14 @@ struct GemmChoice {
   int tiling = -1;
 };
 int num_ragged_reduction_tilings();
-size_t gemm_fp8_ragged_k_workspace_size(const RaggedReduction& p, GemmChoice choice);
+size_t gemm_fp8_ragged_reduction_workspace_size(const RaggedReduction& p, GemmChoice choice);
 // workspace: zeroed before the launch (the sm90 kernel's tile walk draws from a counter that starts at 0).
-void gemm_fp8_ragged_k(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
+void gemm_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, GemmChoice choice, void* workspace,
                        cudaStream_t stream);
-size_t gemm_bf16_ragged_m_workspace_size(int E, bool dgrad);
-void gemm_bf16_ragged_m(const RaggedRows& p, const void* a, const void* b, bool dgrad, void* workspace,
+size_t gemm_bf16_ragged_rows_workspace_size(int E, bool dgrad);
+void gemm_bf16_ragged_rows(const RaggedRows& p, const void* a, const void* b, bool dgrad, void* workspace,
                         cudaStream_t stream);
-size_t gemm_bf16_ragged_k_workspace_size(int E, WgradOut out);
-void gemm_bf16_ragged_k(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
+size_t gemm_bf16_ragged_reduction_workspace_size(int E, WgradOut out);
+void gemm_bf16_ragged_reduction(const RaggedReduction& p, const void* a, const void* b, void* workspace, cudaStream_t stream);
 
 }  // namespace moegemm

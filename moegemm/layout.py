@@ -32,10 +32,10 @@ ACTIVATION_NAMES = {i: name for name, i in ACTIVATIONS.items()}
 RECIPE_IDS = {"bf16": 0, "fp8_blockwise": 1}
 BF16, FP8_BLOCKWISE = RECIPE_IDS["bf16"], RECIPE_IDS["fp8_blockwise"]
 
-# The FP8 grouped GEMMs' kernels: the `kernel` of torch.ops.moegemm.gemm_fp8_ragged_k (csrc/moegemm.h GemmKernel:
+# The FP8 grouped GEMMs' kernels: the `kernel` of torch.ops.moegemm.gemm_fp8_ragged_reduction (csrc/moegemm.h GemmKernel:
 # the default choice, CUTLASS's ptr-array kernel, moegemm's own sm90 kernel; the ragged-row GEMM has moegemm's
-# kernel alone); and how many tilings each sm90 kernel is built with (the `tiling` of gemm_fp8_ragged_m and
-# gemm_fp8_ragged_k indexes csrc/kernels/gemm/heuristics.h's kRaggedRowsTilings / kRaggedReductionTilings;
+# kernel alone); and how many tilings each sm90 kernel is built with (the `tiling` of gemm_fp8_ragged_rows and
+# gemm_fp8_ragged_reduction indexes csrc/kernels/gemm/heuristics.h's kRaggedRowsTilings / kRaggedReductionTilings;
 # GPU tests hold the counts to those tables).
 GEMM_CUTLASS, GEMM_SM90 = 1, 2  # 0: the default choice (heuristics.h)
 SM90_RAGGED_ROWS_TILINGS = 6

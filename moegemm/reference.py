@@ -179,7 +179,7 @@ def dequantize_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs
-def _ragged_m(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, out_dtype, bias=None) -> torch.Tensor:
+def _ragged_rows(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, out_dtype, bias=None) -> torch.Tensor:
     """``out[t] = a[t] @ b[e(t)]ᵀ (+ bias[e(t)])`` in float64, rounded once; a ``[T, K]``, b ``[E, N, K]``;
     uncovered rows are zeros."""
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
@@ -191,7 +191,7 @@ def _ragged_m(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, out_dtype, b
     return out.to(out_dtype)
 
 
-def _ragged_k(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, E: int) -> torch.Tensor:
+def _ragged_reduction(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, E: int) -> torch.Tensor:
     """``out[e] = a_eᵀ @ b_e`` in float64; a ``[T, N]``, b ``[T, K]``; empty experts give zeros."""
     out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
     for e, (start, m, _, _) in enumerate(_segments(plan)):
@@ -200,35 +200,35 @@ def _ragged_k(a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, E: int) -> t
     return out
 
 
-def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
+def gemm_fp8_ragged_rows(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     """fprop (b = W) and dgrad (b = Wᵀ copy): row-quantized a times per-expert block-quantized b."""
     return gemm_fp8_fprop(qa, sa, qb, sb, plan, out_dtype, None)
 
 
 def gemm_fp8_fprop(qa, sa, qb, sb, plan, out_dtype, bias):
-    """A layer's FP8 forward GEMM: ``gemm_fp8_ragged_m`` plus the per-expert ``bias`` [E, N] (or None), added
+    """A layer's FP8 forward GEMM: ``gemm_fp8_ragged_rows`` plus the per-expert ``bias`` [E, N] (or None), added
     before the one rounding to ``out_dtype``, as the CUDA kernel's epilogue adds it."""
-    return _ragged_m(dequantize_rows(qa, sa), dequantize_weight(qb, sb), plan, out_dtype, bias)
+    return _ragged_rows(dequantize_rows(qa, sa), dequantize_weight(qb, sb), plan, out_dtype, bias)
 
 
-def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None, out_dtype=torch.float32):
+def gemm_fp8_ragged_reduction(qaT, saT, qbT, sbT, plan, out=None, out_dtype=torch.float32):
     """wgrad: ``dW[e] = a_eᵀ b_e`` from column-quantized a (dy) and b (x); out_dtype, or added to ``out``."""
     E = plan.shape[1] - 1
-    res = _ragged_k(dequantize_cols(qaT, saT, plan), dequantize_cols(qbT, sbT, plan), plan, E)
+    res = _ragged_reduction(dequantize_cols(qaT, saT, plan), dequantize_cols(qbT, sbT, plan), plan, E)
     return _accumulate(res, out, out_dtype)
 
 
 def gemm_bf16_fprop(x, w, plan):
-    return _ragged_m(x.double(), w.double(), plan, x.dtype)
+    return _ragged_rows(x.double(), w.double(), plan, x.dtype)
 
 
 def gemm_bf16_dgrad(dy, w, plan):
-    return _ragged_m(dy.double(), w.double().transpose(1, 2), plan, dy.dtype)
+    return _ragged_rows(dy.double(), w.double().transpose(1, 2), plan, dy.dtype)
 
 
 def gemm_bf16_wgrad(dy, x, plan, out=None, out_dtype=torch.float32):
     E = plan.shape[1] - 1
-    return _accumulate(_ragged_k(dy.double(), x.double(), plan, E), out, out_dtype)
+    return _accumulate(_ragged_reduction(dy.double(), x.double(), plan, E), out, out_dtype)
 
 
 def _accumulate(res: torch.Tensor, out, out_dtype):

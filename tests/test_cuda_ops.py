@@ -79,7 +79,7 @@ def test_plan_built_inside_the_first_quantizer_matches_make_plan(dtype, first):
         else:
             y, plan, _ = cuda_ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, True, True, None, given)
         assert torch.equal(plan.cpu(), want), (E, T)
-        assert torch.equal(y, cuda_ops.gemm_fp8_ragged_m(q, s, fp8_w[0], fp8_w[1], plan_ref)), (E, T)
+        assert torch.equal(y, cuda_ops.gemm_fp8_ragged_rows(q, s, fp8_w[0], fp8_w[1], plan_ref)), (E, T)
         if first != "fp8_x":
             _, plan, _ = cuda_ops.mlp_fwd(x, w, w2, m, None, None, None, ACTIVATIONS["swiglu"], FP8_BLOCKWISE,
                                           given and [*fp8_w, *fp8_w2], True, True, True)
@@ -283,20 +283,20 @@ def test_fp8_gemms_match_reference(E, K, N):
         qx, sx, qxT, sxT = cuda_ops.quantize_act(x, plan, True, True)
         qdy, sdy, qdyT, sdyT = cuda_ops.quantize_act(dy, plan, True, True)
         qw, sw, qwT, swT = cuda_ops.quantize_weight(w)
-        y = cuda_ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan)
-        assert rel(y, ref.gemm_fp8_ragged_m(qx, sx, qw, sw, plan_ref, torch.float64)) <= 2e-3, name
-        dx = cuda_ops.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan)
-        assert rel(dx, ref.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan_ref, torch.float64)) <= 2e-3, name
-        dw_ref = ref.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan_ref)
-        dw = cuda_ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan)
+        y = cuda_ops.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan)
+        assert rel(y, ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan_ref, torch.float64)) <= 2e-3, name
+        dx = cuda_ops.gemm_fp8_ragged_rows(qdy, sdy, qwT, swT, plan)
+        assert rel(dx, ref.gemm_fp8_ragged_rows(qdy, sdy, qwT, swT, plan_ref, torch.float64)) <= 2e-3, name
+        dw_ref = ref.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan_ref)
+        dw = cuda_ops.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan)
         assert rel(dw, dw_ref) <= 2e-3, name
         empty = [e for e, m in enumerate(splits) if m == 0]
         assert (dw[empty] == 0).all(), name
-        dw16 = cuda_ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out_dtype=torch.bfloat16)
+        dw16 = cuda_ops.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan, out_dtype=torch.bfloat16)
         assert dw16.dtype == torch.bfloat16 and rel(dw16, dw_ref) <= 5e-3 and (dw16[empty] == 0).all(), name
         acc = torch.randn_like(dw)
         acc0 = acc.clone()
-        cuda_ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=acc)
+        cuda_ops.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan, out=acc)
         assert rel(acc - acc0, dw_ref) <= 2e-3 and torch.equal(acc[empty], acc0[empty]), name
 
 

@@ -27,7 +27,7 @@ if HAS_HOPPER:
     from moegemm.backends import cuda as cuda_ops
 
 DEV = "cuda"
-# test id -> (kernel, tiling) of torch.ops.moegemm.gemm_fp8_ragged_k
+# test id -> (kernel, tiling) of torch.ops.moegemm.gemm_fp8_ragged_reduction
 KERNELS = {"cutlass": (GEMM_CUTLASS, -1), "sm90_default": (GEMM_SM90, -1),
            **{f"sm90_tiling{i}": (GEMM_SM90, i) for i in range(SM90_RAGGED_REDUCTION_TILINGS)}}
 OUTS = ("f32", "f32_accumulate", "bf16")
@@ -35,10 +35,10 @@ OUTS = ("f32", "f32_accumulate", "bf16")
 
 def wgrad(qaT, saT, qbT, sbT, plan, kernel, out_kind, acc=None):
     if out_kind == "f32_accumulate":
-        torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qaT, saT, qbT, sbT, plan, acc, *kernel)
+        torch.ops.moegemm.gemm_fp8_ragged_reduction_accumulate(qaT, saT, qbT, sbT, plan, acc, *kernel)
         return acc
     dtype = torch.float32 if out_kind == "f32" else torch.bfloat16
-    return torch.ops.moegemm.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, dtype, *kernel)
+    return torch.ops.moegemm.gemm_fp8_ragged_reduction(qaT, saT, qbT, sbT, plan, dtype, *kernel)
 
 
 def garbage_outside_experts(qT, plan_ref, gen):
@@ -70,7 +70,7 @@ def check_against_reference(splits, N, K, kernel, seed):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     E = len(splits)
     ops, plan, plan_ref = column_operands(splits, N, K, gen)
-    expect = ref.gemm_fp8_ragged_k(*ops, plan_ref, out_dtype=torch.float64)
+    expect = ref.gemm_fp8_ragged_reduction(*ops, plan_ref, out_dtype=torch.float64)
     empty = [e for e, m in enumerate(splits) if m == 0]
     for out_kind in OUTS:
         acc0 = None
@@ -165,7 +165,7 @@ def test_graph_replay_with_new_splits(kernel):
         plan_ref = ref.make_plan(m, T)
         _, _, qaT, saT = ref.quantize_act(dy, plan_ref, rows=False)
         _, _, qbT, sbT = ref.quantize_act(x, plan_ref, rows=False)
-        expect = ref.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan_ref, out_dtype=torch.float64)
+        expect = ref.gemm_fp8_ragged_reduction(qaT, saT, qbT, sbT, plan_ref, out_dtype=torch.float64)
         assert rel(acc, expect) <= 2e-3, splits[:4]
         assert rel(out16, expect) <= 4e-3, splits[:4]
 

@@ -25,7 +25,7 @@ if HAS_HOPPER:
 
 DEV = "cuda"
 TOL = 4e-3  # relative to the float64 reference: the bf16 output's rounding and fp32 accumulation
-# test id -> the tiling of torch.ops.moegemm.gemm_fp8_ragged_m (-1: the heuristic's)
+# test id -> the tiling of torch.ops.moegemm.gemm_fp8_ragged_rows (-1: the heuristic's)
 KERNELS = {"sm90_default": -1, **{f"sm90_tiling{i}": i for i in range(SM90_RAGGED_ROWS_TILINGS)}}
 
 
@@ -48,7 +48,7 @@ def test_tiling_table_size():
 
 
 def run(qa, sa, qb, sb, plan, tiling):
-    return torch.ops.moegemm.gemm_fp8_ragged_m(qa, sa, qb, sb, plan, tiling)
+    return torch.ops.moegemm.gemm_fp8_ragged_rows(qa, sa, qb, sb, plan, tiling)
 
 
 def check_against_reference(splits, N, K, kernel, seed):
@@ -64,7 +64,7 @@ def check_against_reference(splits, N, K, kernel, seed):
     qdy, sdy, _, _ = cuda_ops.quantize_act(dy, plan, cols=False)
     for name, (qa, sa, qb, sb) in {"fprop": (qx, sx, qw, sw), "dgrad": (qdy, sdy, qwT, swT)}.items():
         out = poisoned(lambda: run(qa, sa, qb, sb, plan, kernel), (T, qb.shape[1]), torch.bfloat16)
-        expect = ref.gemm_fp8_ragged_m(qa, sa, qb, sb, plan_ref, torch.float64)
+        expect = ref.gemm_fp8_ragged_rows(qa, sa, qb, sb, plan_ref, torch.float64)
         assert torch.isfinite(out).all(), (name, splits[:8])
         assert rel(out, expect) <= TOL, (name, splits[:8])
         assert torch.equal(out, run(qa, sa, qb, sb, plan, kernel)), (name, "not bitwise repeatable")
@@ -98,7 +98,7 @@ def test_uncovered_rows_and_clamped_counts(kernel):
         qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
         qw, sw, _, _ = cuda_ops.quantize_weight(w)
         out = poisoned(lambda: run(qx, sx, qw, sw, plan, kernel), (T, N), torch.bfloat16)
-        expect = ref.gemm_fp8_ragged_m(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
+        expect = ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
         covered = int(ref.make_plan(m, T)[0, -1])
         assert torch.equal(out[covered:], torch.zeros_like(out[covered:])), counts
         if covered:
@@ -131,7 +131,7 @@ def test_kernels_agree_and_graph_replay_with_new_splits(kernel):
         torch.cuda.synchronize()
         plan_ref = ref.make_plan(m, T)
         qx, sx, _, _ = ref.quantize_act(x, plan_ref, cols=False)
-        assert rel(out, ref.gemm_fp8_ragged_m(qx, sx, qw, sw, plan_ref, torch.float64)) <= TOL, splits[:4]
+        assert rel(out, ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan_ref, torch.float64)) <= TOL, splits[:4]
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -180,4 +180,4 @@ def test_non_contiguous_operand_error_shows_strides():
     qw, sw, _, _ = cuda_ops.quantize_weight(w)
     wide = torch.empty(64, 512, device=DEV, dtype=qx.dtype)
     with pytest.raises(RuntimeError, match=r"qa must be contiguous, got shape \[64, 256\] with strides \[512, 1\]"):
-        torch.ops.moegemm.gemm_fp8_ragged_m(wide[:, :256], sx, qw, sw, plan)
+        torch.ops.moegemm.gemm_fp8_ragged_rows(wide[:, :256], sx, qw, sw, plan)

@@ -287,7 +287,7 @@ def test_main_grad_accumulation(recipe):
     x, w, b, dy = make_inputs(splits, K, N)
     plan = R.make_plan(torch.tensor(splits), T)
     if recipe == "fp8_blockwise":
-        ref = R.gemm_fp8_ragged_k(*R.quantize_cols(dy, plan), *R.quantize_cols(x.detach(), plan), plan)
+        ref = R.gemm_fp8_ragged_reduction(*R.quantize_cols(dy, plan), *R.quantize_cols(x.detach(), plan), plan)
     else:
         ref = R.gemm_bf16_wgrad(dy, x.detach(), plan)
     assert ref.dtype == torch.float32

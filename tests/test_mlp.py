@@ -256,11 +256,11 @@ def test_fp8_equals_reference_composition(activation, with_probs):
 
     # backward, piece by piece
     qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan)
-    dw2_ref = R.gemm_fp8_ragged_k(qdyT, sdyT, qaT, saT, plan)
-    da = R.gemm_fp8_ragged_m(qdy, sdy, qw2T, sw2T, plan, torch.bfloat16)
+    dw2_ref = R.gemm_fp8_ragged_reduction(qdyT, sdyT, qaT, saT, plan)
+    da = R.gemm_fp8_ragged_rows(qdy, sdy, qw2T, sw2T, plan, torch.bfloat16)
     qdh, sdh, qdhT, sdhT, dprobs_ref = R.act_backward_quantize(da, h, p32, activation, plan)
-    dx_ref = R.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, torch.bfloat16)
-    dw1_ref = R.gemm_fp8_ragged_k(qdhT, sdhT, qxT, sxT, plan)
+    dx_ref = R.gemm_fp8_ragged_rows(qdh, sdh, qw1T, sw1T, plan, torch.bfloat16)
+    dw1_ref = R.gemm_fp8_ragged_reduction(qdhT, sdhT, qxT, sxT, plan)
     db1_ref = torch.zeros(E, w1.shape[1], dtype=torch.float64).index_add_(
         0, ids, R.act_backward(da, h, p32, activation)[0].double())
     db2_ref = torch.zeros(E, hidden, dtype=torch.float64).index_add_(0, ids, dy.double())

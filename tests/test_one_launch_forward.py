@@ -1,5 +1,5 @@
 """The fp8_blockwise forward quantizes x inside the GEMM's launch for an x of up to 2^23 values (csrc/moegemm.h
-gemm_fp8_ragged_m_quantize_a: the plan, x's FP8 row copy and the ragged-row GEMM by the GEMM's own CTAs;
+gemm_fp8_ragged_rows_quantize_a: the plan, x's FP8 row copy and the ragged-row GEMM by the GEMM's own CTAs;
 heuristics.h quantize_a_in_gemm), on a Hopper GPU, with or without the weight gradient (the row copy it writes is
 what forward saves and backward makes wgrad's column copy from): one launch with given FP8 weights, two when the
 weights are quantized in the call (their launch builds the plan). Its row copy is bitwise x's own quantizer's, its
@@ -76,7 +76,7 @@ def check(splits, K, N, T=None, bias_dtype=None, m_dtype=torch.int64, special=Fa
         assert torch.equal(saved["sx"][:covered].view(torch.int32), s[:covered].view(torch.int32))  # NaN scales too
         qw, sw = (given[0], given[1]) if given is not None else cuda_ops.quantize_weight(w)[:2]
         if bias is None:
-            y_two = cuda_ops.gemm_fp8_ragged_m(q, s, qw, sw, plan1)
+            y_two = cuda_ops.gemm_fp8_ragged_rows(q, s, qw, sw, plan1)
             assert torch.equal(y1.view(torch.int16), y_two.view(torch.int16))
         elif not special:  # the bias in the epilogue (the GEMM primitive takes none): the reference's, in float64
             cpu = [t.cpu() for t in (q, s, qw, sw, plan1, bias)]

@@ -28,14 +28,14 @@ def get_splits(name):
 
 
 # --------------------------------------------------------------------------------------- float64 oracles
-def loop_ragged_m(a: torch.Tensor, b: torch.Tensor, splits) -> torch.Tensor:
+def loop_ragged_rows(a: torch.Tensor, b: torch.Tensor, splits) -> torch.Tensor:
     """out[t] = a[t] @ b[e(t)]^T, float64, by torch.split."""
     a, b = a.double(), b.double()
     parts = [a_e @ b[e].t() for e, a_e in enumerate(torch.split(a, splits))]
     return torch.cat(parts) if parts else a.new_zeros(0, b.shape[1])
 
 
-def loop_ragged_k(a: torch.Tensor, b: torch.Tensor, splits) -> torch.Tensor:
+def loop_ragged_reduction(a: torch.Tensor, b: torch.Tensor, splits) -> torch.Tensor:
     """out[e] = a_e^T @ b_e, float64."""
     a, b = a.double(), b.double()
     return torch.stack([a_e.t() @ b_e for a_e, b_e in zip(torch.split(a, splits), torch.split(b, splits))])
@@ -70,9 +70,9 @@ def test_fp8_fprop(name, K, N, out_dtype):
     plan = make_plan(splits)
     qx, sx = R.quantize_rows(x)
     qw, sw, _, _ = R.quantize_weight(w)
-    out = R.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, out_dtype)
+    out = R.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, out_dtype)
     assert out.dtype == out_dtype and out.shape == (T, N)
-    ref = loop_ragged_m(R.dequantize_rows(qx, sx), R.dequantize_weight(qw, sw), splits)
+    ref = loop_ragged_rows(R.dequantize_rows(qx, sx), R.dequantize_weight(qw, sw), splits)
     assert_rounded_close(out, ref, RTOL[out_dtype])
 
 
@@ -85,7 +85,7 @@ def test_fp8_fprop_matches_block_formula():
     plan = make_plan(splits)
     qx, sx = R.quantize_rows(x)
     qw, sw, _, _ = R.quantize_weight(w)
-    out = R.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, torch.float64)
+    out = R.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, torch.float64)
     kb = math.ceil(K / 128)
     ref = torch.zeros(T, N, dtype=torch.float64)
     e_of = torch.repeat_interleave(torch.arange(E), torch.tensor(splits))
@@ -107,9 +107,9 @@ def test_fp8_dgrad(name, K, N):
     plan = make_plan(splits)
     qdy, sdy = R.quantize_rows(dy)
     qw, sw, qwT, swT = R.quantize_weight(w)
-    dx = R.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, torch.bfloat16)
+    dx = R.gemm_fp8_ragged_rows(qdy, sdy, qwT, swT, plan, torch.bfloat16)
     assert dx.dtype == torch.bfloat16 and dx.shape == (T, K)
-    ref = loop_ragged_m(R.dequantize_rows(qdy, sdy), R.dequantize_weight(qw, sw).transpose(1, 2), splits)
+    ref = loop_ragged_rows(R.dequantize_rows(qdy, sdy), R.dequantize_weight(qw, sw).transpose(1, 2), splits)
     assert_rounded_close(dx, ref, RTOL[torch.bfloat16])
 
 
@@ -123,9 +123,9 @@ def test_fp8_wgrad(name, K, N):
     plan = make_plan(splits)
     qdyT, sdyT = R.quantize_cols(dy, plan)
     qxT, sxT = R.quantize_cols(x, plan)
-    dw = R.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan)
+    dw = R.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan)
     assert dw.dtype == torch.float32 and dw.shape == (E, N, K)
-    ref = loop_ragged_k(R.dequantize_cols(qdyT, sdyT, plan), R.dequantize_cols(qxT, sxT, plan), splits)
+    ref = loop_ragged_reduction(R.dequantize_cols(qdyT, sdyT, plan), R.dequantize_cols(qxT, sxT, plan), splits)
     assert_rounded_close(dw, ref, RTOL[torch.float32])
     for e, m in enumerate(splits):
         if m == 0:
@@ -133,10 +133,10 @@ def test_fp8_wgrad(name, K, N):
     # out= accumulates (fp32 main_grad)
     out0 = torch.randn(E, N, K)
     out = out0.clone()
-    res = R.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=out)
+    res = R.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan, out=out)
     assert res is out
     assert torch.equal(out, out0 + dw)
-    R.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=out)
+    R.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan, out=out)
     assert torch.allclose(out, out0 + 2 * dw, rtol=1e-6, atol=1e-5)
 
 
@@ -154,7 +154,7 @@ def test_fp8_gemm_nonfinite_propagates():
     w[3, 130, 3] = float("inf")
     qx, sx = R.quantize_rows(x)
     qw, sw, _, _ = R.quantize_weight(w)
-    y = R.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, torch.bfloat16)
+    y = R.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, torch.bfloat16)
     assert not torch.isfinite(y[t]).any()
     assert not torch.isfinite(y[tok[3]:, 128:]).any()
     mask = torch.ones(T, N, dtype=torch.bool)
@@ -165,7 +165,7 @@ def test_fp8_gemm_nonfinite_propagates():
     x2 = torch.randn(T, K, dtype=torch.bfloat16)
     x2[tok[2] + 130, 17] = float("nan")
     dy = torch.randn(T, N, dtype=torch.bfloat16)
-    dw = R.gemm_fp8_ragged_k(*R.quantize_cols(dy, plan), *R.quantize_cols(x2, plan), plan)
+    dw = R.gemm_fp8_ragged_reduction(*R.quantize_cols(dy, plan), *R.quantize_cols(x2, plan), plan)
     assert not torch.isfinite(dw[2, :, 17]).any()
     mask = torch.ones(E, N, K, dtype=torch.bool)
     mask[2, :, 17] = False
@@ -185,15 +185,15 @@ def test_bf16_gemms(name, K, N):
 
     y = R.gemm_bf16_fprop(x, w, plan)
     assert y.dtype == torch.bfloat16 and y.shape == (T, N)
-    assert_rounded_close(y, loop_ragged_m(x, w, splits), RTOL[torch.bfloat16])
+    assert_rounded_close(y, loop_ragged_rows(x, w, splits), RTOL[torch.bfloat16])
 
     dx = R.gemm_bf16_dgrad(dy, w, plan)
     assert dx.dtype == torch.bfloat16 and dx.shape == (T, K)
-    assert_rounded_close(dx, loop_ragged_m(dy, w.transpose(1, 2), splits), RTOL[torch.bfloat16])
+    assert_rounded_close(dx, loop_ragged_rows(dy, w.transpose(1, 2), splits), RTOL[torch.bfloat16])
 
     dw = R.gemm_bf16_wgrad(dy, x, plan)
     assert dw.dtype == torch.float32 and dw.shape == (E, N, K)
-    assert_rounded_close(dw, loop_ragged_k(dy, x, splits), RTOL[torch.float32])
+    assert_rounded_close(dw, loop_ragged_reduction(dy, x, splits), RTOL[torch.float32])
     for e, m in enumerate(splits):
         if m == 0:
             assert (dw[e] == 0).all()
@@ -212,7 +212,7 @@ def test_bf16_gemm_fp32_inputs():
     plan = make_plan(splits)
     y = R.gemm_bf16_fprop(x, w, plan)
     assert y.dtype == torch.float32
-    assert_rounded_close(y, loop_ragged_m(x, w, splits), RTOL[torch.float32])
+    assert_rounded_close(y, loop_ragged_rows(x, w, splits), RTOL[torch.float32])
 
 
 def test_bias_add_and_grad():

@@ -164,8 +164,8 @@ def test_raw_gemms_are_bitwise_under_every_budget_and_tiling():
     qa, sa, qaT, saT = ops.quantize_act(x, plan)
     qw, sw, _, _ = ops.quantize_weight(w)
     _, _, qdyT, sdyT = ops.quantize_act(dy, plan)
-    rows = lambda t: torch.ops.moegemm.gemm_fp8_ragged_m(qa, sa, qw, sw, plan, t)  # noqa: E731
-    reduction = lambda t: torch.ops.moegemm.gemm_fp8_ragged_k(qdyT, sdyT, qaT, saT, plan, torch.float32, 2, t)  # noqa: E731
+    rows = lambda t: torch.ops.moegemm.gemm_fp8_ragged_rows(qa, sa, qw, sw, plan, t)  # noqa: E731
+    reduction = lambda t: torch.ops.moegemm.gemm_fp8_ragged_reduction(qdyT, sdyT, qaT, saT, plan, torch.float32, 2, t)  # noqa: E731
     bf16 = lambda: (ops.gemm_bf16_fprop(x, w, plan), ops.gemm_bf16_wgrad(dy, x, plan))  # noqa: E731
     expected_rows = [rows(t) for t in range(-1, SM90_RAGGED_ROWS_TILINGS)]
     expected_reduction = [reduction(t) for t in range(-1, SM90_RAGGED_REDUCTION_TILINGS)]

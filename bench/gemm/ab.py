@@ -72,11 +72,11 @@ def main() -> int:
     def gemm(operands, plan, tiling, mode, out=None):
         """One call of the GEMM under test (mode: rows; bf16 / f32 written or f32_accumulate into `out`)."""
         if rows_gemm:
-            return torch.ops.moegemm.gemm_fp8_ragged_m(*operands, plan, tiling)
+            return torch.ops.moegemm.gemm_fp8_ragged_rows(*operands, plan, tiling)
         if mode == "f32_accumulate":
-            return torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(*operands, plan, out, GEMM_SM90, tiling)
+            return torch.ops.moegemm.gemm_fp8_ragged_reduction_accumulate(*operands, plan, out, GEMM_SM90, tiling)
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-        return torch.ops.moegemm.gemm_fp8_ragged_k(*operands, plan, dtype, GEMM_SM90, tiling)
+        return torch.ops.moegemm.gemm_fp8_ragged_reduction(*operands, plan, dtype, GEMM_SM90, tiling)
 
     def operands_of(splits, N, K):
         E, T = len(splits), sum(splits)

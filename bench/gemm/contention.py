@@ -112,9 +112,9 @@ def gemms(name: str, E: int, H: int, F: int, T: int):
     offs = torch.cumsum(m, 0).to(torch.int32)
     wt = w.transpose(1, 2)
     return {
-        "fp8 fprop": lambda: ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan),
-        "fp8 dgrad": lambda: ops.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan),
-        "fp8 wgrad": lambda: ops.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, out=main_grad),
+        "fp8 fprop": lambda: ops.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan),
+        "fp8 dgrad": lambda: ops.gemm_fp8_ragged_rows(qdy, sdy, qwT, swT, plan),
+        "fp8 wgrad": lambda: ops.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan, out=main_grad),
         "bf16 fprop": lambda: ops.gemm_bf16_fprop(x, w, plan),
         "bf16 dgrad": lambda: ops.gemm_bf16_dgrad(dy, w, plan),
         "bf16 wgrad": lambda: ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad),

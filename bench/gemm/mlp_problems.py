@@ -17,10 +17,10 @@ from bench.suite.measure import measure_ceilings, time_op
 
 @dataclass
 class Problem:
-    """One grouped GEMM on fixed operands: ragged M (fprop/dgrad: args = qa, sa, qb, sb) or ragged K
+    """One grouped GEMM on fixed operands: ragged-row (fprop/dgrad: args = qa, sa, qb, sb) or ragged-reduction
     (wgrad: args = qaT, saT, qbT, sbT, written into `out`, accumulated when `accumulate`)."""
     name: str
-    ragged_k: bool
+    ragged_reduction: bool
     args: tuple
     flops: float
     bytes: float
@@ -29,11 +29,11 @@ class Problem:
     plan: torch.Tensor | None = None
 
     def run_production(self):
-        if not self.ragged_k:
-            return ops.gemm_fp8_ragged_m(*self.args, self.plan)
+        if not self.ragged_reduction:
+            return ops.gemm_fp8_ragged_rows(*self.args, self.plan)
         if self.accumulate:
-            return ops.gemm_fp8_ragged_k(*self.args, self.plan, out=self.out)
-        return ops.gemm_fp8_ragged_k(*self.args, self.plan, out_dtype=self.out.dtype)
+            return ops.gemm_fp8_ragged_reduction(*self.args, self.plan, out=self.out)
+        return ops.gemm_fp8_ragged_reduction(*self.args, self.plan, out_dtype=self.out.dtype)
 
 
 def points(shapes: str | None = None):
@@ -62,31 +62,31 @@ def problems(E, H, F, splits, fc1_only=False) -> list[Problem]:
     plan = ops.make_plan(torch.tensor(splits, device="cuda"), T)
     f32, bf16 = torch.float32, torch.bfloat16
 
-    def ragged_m(name, a, w):  # a [T, K], w [E, N, K]
+    def ragged_rows(name, a, w):  # a [T, K], w [E, N, K]
         N, K = w[0].shape[1], w[0].shape[2]
         return Problem(name, False, a + w, 2.0 * T * N * K, T * K * 1.0 + T * (K // 128) * 4 + E * N * K + T * N * 2.0)
 
-    def ragged_k(name, dyT, xT, N, K, dtype, accumulate=False):
+    def ragged_reduction(name, dyT, xT, N, K, dtype, accumulate=False):
         out = torch.zeros(E, N, K, device="cuda", dtype=dtype)
         nbytes = T * (N + K) * 1.0 + E * N * K * dtype.itemsize * (2 if accumulate else 1)
         return Problem(name, True, dyT + xT, 2.0 * T * N * K, nbytes, out, accumulate)
 
     qx, sx, qxT, sxT = ops.quantize_act(rand(T, H), plan)
     qw1, sw1, qw1T, sw1T = ops.quantize_weight(rand(E, 2 * F, H))
-    out = [ragged_m("fc1 fprop", (qx, sx), (qw1, sw1))]
+    out = [ragged_rows("fc1 fprop", (qx, sx), (qw1, sw1))]
     if not fc1_only:
         qa, sa, qaT, saT = ops.quantize_act(rand(T, F), plan)
         qdy, sdy, qdyT, sdyT = ops.quantize_act(rand(T, H), plan)
         qdh, sdh, qdhT, sdhT = ops.quantize_act(rand(T, 2 * F), plan)
         qw2, sw2, qw2T, sw2T = ops.quantize_weight(rand(E, H, F))
         out += [
-            ragged_m("fc2 fprop", (qa, sa), (qw2, sw2)),
-            ragged_m("fc2 dgrad", (qdy, sdy), (qw2T, sw2T)),
-            ragged_m("fc1 dgrad", (qdh, sdh), (qw1T, sw1T)),
-            ragged_k("fc2 wgrad bf16", (qdyT, sdyT), (qaT, saT), H, F, bf16),
-            ragged_k("fc1 wgrad bf16", (qdhT, sdhT), (qxT, sxT), 2 * F, H, bf16),
-            ragged_k("fc2 wgrad f32+=", (qdyT, sdyT), (qaT, saT), H, F, f32, True),
-            ragged_k("fc1 wgrad f32+=", (qdhT, sdhT), (qxT, sxT), 2 * F, H, f32, True),
+            ragged_rows("fc2 fprop", (qa, sa), (qw2, sw2)),
+            ragged_rows("fc2 dgrad", (qdy, sdy), (qw2T, sw2T)),
+            ragged_rows("fc1 dgrad", (qdh, sdh), (qw1T, sw1T)),
+            ragged_reduction("fc2 wgrad bf16", (qdyT, sdyT), (qaT, saT), H, F, bf16),
+            ragged_reduction("fc1 wgrad bf16", (qdhT, sdhT), (qxT, sxT), 2 * F, H, bf16),
+            ragged_reduction("fc2 wgrad f32+=", (qdyT, sdyT), (qaT, saT), H, F, f32, True),
+            ragged_reduction("fc1 wgrad f32+=", (qdhT, sdhT), (qxT, sxT), 2 * F, H, f32, True),
         ]
     for p in out:
         p.plan = plan

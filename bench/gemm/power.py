@@ -203,7 +203,7 @@ def main() -> int:
             qw, sw, _, _ = ops.quantize_weight(w)
             for tiling in (int(t) for t in args.tilings.split(",")):
                 run(f"{label}, moegemm tiling {tiling}",
-                    lambda tiling=tiling: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling), 2.0 * T * N * K)
+                    lambda tiling=tiling: torch.ops.moegemm.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, tiling), 2.0 * T * N * K)
             if dg:
                 fn, _ = dg_peer.fprop_from_bf16(dg, x, w, splits)
                 run(f"{label}, DeepGEMM", fn, 2.0 * T * N * K, False)
@@ -220,9 +220,9 @@ def main() -> int:
             out = torch.zeros(E, N, K, device=dev)
             flops = 2.0 * T * N * K
             run(f"{label}, moegemm fp32 +=",
-                lambda: torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qa, sa_, qb, sb_, plan, out, GEMM_SM90, -1), flops)
+                lambda: torch.ops.moegemm.gemm_fp8_ragged_reduction_accumulate(qa, sa_, qb, sb_, plan, out, GEMM_SM90, -1), flops)
             run(f"{label}, moegemm bf16",
-                lambda: torch.ops.moegemm.gemm_fp8_ragged_k(qa, sa_, qb, sb_, plan, torch.bfloat16, GEMM_SM90, -1), flops)
+                lambda: torch.ops.moegemm.gemm_fp8_ragged_reduction(qa, sa_, qb, sb_, plan, torch.bfloat16, GEMM_SM90, -1), flops)
             if dg:
                 fn, _ = dg_peer.wgrad_from_bf16(dg, dy, x, splits)
                 run(f"{label}, DeepGEMM fp32 +=", fn, flops, False)

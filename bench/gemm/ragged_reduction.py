@@ -89,8 +89,8 @@ def main() -> int:
 
     def call(ops_, plan, kernel, mode, out):
         if mode == "f32_accumulate":
-            return lambda: torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(*ops_, plan, out, *kernel)
-        return lambda: torch.ops.moegemm.gemm_fp8_ragged_k(*ops_, plan, torch.bfloat16, *kernel)
+            return lambda: torch.ops.moegemm.gemm_fp8_ragged_reduction_accumulate(*ops_, plan, out, *kernel)
+        return lambda: torch.ops.moegemm.gemm_fp8_ragged_reduction(*ops_, plan, torch.bfloat16, *kernel)
 
     cols = [f"{k} {m}" for m in MODES for k in kernels] + (["DeepGEMM f32+="] if dg else [])
     rows = []

@@ -96,12 +96,12 @@ def main() -> int:
         qw, sw, _, _ = ops.quantize_weight(w)
         flops = 2.0 * T * N * K
         rec = {"problem": label, "E": E, "T": T, "N": N, "K": K, "tflops": {}, "rel_diff_vs_reference": {}}
-        expect = ref.gemm_fp8_ragged_m(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
+        expect = ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
         calls = {}
         for v, tiling in variants.items():
-            out = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling).double()
+            out = torch.ops.moegemm.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, tiling).double()
             rec["rel_diff_vs_reference"][v] = ((out - expect).norm() / expect.norm().clamp_min(1e-30)).item()
-            calls[v] = lambda tiling=tiling: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+            calls[v] = lambda tiling=tiling: torch.ops.moegemm.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, tiling)
         del expect, out
         if dg:  # each group padded to 128 rows, as DeepGEMM requires
             calls["DeepGEMM"], _ = dg_peer.fprop_from_bf16(dg, x, w, splits)

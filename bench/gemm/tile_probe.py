@@ -404,9 +404,9 @@ def child(args) -> int:
             out = torch.zeros(E, N, K, device="cuda")
             for tiling in tilings:
                 if args.bf16:
-                    call = lambda: torch.ops.moegemm.gemm_fp8_ragged_k(qa, sa, qb, sb, plan, torch.bfloat16, GEMM_SM90, tiling)
+                    call = lambda: torch.ops.moegemm.gemm_fp8_ragged_reduction(qa, sa, qb, sb, plan, torch.bfloat16, GEMM_SM90, tiling)
                 else:
-                    call = lambda: torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qa, sa, qb, sb, plan, out, GEMM_SM90, tiling)
+                    call = lambda: torch.ops.moegemm.gemm_fp8_ragged_reduction_accumulate(qa, sa, qb, sb, plan, out, GEMM_SM90, tiling)
                 # ids: at least the narrowest tiling's; meta: tokens | expert << 32 | SM << 44
                 records, ms = probe_call(call, E * -(-N // 128) * -(-K // 128) + 2,
                                          lambda m: ((m >> 44) & 0xFFFF, m & 0xFFFFFFFF))
@@ -423,7 +423,7 @@ def child(args) -> int:
         qx, sx, _, _ = ops.quantize_act(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16), plan, cols=False)
         qw, sw, _, _ = ops.quantize_weight((torch.randn(E, N, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
         for tiling in tilings:
-            call = lambda: torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+            call = lambda: torch.ops.moegemm.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, tiling)
             if args.stages:
                 probe = torch.zeros(sms * STAGES * STAGE_RECORD, dtype=torch.int64, device="cuda")
                 probed_run(call, probe)

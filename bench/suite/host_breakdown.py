@@ -91,7 +91,7 @@ def main():
                 "op make_plan": lambda: ops.make_plan(m, T),
                 "op quantize_act (rows)": lambda: ops.quantize_act(x, plan, True, False),
                 "op quantize_weight": lambda: ops.quantize_weight(w1),
-                "op gemm_fp8_ragged_m": lambda: ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan),
+                "op gemm_fp8_ragged_rows": lambda: ops.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan),
                 "op gemm_bf16_fprop": lambda: ops.gemm_bf16_fprop(x, w1, plan),
                 "op linear_fwd fp8 (torch.ops, direct)": lambda: torch.ops.moegemm.linear_fwd(x, w1, m, None, 1, False, False),
                 "op linear_fwd bf16 (torch.ops, direct)": lambda: torch.ops.moegemm.linear_fwd(x, w1, m, None, 0, False, False),

@@ -39,7 +39,7 @@ def fc1(key, c):
         plan = ops.make_plan(m, c.T)
         qx, sx = ops.quantize_act(x, plan, True, False)[:2]
         qw, sw = ops.quantize_weight(W1)[:2]
-        return lambda: ops.gemm_fp8_ragged_m(qx, sx, qw, sw, plan)
+        return lambda: ops.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan)
     raise KeyError(key)
 
 

@@ -87,7 +87,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
     saved[saved_fp8::kSwT] = keep_wT ? qw.sT : none_like(x, at::kFloat);
   } else {
     const Tensor w = weight_bf16(weight);
-    y = run_gemm_bf16_ragged_m(x, w, plan, false);
+    y = run_gemm_bf16_ragged_rows(x, w, plan, false);
     if (bias.defined()) run_add_bias(y, bias, plan);
     saved.resize(saved_bf16::kCount);
     saved[saved_bf16::kWBf16] = need_dx && weight.scalar_type() != at::kBFloat16 ? w : none_like(x, at::kBFloat16);
@@ -131,7 +131,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
           check_tensor(saved[saved_fp8::kSwT], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
           wT.qT = aligned(saved[saved_fp8::kQwT]), wT.sT = aligned(saved[saved_fp8::kSwT]);
         }
-        dx = run_gemm_fp8_ragged_m(qdy.q, qdy.s, wT.qT, wT.sT, plan, -1, Tensor(), ws.counters[0]);
+        dx = run_gemm_fp8_ragged_rows(qdy.q, qdy.s, wT.qT, wT.sT, plan, -1, Tensor(), ws.counters[0]);
       }
       if (need_dw) {
         const Quantized rows = wgrad_x_rows(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, dy);
@@ -152,7 +152,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     if (need_dx) {
       const bool kept = weight.scalar_type() != at::kBFloat16;  // forward saved the bf16 copy of an fp32 weight
       if (kept) check_tensor(saved[saved_bf16::kWBf16], "saved w_bf16", at::kBFloat16, {E, N, K}, dy);
-      dx = run_gemm_bf16_ragged_m(dy, kept ? aligned(saved[saved_bf16::kWBf16]) : weight_bf16(weight), plan, true);
+      dx = run_gemm_bf16_ragged_rows(dy, kept ? aligned(saved[saved_bf16::kWBf16]) : weight_bf16(weight), plan, true);
     }
     if (need_dw) {
       TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's weight gradient needs x");

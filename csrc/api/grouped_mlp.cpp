@@ -116,7 +116,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     const bool keep_x = save && need_dw1 && !fp8_x;  // an FP8 x comes back as backward's x and x_scales
     if (!keep_x) qx.q.reset(), qx.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
-    y = run_gemm_fp8_ragged_m(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2, ws.counters[1]);
+    y = run_gemm_fp8_ragged_rows(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2, ws.counters[1]);
     if (save) {
       // a fresh empty tensor per unused slot: outputs of an op may not alias each other
       auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };
@@ -130,11 +130,11 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     }
   } else {
     const Tensor w1 = weight_bf16(fc1_weight);
-    Tensor h = run_gemm_bf16_ragged_m(x, w1, plan, false);
+    Tensor h = run_gemm_bf16_ragged_rows(x, w1, plan, false);
     if (b1.defined()) run_add_bias(h, b1, plan);
     Tensor a = run_act_bf16(h, probs, act);
     const Tensor w2 = weight_bf16(fc2_weight);
-    y = run_gemm_bf16_ragged_m(a, w2, plan, false);
+    y = run_gemm_bf16_ragged_rows(a, w2, plan, false);
     if (b2.defined()) run_add_bias(y, b2, plan);
     if (save) {
       auto none = [&] { return none_like(x, at::kBFloat16); };  // one fresh empty tensor per unused slot
@@ -219,7 +219,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     }
     ws2.reset(), qdy.qT.reset(), qdy.sT.reset(), drop_saved(fp8::kQaT), drop_saved(fp8::kSaT);
     if (need_da) {
-      Tensor da = run_gemm_fp8_ragged_m(qdy.q, qdy.s, w2T.qT, w2T.sT, plan, -1, Tensor(), ws.counters[0]);
+      Tensor da = run_gemm_fp8_ragged_rows(qdy.q, qdy.s, w2T.qT, w2T.sT, plan, -1, Tensor(), ws.counters[0]);
       qdy.q.reset(), qdy.s.reset(), drop_weight(w2T.qT, fp8::kQw2T), drop_weight(w2T.sT, fp8::kSw2T);
       const Tensor h = aligned(saved[fp8::kH]);
       Tensor partial;
@@ -230,7 +230,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
         db1 = run_bias_grad(run_act_backward_bf16(da, h, probs, act, unused_partial), plan);
       }
       da.reset(), drop_saved(fp8::kH);
-      if (need_dx) dx = run_gemm_fp8_ragged_m(qdh.q, qdh.s, w1T.qT, w1T.sT, plan, -1, Tensor(), ws.counters[1]);
+      if (need_dx) dx = run_gemm_fp8_ragged_rows(qdh.q, qdh.s, w1T.qT, w1T.sT, plan, -1, Tensor(), ws.counters[1]);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, fp8::kQw1T), drop_weight(w1T.sT, fp8::kSw1T);
       if (need_dw1) {  // x's column copy, made from its row copy
         const Tensor ws1 = fp8_wgrad_workspace(!defer, plan);  // fc1 wgrad's, zeroed by requantize_cols' launch
@@ -265,12 +265,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
         check_tensor(saved[slot], name, at::kBFloat16, {w.size(0), w.size(1), w.size(2)}, dy);
         return aligned(saved[slot]);
       };
-      Tensor da = run_gemm_bf16_ragged_m(dy, bf16_weight(fc2_weight, bf16::kW2Bf16, "saved w2_bf16"), plan, true);
+      Tensor da = run_gemm_bf16_ragged_rows(dy, bf16_weight(fc2_weight, bf16::kW2Bf16, "saved w2_bf16"), plan, true);
       drop_saved(bf16::kW2Bf16);
       Tensor partial;
       Tensor dh = run_act_backward_bf16(da, aligned(saved[bf16::kH]), probs, act, partial);
       da.reset(), drop_saved(bf16::kH);
-      if (need_dx) dx = run_gemm_bf16_ragged_m(dh, bf16_weight(fc1_weight, bf16::kW1Bf16, "saved w1_bf16"), plan, true);
+      if (need_dx) dx = run_gemm_bf16_ragged_rows(dh, bf16_weight(fc1_weight, bf16::kW1Bf16, "saved w1_bf16"), plan, true);
       drop_saved(bf16::kW1Bf16);
       if (need_dw1) {
         TORCH_CHECK(x_in.has_value(), "moegemm: the bf16 recipe's fc1 weight gradient needs x");

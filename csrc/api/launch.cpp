@@ -168,31 +168,31 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
   return dh;
 }
 
-Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
+Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              int tiling, const Tensor& bias, const Tensor& counter) {
-  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m");
+  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_rows");
   const int E = num_experts(plan);
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
-  const Tensor ws = counter.defined() ? counter : empty({words_of(gemm_fp8_ragged_m_workspace_size())}, at::kInt, qa).zero_();
+  const Tensor ws = counter.defined() ? counter : empty({words_of(gemm_fp8_ragged_rows_workspace_size())}, at::kInt, qa).zero_();
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
-  gemm_fp8_ragged_m({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
+  gemm_fp8_ragged_rows({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
                     {cbytes(qb), sb.data_ptr<float>()}, b, tiling, ws.data_ptr(), current_stream(qa));
   return out;
 }
 
-Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
+Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
                                         const Tensor& sb, const Tensor& bias, Quantized& rows, const Tensor& zero) {
-  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_m_quantize_a");
+  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_rows_quantize_a");
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1), N = qb.size(1);
   const Tensor qa = empty({T, K}, at::kFloat8_e4m3fn, x), sa = empty_row_scales(T, ceil_div(K, kBlock), x);
   Tensor out = empty({T, N}, at::kBFloat16, x);
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   const DeviceSplits from = device_splits(m_splits);
-  const Tensor claims = empty({words_of(gemm_fp8_ragged_m_quantize_a_workspace_size())}, at::kInt, x);  // any contents
-  gemm_fp8_ragged_m_quantize_a({from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, x.data_ptr(), N, K, out.data_ptr(),
+  const Tensor claims = empty({words_of(gemm_fp8_ragged_rows_quantize_a_workspace_size())}, at::kInt, x);  // any contents
+  gemm_fp8_ragged_rows_quantize_a({from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, x.data_ptr(), N, K, out.data_ptr(),
                                bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, zero_fill_of(zero),
                                claims.data_ptr(), current_stream(x));
   rows = {qa, sa, Tensor(), Tensor()};
@@ -206,12 +206,12 @@ Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, co
     if (plan_from.defined()) run_make_plan_into(plan_from, T, plan);
     if (ws.words.defined()) ws.words.zero_();  // no launch of ours before the GEMM to zero them
     qx = *fp8_x;
-  } else if (T > 0 && gemm_fp8_ragged_m_quantize_a_preferred(T, K)) {
-    return run_gemm_fp8_ragged_m_quantize_a(x, plan_from, plan, qb, sb, bias, qx, ws.words);
+  } else if (T > 0 && gemm_fp8_ragged_rows_quantize_a_preferred(T, K)) {
+    return run_gemm_fp8_ragged_rows_quantize_a(x, plan_from, plan, qb, sb, bias, qx, ws.words);
   } else {
     qx = run_quantize_act(x, DType::kBF16, plan, true, false, plan_from, ws.words);
   }
-  return run_gemm_fp8_ragged_m(qx.q, qx.s, qb, sb, plan, -1, bias, ws.counters.front());
+  return run_gemm_fp8_ragged_rows(qx.q, qx.s, qb, sb, plan, -1, bias, ws.counters.front());
 }
 
 namespace {
@@ -232,9 +232,9 @@ namespace {
 size_t fp8_wgrad_workspace_bytes(const Tensor& plan) {
   RaggedReduction p{};
   p.E = num_experts(plan), p.out_kind = WgradOut::kF32;
-  const size_t f32 = gemm_fp8_ragged_k_workspace_size(p, {});
+  const size_t f32 = gemm_fp8_ragged_reduction_workspace_size(p, {});
   p.out_kind = WgradOut::kBF16;
-  return std::max(f32, gemm_fp8_ragged_k_workspace_size(p, {}));
+  return std::max(f32, gemm_fp8_ragged_reduction_workspace_size(p, {}));
 }
 }  // namespace
 
@@ -246,7 +246,7 @@ Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan) {
 GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan) {
   GemmWorkspaces ws;
   const int64_t wgrad_words = wgrad ? words_of(fp8_wgrad_workspace_bytes(plan)) : 0;
-  const int64_t counter_words = words_of(gemm_fp8_ragged_m_workspace_size());
+  const int64_t counter_words = words_of(gemm_fp8_ragged_rows_workspace_size());
   const int64_t total = wgrad_words + counters * counter_words;
   if (total == 0) return ws;
   // (the wgrad workspace first: CUTLASS's part of it wants the allocation's alignment)
@@ -256,15 +256,15 @@ GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan) {
   return ws;
 }
 
-void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+void run_gemm_fp8_ragged_reduction(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
                            const Tensor& out, bool accumulate, GemmChoice choice, const Tensor& zeroed) {
-  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_k");
+  MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_reduction");
   const int E = num_experts(plan);
   const int64_t N = qaT.size(0), K = qbT.size(0), cols = qaT.size(1), blocks = saT.size(0);
   into_aligned(out, [&](const Tensor& o) {
     const WgradOut kind = wgrad_out(o, accumulate);
     const RaggedReduction p{plan_ptr(plan), E, N, K, /*T=*/0, cols, blocks, o.data_ptr(), kind};
-    const size_t size = gemm_fp8_ragged_k_workspace_size(p, choice);
+    const size_t size = gemm_fp8_ragged_reduction_workspace_size(p, choice);
     Tensor ws = zeroed;
     if (ws.defined()) {
       TORCH_CHECK(ws.nbytes() >= size, "moegemm: internal: the wgrad workspace has ", num(int64_t(ws.nbytes())),
@@ -272,21 +272,21 @@ void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& q
     } else {
       ws = wgrad_workspace(size, qaT).zero_();
     }
-    gemm_fp8_ragged_k(p, {cbytes(qaT), saT.data_ptr<float>()}, {cbytes(qbT), sbT.data_ptr<float>()}, choice, ws.data_ptr(),
+    gemm_fp8_ragged_reduction(p, {cbytes(qaT), saT.data_ptr<float>()}, {cbytes(qbT), sbT.data_ptr<float>()}, choice, ws.data_ptr(),
                       current_stream(qaT));
   });
 }
 
-Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad) {
-  MOEGEMM_RANGE("moegemm::run_gemm_bf16_ragged_m");
+Tensor run_gemm_bf16_ragged_rows(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad) {
+  MOEGEMM_RANGE("moegemm::run_gemm_bf16_ragged_rows");
   const int E = num_experts(plan);
   const int64_t T = a.size(0), N = w.size(1), K = w.size(2);
   // out [T, N_out] with reduction K_red: fprop out = a w[e]^T (N_out = N), dgrad out = a w[e] (N_out = K)
   const int64_t n_out = dgrad ? K : N, k_red = dgrad ? N : K;
   Tensor out = empty({T, n_out}, a.scalar_type(), a);
   if (T == 0) return out;
-  Tensor ws = workspace(gemm_bf16_ragged_m_workspace_size(E, dgrad), a);
-  gemm_bf16_ragged_m({plan_ptr(plan), E, T, n_out, k_red, out.data_ptr()}, a.data_ptr(), w.data_ptr(), dgrad, ws.data_ptr(),
+  Tensor ws = workspace(gemm_bf16_ragged_rows_workspace_size(E, dgrad), a);
+  gemm_bf16_ragged_rows({plan_ptr(plan), E, T, n_out, k_red, out.data_ptr()}, a.data_ptr(), w.data_ptr(), dgrad, ws.data_ptr(),
                      current_stream(a));
   return out;
 }
@@ -297,8 +297,8 @@ void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, 
   const int64_t T = dy.size(0), N = dy.size(1), K = x.size(1);
   into_aligned(out, [&](const Tensor& o) {
     const WgradOut kind = wgrad_out(o, accumulate);
-    Tensor ws = workspace(gemm_bf16_ragged_k_workspace_size(E, kind), dy);
-    gemm_bf16_ragged_k({plan_ptr(plan), E, N, K, T, /*cols=*/0, /*blocks=*/0, o.data_ptr(), kind}, dy.data_ptr(), x.data_ptr(),
+    Tensor ws = workspace(gemm_bf16_ragged_reduction_workspace_size(E, kind), dy);
+    gemm_bf16_ragged_reduction({plan_ptr(plan), E, N, K, T, /*cols=*/0, /*blocks=*/0, o.data_ptr(), kind}, dy.data_ptr(), x.data_ptr(),
                        ws.data_ptr(), current_stream(dy));
   });
 }

@@ -56,7 +56,7 @@ Tensor run_act_bf16(const Tensor& h, const Tensor& probs, Activation act);
 Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act, Tensor& dprobs_partial);
 
 // The words that one launch zeroes for the GEMMs after it (a quantizer's `zero`): the wgrad workspace of
-// fp8_wgrad_workspace (when wanted) first, then one tile counter per ragged-row GEMM (gemm_fp8_ragged_m's workspace),
+// fp8_wgrad_workspace (when wanted) first, then one tile counter per ragged-row GEMM (gemm_fp8_ragged_rows's workspace),
 // so that those GEMMs need no launch of their own to zero them.
 struct GemmWorkspaces {
   Tensor words;                  // all of them (undefined: none)
@@ -69,17 +69,17 @@ GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan);
 // blockwise scaled (fprop; dgrad with the Wᵀ copy), with the tiling heuristics.h picks unless `tiling` (>= 0)
 // names one. counter: its tile counter, zeroed by an earlier launch (gemm_workspaces), else one allocated and
 // zeroed here.
-Tensor run_gemm_fp8_ragged_m(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
+Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              int tiling = -1, const Tensor& bias = Tensor(), const Tensor& counter = Tensor());
 // The same on a bf16 x [T >= 1, K] in one launch that first builds `plan` from m_splits (undefined: `plan` was built
 // by an earlier launch) and x's FP8 row copy (`rows`: q, s) with the GEMM's own CTAs, and zeroes `zero` (gemm_workspaces'
 // words, or undefined).
-Tensor run_gemm_fp8_ragged_m_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
+Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
                                         const Tensor& sb, const Tensor& bias, Quantized& rows, const Tensor& zero = {});
 // A layer's FP8 forward GEMM out = x_e qb[e]ᵀ (+ bias) with x's FP8 row copy in qx (q, s; the column copy is made in
 // backward, from this row copy), the plan built from plan_from's counts when defined: an FP8 x given as its row copy
-// (fp8_x), or a bf16 x quantized first; where the heuristics prefer it (gemm_fp8_ragged_m_quantize_a_preferred),
-// quantized and multiplied in one launch (run_gemm_fp8_ragged_m_quantize_a, which builds the plan too). `ws`: the words
+// (fp8_x), or a bf16 x quantized first; where the heuristics prefer it (gemm_fp8_ragged_rows_quantize_a_preferred),
+// quantized and multiplied in one launch (run_gemm_fp8_ragged_rows_quantize_a, which builds the plan too). `ws`: the words
 // zeroed by x's quantizer or the one launch (gemm_workspaces with at least one counter: the first is this GEMM's).
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx, const GemmWorkspaces& ws);
@@ -87,14 +87,14 @@ Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, co
 // kernel and tiling heuristics.h picks unless `choice` names them. Its workspace: `zeroed` when given
 // (fp8_wgrad_workspace, sized for the default choice and zeroed by the quantizer launched before it), else one
 // allocated and zeroed here.
-void run_gemm_fp8_ragged_k(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+void run_gemm_fp8_ragged_reduction(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
                            const Tensor& out, bool accumulate, GemmChoice choice = {}, const Tensor& zeroed = {});
-// The workspace of a wgrad GEMM on the default choice (run_gemm_fp8_ragged_k's `zeroed`), allocated before the
+// The workspace of a wgrad GEMM on the default choice (run_gemm_fp8_ragged_reduction's `zeroed`), allocated before the
 // quantizer that makes the GEMM's last operand so that its launch zeroes it (run_quantize_act's or
 // run_requantize_cols' `zero`): the GEMM then needs no launch of its own for it. Undefined unless `wanted`.
 Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan);
 // bf16 recipe: fprop y [T, N] = a [T, K] w[e]ᵀ, or dgrad (dgrad = true) dx [T, K] = a [T, N] w[e].
-Tensor run_gemm_bf16_ragged_m(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad);
+Tensor run_gemm_bf16_ragged_rows(const Tensor& a, const Tensor& w, const Tensor& plan, bool dgrad);
 // bf16 recipe: out [E, N, K] (fp32 = or +=, bf16 =) dy_eᵀ x_e.
 void run_gemm_bf16_wgrad(const Tensor& dy, const Tensor& x, const Tensor& plan, const Tensor& out, bool accumulate);
 

@@ -123,7 +123,7 @@ Quantized wgrad_x_rows(const Tensor& saved_q, const Tensor& saved_s, const std::
 Tensor fp8_weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, const Tensor& qgT,
                        const Tensor& sgT, const Tensor& qxT, const Tensor& sxT, const Tensor& plan, const Tensor& zeroed) {
   return weight_grad(weight, main_grad, like, [&](const Tensor& out, bool accumulate) {
-    run_gemm_fp8_ragged_k(qgT, sgT, qxT, sxT, plan, out, accumulate, {}, zeroed);
+    run_gemm_fp8_ragged_reduction(qgT, sgT, qxT, sxT, plan, out, accumulate, {}, zeroed);
   });
 }
 

@@ -50,7 +50,7 @@ GemmChoice gemm_choice(int64_t kernel, int64_t tiling, int tilings) {
   return {static_cast<GemmKernel>(kernel), static_cast<int>(tiling)};
 }
 
-void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Tensor& qbT_in, const Tensor& sbT_in,
+void gemm_fp8_ragged_reduction_into(const Tensor& qaT_in, const Tensor& saT_in, const Tensor& qbT_in, const Tensor& sbT_in,
                             const Tensor& plan, const Tensor& out, bool accumulate, int64_t kernel, int64_t tiling) {
   const GemmChoice choice = gemm_choice(kernel, tiling, num_ragged_reduction_tilings());
   const Tensor qaT = input(qaT_in, "qaT", at::kFloat8_e4m3fn, 2, qaT_in);
@@ -69,11 +69,11 @@ void gemm_fp8_ragged_k_into(const Tensor& qaT_in, const Tensor& saT_in, const Te
   check_dim_aligned(K, "qbT.shape[0] (K)");
   check_wgrad_shape(out, E, N, K);
   c10::DeviceGuard guard(qaT.device());
-  run_gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out, accumulate, choice);
+  run_gemm_fp8_ragged_reduction(qaT, saT, qbT, sbT, plan, out, accumulate, choice);
 }
 
 // bf16 recipe: a [T, A] with w [E, N, K]; fprop has A = K, dgrad has A = N.
-Tensor gemm_bf16_ragged_m(const Tensor& a_in, const Tensor& w_in, const Tensor& plan, bool dgrad) {
+Tensor gemm_bf16_ragged_rows(const Tensor& a_in, const Tensor& w_in, const Tensor& plan, bool dgrad) {
   const Tensor a = input(a_in, dgrad ? "dy" : "x", at::kBFloat16, 2, a_in);
   const Tensor w = input(w_in, "weight", at::kBFloat16, 3, a);
   check(plan, "plan", at::kInt, 2, a);
@@ -83,7 +83,7 @@ Tensor gemm_bf16_ragged_m(const Tensor& a_in, const Tensor& w_in, const Tensor& 
   check_dim_aligned(N, "weight.shape[1] (N)");
   check_dim_aligned(K, "weight.shape[2] (K)");
   c10::DeviceGuard guard(a.device());
-  return run_gemm_bf16_ragged_m(a, w, plan, dgrad);
+  return run_gemm_bf16_ragged_rows(a, w, plan, dgrad);
 }
 
 void gemm_bf16_wgrad_into(const Tensor& dy_in, const Tensor& x_in, const Tensor& plan, const Tensor& out, bool accumulate) {
@@ -208,7 +208,7 @@ std::vector<Tensor> quantize_weights_op(at::TensorList ws) {
   return out;
 }
 
-Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
+Tensor gemm_fp8_ragged_rows_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,
                             const Tensor& plan, int64_t tiling) {
   TORCH_CHECK(tiling >= -1 && tiling < num_ragged_rows_tilings(), "moegemm: tiling must be -1 (the heuristic's) or an index of "
               "the sm90 tilings [0, ", num(num_ragged_rows_tilings()), "), got ", num(tiling));
@@ -225,23 +225,23 @@ Tensor gemm_fp8_ragged_m_op(const Tensor& qa_in, const Tensor& sa_in, const Tens
   TORCH_CHECK(sb.size(0) == E && sb.size(1) == ceil_div(N, kBlock) && sb.size(2) == ceil_div(K, kBlock), "moegemm: sb has shape ",
               shape(sb));
   c10::DeviceGuard guard(qa.device());
-  return run_gemm_fp8_ragged_m(qa, sa, qb, sb, plan, static_cast<int>(tiling));
+  return run_gemm_fp8_ragged_rows(qa, sa, qb, sb, plan, static_cast<int>(tiling));
 }
 
-Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+Tensor gemm_fp8_ragged_reduction_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
                             at::ScalarType out_dtype, int64_t kernel, int64_t tiling) {
   Tensor out = new_wgrad_for(plan, qaT.size(0), qbT.size(0), out_dtype, qaT);
-  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, false, kernel, tiling);
+  gemm_fp8_ragged_reduction_into(qaT, saT, qbT, sbT, plan, out, false, kernel, tiling);
   return out;
 }
 
-void gemm_fp8_ragged_k_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
+void gemm_fp8_ragged_reduction_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
                                      const Tensor& plan, const Tensor& out, int64_t kernel, int64_t tiling) {
-  gemm_fp8_ragged_k_into(qaT, saT, qbT, sbT, plan, out, true, kernel, tiling);
+  gemm_fp8_ragged_reduction_into(qaT, saT, qbT, sbT, plan, out, true, kernel, tiling);
 }
 
-Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_m(x, w, plan, false); }
-Tensor gemm_bf16_dgrad_op(const Tensor& dy, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_m(dy, w, plan, true); }
+Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_rows(x, w, plan, false); }
+Tensor gemm_bf16_dgrad_op(const Tensor& dy, const Tensor& w, const Tensor& plan) { return gemm_bf16_ragged_rows(dy, w, plan, true); }
 
 Tensor gemm_bf16_wgrad_op(const Tensor& dy, const Tensor& x, const Tensor& plan, at::ScalarType out_dtype) {
   Tensor out = new_wgrad_for(plan, dy.size(1), x.size(1), out_dtype, dy);

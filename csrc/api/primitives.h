@@ -32,13 +32,13 @@ Tensor act_bf16_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t 
 std::tuple<Tensor, Tensor> act_backward_bf16_op(const Tensor& da, const Tensor& h, const std::optional<Tensor>& probs,
                                                 int64_t activation);
 // tiling: -1 the heuristic's (csrc/kernels/gemm/heuristics.h), else an index of heuristics.h's kRaggedRowsTilings.
-Tensor gemm_fp8_ragged_m_op(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
+Tensor gemm_fp8_ragged_rows_op(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                             int64_t tiling);
 // kernel: 0 the default (heuristics.h), 1 CUTLASS's ptr-array kernel, 2 moegemm's own sm90 kernel; tiling (sm90):
 // -1 the heuristic's, else an index of heuristics.h's kRaggedReductionTilings.
-Tensor gemm_fp8_ragged_k_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
+Tensor gemm_fp8_ragged_reduction_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT, const Tensor& plan,
                             at::ScalarType out_dtype, int64_t kernel, int64_t tiling);
-void gemm_fp8_ragged_k_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
+void gemm_fp8_ragged_reduction_accumulate_op(const Tensor& qaT, const Tensor& saT, const Tensor& qbT, const Tensor& sbT,
                                      const Tensor& plan, const Tensor& out, int64_t kernel, int64_t tiling);
 Tensor gemm_bf16_fprop_op(const Tensor& x, const Tensor& w, const Tensor& plan);
 Tensor gemm_bf16_dgrad_op(const Tensor& dy, const Tensor& w, const Tensor& plan);

@@ -61,16 +61,16 @@ def quantize_weights(weights):
     return [tuple(flat[i: i + 4]) for i in range(0, len(flat), 4)]
 
 
-def gemm_fp8_ragged_m(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
+def gemm_fp8_ragged_rows(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     if out_dtype != torch.bfloat16:
         raise ValueError(f"the CUDA FP8 GEMM writes bfloat16 output, got out_dtype={out_dtype}")
-    return _ops.gemm_fp8_ragged_m(qa, sa, qb, sb, plan)
+    return _ops.gemm_fp8_ragged_rows(qa, sa, qb, sb, plan)
 
 
-def gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out=None, out_dtype=torch.float32):
+def gemm_fp8_ragged_reduction(qaT, saT, qbT, sbT, plan, out=None, out_dtype=torch.float32):
     if out is None:
-        return _ops.gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out_dtype)
-    _ops.gemm_fp8_ragged_k_accumulate(qaT, saT, qbT, sbT, plan, out)
+        return _ops.gemm_fp8_ragged_reduction(qaT, saT, qbT, sbT, plan, out_dtype)
+    _ops.gemm_fp8_ragged_reduction_accumulate(qaT, saT, qbT, sbT, plan, out)
     return out
 
 

@@ -87,15 +87,15 @@ def _act_backward_bf16(da, h, probs, activation):
     return h.new_empty(h.shape), da.new_empty((T if probs is not None else 0, ceil_div(F, ACT_BF16_COLS)), dtype=torch.float32)
 
 
-def _gemm_fp8_ragged_m(qa, sa, qb, sb, plan, tiling=-1):
+def _gemm_fp8_ragged_rows(qa, sa, qb, sb, plan, tiling=-1):
     return qa.new_empty((qa.shape[0], qb.shape[1]), dtype=torch.bfloat16)
 
 
-def _gemm_fp8_ragged_k(qaT, saT, qbT, sbT, plan, out_dtype, kernel=0, tiling=-1):
+def _gemm_fp8_ragged_reduction(qaT, saT, qbT, sbT, plan, out_dtype, kernel=0, tiling=-1):
     return qaT.new_empty((plan.shape[1] - 1, qaT.shape[0], qbT.shape[0]), dtype=out_dtype)
 
 
-def _gemm_fp8_ragged_k_accumulate(qaT, saT, qbT, sbT, plan, out, kernel=0, tiling=-1):
+def _gemm_fp8_ragged_reduction_accumulate(qaT, saT, qbT, sbT, plan, out, kernel=0, tiling=-1):
     return None
 
 
@@ -138,12 +138,12 @@ OPS = (
     PrimitiveOp("act_bf16(Tensor h, Tensor? probs, int activation) -> Tensor", _act_bf16),
     PrimitiveOp("act_backward_bf16(Tensor da, Tensor h, Tensor? probs, int activation) -> (Tensor, Tensor)",
                 _act_backward_bf16),
-    PrimitiveOp("gemm_fp8_ragged_m(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan, int tiling=-1) -> Tensor",
-                _gemm_fp8_ragged_m),
-    PrimitiveOp("gemm_fp8_ragged_k(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, ScalarType out_dtype, "
-                "int kernel=0, int tiling=-1) -> Tensor", _gemm_fp8_ragged_k),
-    PrimitiveOp("gemm_fp8_ragged_k_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, "
-                "Tensor(a!) out, int kernel=0, int tiling=-1) -> ()", _gemm_fp8_ragged_k_accumulate),
+    PrimitiveOp("gemm_fp8_ragged_rows(Tensor qa, Tensor sa, Tensor qb, Tensor sb, Tensor plan, int tiling=-1) -> Tensor",
+                _gemm_fp8_ragged_rows),
+    PrimitiveOp("gemm_fp8_ragged_reduction(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, ScalarType out_dtype, "
+                "int kernel=0, int tiling=-1) -> Tensor", _gemm_fp8_ragged_reduction),
+    PrimitiveOp("gemm_fp8_ragged_reduction_accumulate(Tensor qaT, Tensor saT, Tensor qbT, Tensor sbT, Tensor plan, "
+                "Tensor(a!) out, int kernel=0, int tiling=-1) -> ()", _gemm_fp8_ragged_reduction_accumulate),
     PrimitiveOp("gemm_bf16_fprop(Tensor x, Tensor w, Tensor plan) -> Tensor", _gemm_bf16_fprop),
     PrimitiveOp("gemm_bf16_dgrad(Tensor dy, Tensor w, Tensor plan) -> Tensor", _gemm_bf16_dgrad),
     PrimitiveOp("gemm_bf16_wgrad(Tensor dy, Tensor x, Tensor plan, ScalarType out_dtype) -> Tensor", _gemm_bf16_wgrad),

@@ -17,7 +17,7 @@ import torch
 from .. import reference as R
 from ..layout import ACTIVATION_NAMES, FP8_BLOCKWISE, wgrad_dtype
 from ..reference import (act_backward_bf16, act_backward_quantize, act_bf16, act_quantize,  # noqa: F401
-                         gemm_bf16_dgrad, gemm_bf16_fprop, gemm_bf16_wgrad, gemm_fp8_ragged_k, gemm_fp8_ragged_m,
+                         gemm_bf16_dgrad, gemm_bf16_fprop, gemm_bf16_wgrad, gemm_fp8_ragged_reduction, gemm_fp8_ragged_rows,
                          make_plan, quantize_act, quantize_weight, quantize_weights, requantize_cols)
 from . import contract as C
 from . import fakes
@@ -84,13 +84,13 @@ def _linear_bwd(a) -> dict:
         if a.need_dx or a.need_dw:
             qdy, sdy, qdyT, sdyT = R.quantize_act(dy, plan, rows=a.need_dx, cols=a.need_dw)
         if a.need_dx:
-            out["dx"] = R.gemm_fp8_ragged_m(qdy, sdy, qwT, swT, plan, dy.dtype)
+            out["dx"] = R.gemm_fp8_ragged_rows(qdy, sdy, qwT, swT, plan, dy.dtype)
         if a.need_dw:
             qxT, sxT = _x_cols(saved, a.x, a.x_scales, plan)
         if a.defer:
             out.update(qdyT=qdyT, sdyT=sdyT, qxT=qxT, sxT=sxT)
         elif a.need_dw:
-            out["dw"] = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, qxT, sxT), plan, a.weight, a.main_grad)
+            out["dw"] = _weight_grad(R.gemm_fp8_ragged_reduction, (qdyT, sdyT, qxT, sxT), plan, a.weight, a.main_grad)
     else:
         if a.need_dx:
             w = saved["w_bf16"] if a.weight.dtype != a.act else a.weight
@@ -106,7 +106,7 @@ def _deferred_weight_grad(ops: dict, grad: tuple, inp: tuple, plan, weight, main
     """One weight's deferred gradient from its wgrad operands: the gradient's pair ``grad`` and the
     input's pair ``inp`` (names of ``ops``; bf16: one name each)."""
     if recipe == FP8_BLOCKWISE:
-        return _weight_grad(R.gemm_fp8_ragged_k, tuple(ops[n] for n in grad + inp), plan, weight, main_grad)
+        return _weight_grad(R.gemm_fp8_ragged_reduction, tuple(ops[n] for n in grad + inp), plan, weight, main_grad)
     return _weight_grad(R.gemm_bf16_wgrad, (ops[grad[0]], ops[inp[0]]), plan, weight, main_grad)
 
 
@@ -154,23 +154,23 @@ def _mlp_bwd(a) -> dict:
         if a.need_dw2 and a.defer:
             out.update(qdyT=qdyT, sdyT=sdyT)
         elif a.need_dw2:
-            out["dw2"] = _weight_grad(R.gemm_fp8_ragged_k, (qdyT, sdyT, saved["qaT"], saved["saT"]), plan, a.fc2_weight,
+            out["dw2"] = _weight_grad(R.gemm_fp8_ragged_reduction, (qdyT, sdyT, saved["qaT"], saved["saT"]), plan, a.fc2_weight,
                                       a.fc2_main_grad)
         if need_dh or a.need_dprobs:
             h = saved["h"]
-            da = R.gemm_fp8_ragged_m(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
+            da = R.gemm_fp8_ragged_rows(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
             qdh, sdh, qdhT, sdhT, out["dprobs"] = R.act_backward_quantize(da, h, p32, act, plan, rows=a.need_dx,
                                                                           cols=a.need_dw1)
             if a.need_db1:  # fc1's bias gradient needs dh itself (in bf16), which the fused kernel only quantizes
                 out["db1"] = R.bias_grad(R.act_backward_bf16(da, h, p32, act)[0], plan)
             if a.need_dx:
-                out["dx"] = R.gemm_fp8_ragged_m(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
+                out["dx"] = R.gemm_fp8_ragged_rows(qdh, sdh, qw1T, sw1T, plan, dy.dtype)
             if a.need_dw1:
                 qxT, sxT = _x_cols(saved, a.x, a.x_scales, plan)
             if a.need_dw1 and a.defer:
                 out.update(qdhT=qdhT, sdhT=sdhT, qxT=qxT, sxT=sxT)
             elif a.need_dw1:
-                out["dw1"] = _weight_grad(R.gemm_fp8_ragged_k, (qdhT, sdhT, qxT, sxT), plan, a.fc1_weight,
+                out["dw1"] = _weight_grad(R.gemm_fp8_ragged_reduction, (qdhT, sdhT, qxT, sxT), plan, a.fc1_weight,
                                           a.fc1_main_grad)
     else:
         w1 = saved["w1_bf16"] if a.fc1_weight.dtype != a.act else a.fc1_weight

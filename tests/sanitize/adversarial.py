@@ -167,11 +167,11 @@ misuse = [
     lambda: o.act_quantize(h, p, 5, plan, True, True),
     lambda: o.act_bf16(h, p, -1),
     lambda: o.act_quantize(h, p[:-1], 0, plan, True, True),
-    lambda: o.gemm_fp8_ragged_m(qx, sx, qw[:2], sw[:2], plan),
-    lambda: o.gemm_fp8_ragged_m(qx, sx[:-1], qw, sw, plan),
-    lambda: o.gemm_fp8_ragged_k(qxT, sxT, qxT, sxT, plan, torch.float16),
-    lambda: o.gemm_fp8_ragged_k_accumulate(qxT, sxT, qxT, sxT, plan, torch.zeros(E, K, K + 16, device=DEV)),
-    lambda: o.gemm_fp8_ragged_k_accumulate(qxT, sxT, qxT, sxT, plan, torch.zeros(E, K, K, device=DEV, dtype=torch.bfloat16)),
+    lambda: o.gemm_fp8_ragged_rows(qx, sx, qw[:2], sw[:2], plan),
+    lambda: o.gemm_fp8_ragged_rows(qx, sx[:-1], qw, sw, plan),
+    lambda: o.gemm_fp8_ragged_reduction(qxT, sxT, qxT, sxT, plan, torch.float16),
+    lambda: o.gemm_fp8_ragged_reduction_accumulate(qxT, sxT, qxT, sxT, plan, torch.zeros(E, K, K + 16, device=DEV)),
+    lambda: o.gemm_fp8_ragged_reduction_accumulate(qxT, sxT, qxT, sxT, plan, torch.zeros(E, K, K, device=DEV, dtype=torch.bfloat16)),
     lambda: o.gemm_bf16_fprop(x, w[:2], plan),
     lambda: o.gemm_bf16_wgrad(dy, x[:-1], plan, torch.float32),
     lambda: o.gemm_bf16_wgrad_accumulate(dy, x, plan, torch.zeros(E, N, K - 16, device=DEV)),
@@ -180,7 +180,7 @@ for fn in misuse:
     expect_error(fn, (RuntimeError, NotImplementedError))
 # misaligned raw-op arguments: raise, or run correctly (memcheck watches the latter)
 for fn in [lambda: o.quantize_act(off(x), plan, True, True), lambda: o.quantize_weight(off(w, 3)),
-           lambda: o.gemm_fp8_ragged_m(off(qx), sx, qw, sw, plan), lambda: o.gemm_fp8_ragged_m(qx, sx, off(qw), sw, plan),
+           lambda: o.gemm_fp8_ragged_rows(off(qx), sx, qw, sw, plan), lambda: o.gemm_fp8_ragged_rows(qx, sx, off(qw), sw, plan),
            lambda: o.gemm_bf16_fprop(off(x), w, plan), lambda: o.gemm_bf16_fprop(x, off(w), plan),
            lambda: o.gemm_bf16_wgrad_accumulate(dy, x, plan, off(torch.zeros(E, N, K, device=DEV))),
            lambda: o.act_bf16(off(h), off(p), 0), lambda: o.act_quantize(off(h), p, 0, plan, True, True)]:
@@ -198,8 +198,8 @@ forged = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, E + 1), dtype=torch.int32, dev
 dyf = torch.randn(T, N, device=DEV, dtype=torch.bfloat16)
 qdf, sdf, qdfT, sdfT = o.quantize_act(dyf, plan, True, True)
 for foreign in (big_plan, forged):
-    outs = [o.quantize_act(x, foreign, True, True)[0].view(torch.uint8), o.gemm_fp8_ragged_m(qx, sx, qw, sw, foreign),
-            o.gemm_fp8_ragged_k(qdfT, sdfT, qxT, sxT, foreign, torch.float32), o.gemm_bf16_fprop(x, w, foreign),
+    outs = [o.quantize_act(x, foreign, True, True)[0].view(torch.uint8), o.gemm_fp8_ragged_rows(qx, sx, qw, sw, foreign),
+            o.gemm_fp8_ragged_reduction(qdfT, sdfT, qxT, sxT, foreign, torch.float32), o.gemm_bf16_fprop(x, w, foreign),
             o.gemm_bf16_wgrad(dyf, x, foreign, torch.float32), o.bias_grad(dyf, foreign),
             o.act_quantize(h, p, 0, foreign, True, True)[0].view(torch.uint8)]
     y0 = torch.zeros(T, N, device=DEV, dtype=torch.bfloat16)

@@ -98,9 +98,9 @@ print("sanitize case ran every kernel")
 for Kg, Ng in ((K, N), (512, 400), (640, 400)):
     qx, sx, _, _ = cuda_ops.quantize_act(torch.randn(T, Kg, device="cuda", dtype=torch.bfloat16), plan, cols=False)
     qw, sw, _, _ = cuda_ops.quantize_weight((torch.randn(E, Ng, Kg, device="cuda") * 0.05).to(torch.bfloat16))
-    expect = ref.gemm_fp8_ragged_m(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
+    expect = ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, ref.make_plan(m, T), torch.float64)
     for tiling in range(SM90_RAGGED_ROWS_TILINGS):
-        y = torch.ops.moegemm.gemm_fp8_ragged_m(qx, sx, qw, sw, plan, tiling)
+        y = torch.ops.moegemm.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan, tiling)
         assert ((y.double() - expect).norm() / expect.norm()).item() < 2e-3, (Kg, Ng, tiling)
 torch.cuda.synchronize()
 print("every_kernel: the FP8 ragged-row GEMM in every tiling agrees with the reference")
@@ -108,21 +108,21 @@ print("every_kernel: the FP8 ragged-row GEMM in every tiling agrees with the ref
 # The FP8 ragged reduction (wgrad) on each of its kernels, every sm90 tiling and every output kind.
 _, _, qdyT, sdyT = cuda_ops.quantize_act(torch.randn(T, N, device="cuda", dtype=torch.bfloat16), plan, rows=False)
 _, _, qxT, sxT = cuda_ops.quantize_act(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), plan, rows=False)
-expect = ref.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, ref.make_plan(m, T), out_dtype=torch.float64)
+expect = ref.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, ref.make_plan(m, T), out_dtype=torch.float64)
 for kernel, tiling in [(GEMM_CUTLASS, -1)] + [(GEMM_SM90, i) for i in range(SM90_RAGGED_REDUCTION_TILINGS)]:
     for dtype in (torch.float32, torch.bfloat16):
-        dw = torch.ops.moegemm.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, dtype, kernel, tiling)
+        dw = torch.ops.moegemm.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan, dtype, kernel, tiling)
         assert ((dw.double() - expect).norm() / expect.norm()).item() < 4e-3, (kernel, tiling, dtype)
     acc = torch.ones(E, N, K, device="cuda")
-    torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qdyT, sdyT, qxT, sxT, plan, acc, kernel, tiling)
+    torch.ops.moegemm.gemm_fp8_ragged_reduction_accumulate(qdyT, sdyT, qxT, sxT, plan, acc, kernel, tiling)
     assert ((acc.double() - 1 - expect).norm() / expect.norm()).item() < 2e-3, (kernel, tiling, "accumulate")
 # The sm90 kernel's banded tile walk (24 or more column tiles, heuristics.h): 128 columns on K = 3072.
 _, _, qxT, sxT = cuda_ops.quantize_act(torch.randn(T, 3072, device="cuda", dtype=torch.bfloat16), plan, rows=False)
-expect = ref.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, ref.make_plan(m, T), out_dtype=torch.float64)
-dw = torch.ops.moegemm.gemm_fp8_ragged_k(qdyT, sdyT, qxT, sxT, plan, torch.bfloat16, GEMM_SM90, 0)
+expect = ref.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, ref.make_plan(m, T), out_dtype=torch.float64)
+dw = torch.ops.moegemm.gemm_fp8_ragged_reduction(qdyT, sdyT, qxT, sxT, plan, torch.bfloat16, GEMM_SM90, 0)
 assert ((dw.double() - expect).norm() / expect.norm()).item() < 4e-3, "banded walk"
 acc = torch.ones(E, N, 3072, device="cuda")
-torch.ops.moegemm.gemm_fp8_ragged_k_accumulate(qdyT, sdyT, qxT, sxT, plan, acc, GEMM_SM90, 0)
+torch.ops.moegemm.gemm_fp8_ragged_reduction_accumulate(qdyT, sdyT, qxT, sxT, plan, acc, GEMM_SM90, 0)
 assert ((acc.double() - 1 - expect).norm() / expect.norm()).item() < 2e-3, "banded walk, accumulate"
 torch.cuda.synchronize()
 print("every_kernel: the FP8 ragged reduction on every kernel, tiling and output agrees with the reference")

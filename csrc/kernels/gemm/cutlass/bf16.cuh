@@ -1,5 +1,5 @@
 // The bf16 recipe's grouped GEMMs on CUTLASS's sm90 ptr-array kernel share one argument builder; each
-// lives in its own translation unit (bf16_ragged_m_{fprop,dgrad}.cu, bf16_ragged_k_{f32,bf16}.cu) so that
+// lives in its own translation unit (bf16_ragged_rows_{fprop,dgrad}.cu, bf16_ragged_reduction_{f32,bf16}.cu) so that
 // they compile in parallel.
 #pragma once
 

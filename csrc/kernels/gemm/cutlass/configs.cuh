@@ -34,7 +34,7 @@ struct Fp8Tiling {
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
-// The FP8 tiling of the ragged-reduction kernels (fp8_ragged_k_*.cu), named once (the others tried:
+// The FP8 tiling of the ragged-reduction kernels (fp8_ragged_reduction_*.cu), named once (the others tried:
 // docs/performance.md, Ragged-reduction GEMM).
 using Tile128x128C1x2 = Fp8Tiling<128, 128, 1, 2>;
 

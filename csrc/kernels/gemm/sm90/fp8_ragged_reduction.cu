@@ -17,12 +17,12 @@ using Config = sm90::Fp8RaggedReductionConfig<kBlockN, kOut>;
 template <class Cfg>
 void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_counter, cudaStream_t stream) {
   constexpr auto kKernel = sm90::fp8_ragged_reduction_kernel<Cfg>;
-  const char* name = "gemm_fp8_ragged_k (sm90)";
+  const char* name = "gemm_fp8_ragged_reduction (sm90)";
   const int64_t tiles = p.E * ceil_div(p.N, Cfg::kBlockM) * ceil_div(p.K, Cfg::kBlockN);
   // the tile counter draws up to two ids per CTA past the last tile
   if (tiles > INT32_MAX - 2 * 65536)
-    throw std::runtime_error("moegemm: gemm_fp8_ragged_k: too many tiles for the scheduler's 32-bit ids (2^31 less two per CTA)");
-  if (p.cols > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_k: the column copy exceeds the TMA coordinate range");
+    throw std::runtime_error("moegemm: gemm_fp8_ragged_reduction: too many tiles for the scheduler's 32-bit ids (2^31 less two per CTA)");
+  if (p.cols > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_reduction: the column copy exceeds the TMA coordinate range");
   sm90::Fp8RaggedReductionParams k{};
   const uint64_t N = p.N, K = p.K, cols = p.cols;
   k.a = sm90::make_tensor_map({a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, N, cols, cols, Cfg::kBlockM, Cfg::kBlockK,
@@ -45,7 +45,7 @@ void launch(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_coun
   k.cols = p.cols, k.blocks = p.blocks;
   allow_shared_memory<kKernel>(Cfg::kSmemBytes, name);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(grid_sms(), tiles)));
-  if (tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): no workspace for the tile counter");
+  if (tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_reduction (sm90): no workspace for the tile counter");
   kKernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(k);
   check_launch(name);
 }
@@ -57,7 +57,7 @@ void launch_out(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, int* tile_
     case WgradOut::kF32Accumulate: return launch<Config<kBlockN, WgradOut::kF32Accumulate>>(p, a, b, tile_counter, stream);
     case WgradOut::kBF16: return launch<Config<kBlockN, WgradOut::kBF16>>(p, a, b, tile_counter, stream);
   }
-  throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): unknown output kind");
+  throw std::runtime_error("moegemm: gemm_fp8_ragged_reduction (sm90): unknown output kind");
 }
 
 }  // namespace
@@ -69,7 +69,7 @@ void sm90_fp8_ragged_reduction(const RaggedReduction& p, Fp8Operand a, Fp8Operan
   if (tiling.block_n == 128) return launch_out<128>(p, a, b, tile_counter, stream);
   if (tiling.block_n == 160) return launch_out<160>(p, a, b, tile_counter, stream);
   if (tiling.block_n == 256) return launch_out<256>(p, a, b, tile_counter, stream);
-  throw std::runtime_error("moegemm: gemm_fp8_ragged_k (sm90): no kernel built for this tiling");
+  throw std::runtime_error("moegemm: gemm_fp8_ragged_reduction (sm90): no kernel built for this tiling");
 }
 
 }  // namespace moegemm::gemm

@@ -49,15 +49,15 @@ template <class Cfg>
 void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int* tile_counter, cudaStream_t stream,
             const RowsPrologue* prologue = nullptr, uint32_t* words = nullptr) {
   constexpr auto kKernel = sm90::fp8_ragged_rows_kernel<Cfg>;
-  const char* name = Cfg::kQuantizeA ? "gemm_fp8_ragged_m_quantize_a (sm90)" : "gemm_fp8_ragged_m (sm90)";
-  if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: E * N exceeds the TMA coordinate range");
+  const char* name = Cfg::kQuantizeA ? "gemm_fp8_ragged_rows_quantize_a (sm90)" : "gemm_fp8_ragged_rows (sm90)";
+  if (p.E * p.N > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_rows: E * N exceeds the TMA coordinate range");
   if (p.E * ceil_div(p.N, kBlock) * ceil_div(p.K, kBlock) > INT32_MAX)  // the kernel indexes them in 32 bits
-    throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 weight scales or more");
+    throw std::runtime_error("moegemm: gemm_fp8_ragged_rows: 2^31 weight scales or more");
   const int64_t max_tiles = block_capacity(p.T, p.E) * ceil_div(p.N, Cfg::kBlockN);
   // (the counter of a dynamic walk draws one id per CTA past the last tile)
-  if (max_tiles + grid_sms() > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_m: 2^31 tiles or more (the scheduler's ids are 32-bit)");
-  if (Cfg::kQuantizeA && words == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a (sm90): no workspace");
-  if (Cfg::kDynamicWalk && !Cfg::kQuantizeA && tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no workspace for the tile counter");
+  if (max_tiles + grid_sms() > INT32_MAX) throw std::runtime_error("moegemm: gemm_fp8_ragged_rows: 2^31 tiles or more (the scheduler's ids are 32-bit)");
+  if (Cfg::kQuantizeA && words == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_rows_quantize_a (sm90): no workspace");
+  if (Cfg::kDynamicWalk && !Cfg::kQuantizeA && tile_counter == nullptr) throw std::runtime_error("moegemm: gemm_fp8_ragged_rows (sm90): no workspace for the tile counter");
   sm90::Fp8RaggedRowsParams k{};
   const uint64_t T = p.T, N = p.N, K = p.K;
   k.a = sm90::make_tensor_map({a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, T, K, K, Cfg::kBoxRowsA, Cfg::kBlockK,
@@ -119,7 +119,7 @@ void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, Exper
   if (is(256, 2)) return launch<Config<256, 2>>(p, a, b, bias, tile_counter, stream);
   if (is(192, 1)) return launch<Config<192, 1>>(p, a, b, bias, tile_counter, stream);
   if (is(192, 2)) return launch<Config<192, 2>>(p, a, b, bias, tile_counter, stream);
-  throw std::runtime_error("moegemm: gemm_fp8_ragged_m (sm90): no kernel built for this tiling");
+  throw std::runtime_error("moegemm: gemm_fp8_ragged_rows (sm90): no kernel built for this tiling");
 }
 
 void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& prologue, Fp8Operand b, ExpertBias bias,
@@ -131,7 +131,7 @@ void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& pr
   if (tiling.cluster == 1 && tiling.block_n == 128) return launch<Config<128, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
   if (tiling.cluster == 1 && tiling.block_n == 192) return launch<Config<192, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
   if (tiling.cluster == 1 && tiling.block_n == 256) return launch<Config<256, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
-  throw std::runtime_error("moegemm: gemm_fp8_ragged_m_quantize_a (sm90): no kernel built for this tiling");
+  throw std::runtime_error("moegemm: gemm_fp8_ragged_rows_quantize_a (sm90): no kernel built for this tiling");
 }
 
 }  // namespace moegemm::gemm

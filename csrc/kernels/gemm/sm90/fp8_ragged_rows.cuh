@@ -59,7 +59,7 @@
 //   tokens are zeroed.
 // - Launched dependent (kernels/common/pdl.cuh): the barriers' set-up and the descriptors' prefetch (kernel
 //   parameters) overlap the kernel before it; every thread waits for that kernel before the plan check.
-// - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_m_quantize_a): before all of the above, the
+// - The one-launch form (kQuantizeA; csrc/moegemm.h gemm_fp8_ragged_rows_quantize_a): before all of the above, the
 //   CTAs claim the prologue's work items off a counter (kernels/common/grid_claims.cuh): the plan built from
 //   m_splits (unless an earlier launch built it: no counts given), then chunks of a bf16 x's rows quantized into
 //   A's memory (csrc/kernels/quant/rows.cuh); each CTA then waits until every item is done (each item's writes

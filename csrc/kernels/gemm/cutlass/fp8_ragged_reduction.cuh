@@ -1,6 +1,6 @@
 // FP8 blockwise grouped GEMM with a ragged reduction (the weight gradient) on CUTLASS's sm90 ptr-array
 // kernel, for any Fp8Tiling; production's is instantiated for fp32 output (optionally accumulated:
-// main_grad) in fp8_ragged_k_f32.cu and for bf16 output in fp8_ragged_k_bf16.cu.
+// main_grad) in fp8_ragged_reduction_f32.cu and for bf16 output in fp8_ragged_reduction_bf16.cu.
 //   out[e] ([N, K]) (+)= Σ_{128-token blocks i of e} saT[i] sbT[i] · qaT_e [N, m_e] · qbT_eᵀ [m_e, K]
 // Operands are the per-expert transposed (token-contiguous) copies written by quantize_act; expert e's
 // tokens start at column col[e] (a multiple of 16, as TMA requires) and its scale blocks at row blk[e].
@@ -12,7 +12,7 @@
 #include "moegemm.h"
 #include "kernels/gemm/cutlass/configs.cuh"
 
-namespace moegemm::ragged_k {
+namespace moegemm::cutlass_ragged_reduction {
 
 using namespace cute;
 // 128x1 blocks along tokens for both operands; scale tensors [NB, N] and [NB, K] are MN-major.
@@ -68,4 +68,4 @@ void run(const RaggedReduction& p, Fp8Operand a, Fp8Operand b, void* workspace, 
   Runner::run(args, p.E, 1.f, accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 
-}  // namespace moegemm::ragged_k
+}  // namespace moegemm::cutlass_ragged_reduction

@@ -38,6 +38,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from moegemm.megatron import (MoegemmExperts, experts_builder, get_gpt_layer_spec, get_moe_layer_spec,  # noqa: E402
                               patch_layer_spec, resolve_activation, resolve_recipe)
+import moegemm  # noqa: E402
+from moegemm.megatron.config import reserved_sms, resolve_sm_budget  # noqa: E402
 
 from conftest import rel, requires_cuda  # noqa: E402
 
@@ -563,6 +565,28 @@ def test_resolve_recipe(cpu, monkeypatch):
     assert MoegemmExperts(4, cfg, fp8_weight_cache=False).fp8_weight_cache is False
 
 
+def test_sm_budget_from_dispatcher_config():
+    def cfg(dispatcher, backend="deepep", deepep=20, hybridep=16, enable_deepep=False):
+        return types.SimpleNamespace(moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend=backend,
+                                     moe_deepep_num_sms=deepep, moe_hybridep_num_sms=hybridep,
+                                     moe_enable_deepep=enable_deepep)
+
+    # the flex dispatcher's communication kernels keep their SMs; the experts get the rest
+    assert reserved_sms(cfg("flex")) == 20 and resolve_sm_budget(cfg("flex"), 132) == 112
+    assert reserved_sms(cfg("flex", "hybridep")) == 16 and resolve_sm_budget(cfg("flex", "hybridep"), 132) == 116
+    assert resolve_sm_budget(cfg("flex", "hybridep", enable_deepep=True), 132) == 112  # the deprecated switch
+    assert resolve_sm_budget(cfg("flex", deepep=24), 78) == 54
+    # the other dispatchers reserve nothing: no budget
+    for dispatcher in ("alltoall", "allgather"):
+        assert reserved_sms(cfg(dispatcher)) == 0 and resolve_sm_budget(cfg(dispatcher), 132) is None
+    assert resolve_sm_budget(cfg("flex", deepep=0), 132) is None
+    assert resolve_sm_budget(types.SimpleNamespace(), 132) is None  # an older config without the fields
+    with pytest.raises(ValueError, match="moe_deepep_num_sms"):
+        resolve_sm_budget(cfg("flex", deepep=132), 132)
+    with pytest.raises(ValueError, match="moe_deepep_num_sms"):
+        reserved_sms(cfg("flex", deepep=-1))
+
+
 def test_resolve_activation(cpu):
     def cfg(glu, fn):
         return types.SimpleNamespace(gated_linear_unit=glu, activation_func=fn)
@@ -731,6 +755,23 @@ def test_gpt_model_cpu(cpu):
 
 
 # ----------------------------------------------------------------------------------------- GPU
+@requires_cuda
+def test_experts_take_the_sm_budget_from_the_flex_dispatcher_cuda(gpu):
+    device_sms = torch.cuda.get_device_properties(gpu).multi_processor_count
+    before = moegemm.get_num_sms()
+    try:
+        moegemm.set_num_sms(None)
+        MoegemmExperts(4, make_config(gpu, "swiglu", dispatcher="alltoall"))
+        assert moegemm.get_num_sms() is None  # NCCL's all-to-all: no budget
+        MoegemmExperts(4, make_config(gpu, "swiglu", dispatcher="flex", moe_deepep_num_sms=24))
+        assert moegemm.get_num_sms() == device_sms - 24
+        moegemm.set_num_sms(7)  # the user's budget is kept
+        MoegemmExperts(4, make_config(gpu, "swiglu", dispatcher="flex", moe_deepep_num_sms=24))
+        assert moegemm.get_num_sms() == 7
+    finally:
+        moegemm.set_num_sms(before)
+
+
 @requires_cuda
 @pytest.mark.parametrize("recipe,activation", [("bf16", "swiglu"), ("bf16", "gelu"), ("fp8_blockwise", "swiglu"),
                                                ("fp8_blockwise", "squared_relu")])

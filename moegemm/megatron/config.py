@@ -25,6 +25,37 @@ def resolve_recipe(config, recipe: Optional[str] = None) -> str:
     return check_recipe(recipe)
 
 
+def reserved_sms(config) -> int:
+    """The SMs Megatron's token dispatcher reserves for its communication kernels: ``moe_deepep_num_sms`` or
+    ``moe_hybridep_num_sms`` with the flex dispatcher (DeepEP / HybridEP), which hold them while the experts
+    compute; 0 with the other dispatchers (NCCL's all-to-all takes a few SMs, which moegemm's dynamic tile walk
+    leaves to it without a budget)."""
+    if getattr(config, "moe_token_dispatcher_type", None) != "flex":
+        return 0
+    backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
+    if getattr(config, "moe_enable_deepep", False):
+        backend = "deepep"
+    field = {"deepep": "moe_deepep_num_sms", "hybridep": "moe_hybridep_num_sms"}.get(backend)
+    if field is None:
+        return 0
+    n = getattr(config, field, 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"config.{field} must be a non-negative int, got {n!r}")
+    return n
+
+
+def resolve_sm_budget(config, device_sms: int) -> Optional[int]:
+    """The SM budget for the experts' kernels: the ``device_sms`` less what the dispatcher reserves
+    (``reserved_sms``), None (every SM) when it reserves none."""
+    reserved = reserved_sms(config)
+    if reserved == 0:
+        return None
+    if reserved >= device_sms:
+        raise ValueError(f"the token dispatcher reserves {reserved} SMs (config.moe_deepep_num_sms / "
+                         f"moe_hybridep_num_sms), leaving none of the GPU's {device_sms} to the experts")
+    return device_sms - reserved
+
+
 def _squared_relu(x):
     return F.relu(x) ** 2
 

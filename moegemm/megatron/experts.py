@@ -11,14 +11,14 @@ from typing import Optional
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from .. import backends
+from .. import backends, sm_budget
 from .._validate import check_bool_arg, check_layer_sizes, check_mlp_dims, check_weight_dtype
 from ..functional import grouped_mlp
 from ..layout import GLU_ACTIVATIONS
 from ..modules.base import ExpertLayer, GroupedWeights
 from ..quantize import Fp8Rows
 from . import checkpoint
-from .config import default_groups, group_size, resolve_activation, resolve_recipe
+from .config import default_groups, group_size, resolve_activation, resolve_recipe, resolve_sm_budget
 
 
 class _MainGradBridge(torch.autograd.Function):
@@ -96,6 +96,11 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
     (Megatron's ``cuda_graph_impl``) every call quantizes the weights inside the graph: replays re-read
     the current weights, never a stale copy.
 
+    SM budget: with the flex token dispatcher (DeepEP or HybridEP), whose kernels hold
+    ``config.moe_deepep_num_sms`` / ``moe_hybridep_num_sms`` SMs while the experts compute, the constructor sets
+    moegemm's SM budget to the GPU's SMs less those, unless one is set already (``moegemm.set_num_sms``,
+    ``MOEGEMM_NUM_SMS``); with the other dispatchers it leaves the budget alone.
+
     Parameters: ``linear_fc1.weight [E, F1, H]`` (F1 = 2·moe_ffn_hidden_size with gated_linear_unit,
     gate rows first like Megatron), ``linear_fc2.weight [E, H, F]`` and ``bias`` ``[E, F1]`` / ``[E, H]``
     with ``add_bias_linear``. They carry ``allreduce = False`` (expert parameters: gradients are reduced
@@ -148,6 +153,8 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
 
         use_cpu = bool(getattr(config, "use_cpu_initialization", False)) or not torch.cuda.is_available()
         device = torch.device("cpu") if use_cpu else torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available():
+            self._apply_sm_budget(config)
         bias = bool(config.add_bias_linear)
         self.linear_fc1 = GroupedWeights(E, H, F1, bias, device, dtype)
         self.linear_fc2 = GroupedWeights(E, ffn, H, bias, device, dtype)
@@ -180,6 +187,16 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
             self._register_load_state_dict_pre_hook(checkpoint.load_from_any, with_module=True)
 
     # --------------------------------------------------------------------------------- init
+    @staticmethod
+    def _apply_sm_budget(config) -> None:
+        """With the flex dispatcher, whose DeepEP / HybridEP kernels hold ``moe_deepep_num_sms`` /
+        ``moe_hybridep_num_sms`` SMs, moegemm's kernels get the rest (as the dispatcher sets DeepEP's own
+        budget at construction). A budget the user set (``moegemm.set_num_sms``, ``MOEGEMM_NUM_SMS``) is kept."""
+        device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        budget = resolve_sm_budget(config, device_sms)
+        if budget is not None and sm_budget.get_num_sms() is None:
+            sm_budget.set_num_sms(budget)
+
     def _init_weight(self, weight: torch.Tensor, init_method, use_cpu: bool) -> None:
         """``init_method`` per expert on its ``[out, in]`` matrix, as Megatron initialises each expert's
         linear layer (fp32 master on CPU; in place under the expert-parallel RNG state on GPU)."""

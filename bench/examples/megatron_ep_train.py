@@ -19,18 +19,19 @@ GPU per step. Training is megatron-core's: ``get_forward_backward_func()`` (the 
 "cuda"). Data: synthetic, per rank: uniform tokens, each labelled by one of 4 fixed successors of its token
 drawn uniformly (the best loss is ln 4; each position sees its own token only).
 
-Overlap (``--overlap megatron``, the default): ``config.overlap_moe_expert_parallel_comm`` with
-``delay_wgrad_compute``, megatron-core's combined 1F1B schedule: micro-batch i+1's forward runs interleaved with
-micro-batch i's backward, the dispatch / combine all-to-alls on a communication stream hidden behind the other
-micro-batch's expert compute, and the experts' weight gradients (``backward_dw``; moegemm's split backward)
-deferred into that schedule where the experts can defer them (megatron-core 0.16's local linear layers cannot:
-its ``SequentialMLP`` then computes them in its backward; the rows say which). It needs a ``GPTModel`` of ``TransformerLayer``s, EP > 1, the alltoall or flex
-dispatcher, bf16, torch >= 2.6, no recompute and no ``moe_shared_expert_overlap``; megatron-core 0.16 and 0.19
-both offer it (0.19's ``overlap_dispatch_backward_with_experts_wgrad`` needs TransformerEngine >= 2.3 and is
-not used). ``--overlap none`` runs the plain schedule. The FP8-dispatch variants cannot run under the 1F1B
-schedule (its nodes pass tensors, not ``moegemm.Fp8Rows``): they and their bf16-dispatch twin run the plain
-schedule with this script's own overlap (``megatron_fp8_dispatch.py``): each layer's deferred weight gradients
-computed while the dispatch gradient's all-to-all is in flight.
+Overlap (``--overlap megatron``, the default): ``config.overlap_moe_expert_parallel_comm``, megatron-core's
+combined 1F1B schedule: micro-batch i+1's forward runs interleaved with micro-batch i's backward, the dispatch /
+combine all-to-alls on a communication stream hidden behind the other micro-batch's expert compute; with
+``delay_wgrad_compute`` the experts' weight gradients (``backward_dw``; moegemm's split backward) are deferred
+into that schedule where the experts can defer them (megatron-core 0.16's local linear layers cannot: its
+``SequentialMLP`` then computes them in its backward; the rows say which). The schedule needs a ``GPTModel`` of
+``TransformerLayer``s, EP > 1, the alltoall or flex dispatcher, bf16, torch >= 2.6, no recompute and no
+``moe_shared_expert_overlap``; megatron-core 0.16 and 0.19 both offer it (0.19's
+``overlap_dispatch_backward_with_experts_wgrad`` needs TransformerEngine >= 2.3 and is not used). ``--overlap
+none`` runs the plain schedule. The FP8-dispatch variants cannot run under the 1F1B schedule (its nodes pass
+tensors, not ``moegemm.Fp8Rows``): they and their bf16-dispatch twin run the plain schedule with this script's
+own overlap (``megatron_fp8_dispatch.py``): each layer's deferred weight gradients computed while the dispatch
+gradient's all-to-all is in flight.
 
 Variants (``--variants``; every one from the same initial weights and batches):
 
@@ -169,7 +170,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.cpu:
-        args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)
+        args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)  # smoke test: as few as asked
     if args.check_only:
         args.no_bench = True
     args.variants = [v for v in args.variants.split(",") if v]
@@ -280,7 +281,8 @@ _SEQ_EXPERT_KEY = re.compile(r"\.local_experts\.(\d+)\.(linear_fc[12])\.weight$"
 
 
 def to_te_layout(state: dict) -> dict:
-    """SequentialMLP's expert keys (``local_experts.{i}.linear_fc1.weight``) as TEGroupedMLP's (``linear_fc1.weight{i}``)."""
+    """SequentialMLP's expert keys (``local_experts.{i}.linear_fc1.weight``) as TEGroupedMLP's
+    (``linear_fc1.weight{i}``)."""
     return {_SEQ_EXPERT_KEY.sub(lambda m: f".{m.group(2)}.weight{m.group(1)}", k): v for k, v in state.items()}
 
 
@@ -341,7 +343,8 @@ def build_run(name, args, world, device, init_state, deterministic: bool = False
     variant = VARIANTS[name]
     model, cfg = build_model(args, variant, world, device, init_state, deterministic=deterministic)
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False, delay_wgrad_compute=cfg.delay_wgrad_compute)
+                                            use_distributed_optimizer=False,
+                                            delay_wgrad_compute=cfg.delay_wgrad_compute)
     ddp = DistributedDataParallel(cfg, ddp_cfg, model)
     ddp.broadcast_params()  # the router, the norms, the embedding and the output layer are replicated
     cfg.finalize_model_grads_func = finalize_model_grads
@@ -495,7 +498,8 @@ def mean_over_ranks(values: torch.Tensor, world: int) -> list:
 
 
 def not_installed_row(name) -> dict:
-    return dict(variant=name, status="not installed (TransformerEngine does not import)", **dataclasses.asdict(VARIANTS[name]))
+    return dict(variant=name, status="not installed (TransformerEngine does not import)",
+                **dataclasses.asdict(VARIANTS[name]))
 
 
 def bench_variant(name, args, world, device, batches, init_state) -> dict:
@@ -643,7 +647,8 @@ def plot_loss(result, path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, run in result["runs"].items():
-        ax.plot(moving_average(run["losses"], result["window"]), label=f"{key}: {run['variant']}, seed {run['data_seed']}")
+        ax.plot(moving_average(run["losses"], result["window"]),
+                label=f"{key}: {run['variant']}, seed {run['data_seed']}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss (moving average over {result['window']} steps)")
     ax.legend()
@@ -722,8 +727,8 @@ def ratio(rows, a, b):
 
 
 def markdown_table(rows) -> str:
-    lines = ["| variant | overlap | tokens/s per GPU | step ms | vs sequential_mlp | vs moegemm_bf16 | host syncs/step | "
-             "peak mem GiB | loss at end |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | overlap | tokens/s per GPU | step ms | vs sequential_mlp | vs moegemm_bf16 | "
+             "host syncs/step | peak mem GiB | loss at end |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['variant']} | - | {r['status']} | | | | | | |")
@@ -788,9 +793,10 @@ def table_markdown(result) -> str:
     head = (f"# Megatron EP = {m['world_size']} training step\n\n`{m['command']}`\n\ncommit {m['git_commit']}, "
             f"{m['date_utc']}, {m['world_size']} x {m['device']}, torch {m['versions']['torch']}, megatron-core "
             f"{m['versions']['megatron_core']}, TransformerEngine {m['versions']['transformer_engine']}\n\n"
-            f"{s['layers']} layers, {s['experts']} experts ({s['experts'] // m['world_size']} per GPU), top-{s['topk']}, "
-            f"hidden {s['hidden']}, expert ffn {s['ffn']}, vocabulary {s['vocab']}; {s['micro']} micro-batches of "
-            f"{s['seq']}x{s['batch']} tokens per GPU per step; overlap {s['overlap']}.\n\n")
+            f"{s['layers']} layers, {s['experts']} experts ({s['experts'] // m['world_size']} per GPU), "
+            f"top-{s['topk']}, hidden {s['hidden']}, expert ffn {s['ffn']}, vocabulary {s['vocab']}; "
+            f"{s['micro']} micro-batches of {s['seq']}x{s['batch']} tokens per GPU per step; overlap "
+            f"{s['overlap']}.\n\n")
     acc = "".join(f"- {k}: {v['ratio']:.2f}x (target {v['target']}x)\n" for k, v in result["acceptance"].items())
     return head + result["markdown"] + "\n\n" + acc
 

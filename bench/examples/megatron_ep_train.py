@@ -189,6 +189,8 @@ def setup_distributed(args):
         args.experts = 2 * world
     if args.experts % world:
         raise SystemExit(f"--experts ({args.experts}) must be a multiple of the world size ({world})")
+    if world == 1 and args.overlap == "megatron":
+        raise SystemExit("--overlap megatron needs expert parallelism (two processes or more); use --overlap none")
     return rank, world, device
 
 

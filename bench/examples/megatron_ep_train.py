@@ -845,6 +845,7 @@ def main(argv=None):
                       f"host syncs/step {row['host_syncs_per_step']}, loss {row['final_loss']:.4f}", flush=True)
             elif rank == 0:
                 print(f"{name}: {row['status']}", flush=True)
+            writer.json(".json", result)  # the rows so far, should a later variant fail
         result["markdown"] = markdown_table(result["rows"])
         result["acceptance"] = acceptance(result["rows"])
         result["sync_check"] = sync_check(result["rows"])

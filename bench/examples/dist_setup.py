@@ -1,5 +1,5 @@
 """The process group of the two Megatron examples (megatron_ep.py, megatron_ep_train.py) and the
-redirects their gloo CPU smoke tests need."""
+redirects their gloo CPU smoke tests need (megatron-core's training schedules included)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ import torch.distributed as dist
 
 class _NullEvent:
     def synchronize(self):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
         pass
 
 
@@ -41,6 +47,31 @@ def cpu_redirects():
     token_dispatcher.maybe_move_tensor_to_cpu = \
         lambda t, as_numpy=False, record_stream=False: t.numpy() if as_numpy and torch.is_tensor(t) else t
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    _schedule_redirects()
+
+
+class _CpuTorch:
+    """torch as megatron's schedules module sees it on the CPU: its token counter asks for device="cuda"."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, **kwargs)
+
+
+def _schedule_redirects():
+    """What megatron's schedules (and its EP-overlap schedule: streams, events, NVTX ranges, record_stream)
+    call on torch.cuda, made no-ops on the CPU."""
+    from megatron.core.pipeline_parallel import schedules
+
+    torch.cuda.Stream = lambda *a, **k: _NullStream()
+    torch.cuda.Event = lambda *a, **k: _NullEvent()
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, stream: None
+    schedules.torch = _CpuTorch()
 
 
 def init_process_group(cpu: bool):

@@ -33,6 +33,14 @@ def require_cuda_gpu(script: str, hopper: bool = False) -> None:
                       f"{torch.cuda.get_device_name()} is {major}.{minor}")
 
 
+def require_module(script: str, module: str) -> None:
+    """A Python package the script needs that moegemm does not (``matplotlib`` for the plots)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        _stop(script, f"needs {module} (pip install {module}), and it is not installed")
+
+
 def require_cuda_toolkit(script: str) -> None:
     """nvcc where torch's extension builder looks for it (``CUDA_HOME``, else the nvcc on ``PATH``), for
     scripts that compile CUDA code of their own."""

@@ -1,4 +1,5 @@
-"""moegemm's boolean environment variables, read in one place: ``env_flag``.
+"""moegemm's boolean environment variables, read in one place: ``env_flag``; and those that name one of a few
+choices (``MOEGEMM_BACKEND``): ``env_choice``.
 
 A value is one of ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (any case, surrounding
 blanks ignored); unset or empty is the variable's default; anything else raises ``ValueError`` naming the
@@ -31,3 +32,16 @@ def parse_flag(name: str, value, default: bool) -> bool:
 def env_flag(name: str, default: bool = False) -> bool:
     """The boolean environment variable ``name`` (``parse_flag``), ``default`` when unset or empty."""
     return parse_flag(name, os.environ.get(name), default)
+
+
+def env_choice(name: str, choices: tuple):
+    """The environment variable ``name`` that names one of ``choices`` (any case, surrounding blanks ignored):
+    that choice, None when unset or empty; anything else raises ``ValueError`` naming the variable (a value
+    misspelt is an error, never silently the default)."""
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    v = value.strip().lower()
+    if v not in choices:
+        raise ValueError(f"environment variable {name}={value!r} must be one of {', '.join(choices)}, or unset")
+    return v

@@ -18,7 +18,8 @@ from typing import Sequence, Union
 import torch
 
 from ._env import env_flag
-from .layout import ACTIVATIONS, DIM_ALIGN, GLU_ACTIVATIONS, MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS, act_width
+from .layout import (ACTIVATIONS, BLOCK, DIM_ALIGN, GLU_ACTIVATIONS, MAX_EXPERTS, MAX_TOKENS, RECIPE_IDS, act_width,
+                     ceil_div)
 
 # The default of check_splits, read once at import (tests set it directly).
 CHECK_SPLITS = env_flag("MOEGEMM_CHECK_SPLITS")
@@ -95,9 +96,11 @@ def check_layer_sizes(experts: tuple, *dims: tuple) -> None:
 
 
 def check_tokens_input(x: torch.Tensor) -> None:
-    """``x`` [T, K] for the quantizers: a tensor with K a positive multiple of DIM_ALIGN."""
+    """``x`` [T, K] for the quantizers: a tensor of one of X_DTYPES with K a positive multiple of DIM_ALIGN."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in X_DTYPES:
+        raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % DIM_ALIGN:
         raise ValueError(f"x must be [T, K] with K a positive multiple of {DIM_ALIGN}, got shape {tuple(x.shape)}")
 
@@ -191,6 +194,57 @@ def check_bias(bias, E: int, N: int, device: torch.device) -> None:
         raise TypeError(f"bias.dtype must be floating point, got {bias.dtype}")
 
 
+def check_fp8_weight(fp8, weight: torch.Tensor, name: str, weight_name: str = "weight") -> None:
+    """``name``: the FP8 copies of ``weight`` given to a function, as ``quantize_weight(weight)`` returns them:
+    ``(q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb])``, float8_e4m3fn and float32 on the weight's device
+    (``qT`` and ``sT`` may both be None: FP8 inference keeps no transposed copy). Copies of a weight of
+    another shape would be read as this one's."""
+    parts = ("q", "s", "qT", "sT")
+    if not isinstance(fp8, (tuple, list)) or len(fp8) != len(parts):
+        got = f"{type(fp8).__name__} of length {len(fp8)}" if isinstance(fp8, (tuple, list)) else type(fp8).__name__
+        raise TypeError(f"{name} must be the 4-tuple (q, s, qT, sT) that quantize_weight({weight_name}) returns, "
+                        f"got {got}")
+    E, N, K = weight.shape
+    nb, kb = ceil_div(N, BLOCK), ceil_div(K, BLOCK)
+    want = ((torch.float8_e4m3fn, (E, N, K)), (torch.float32, (E, nb, kb)),
+            (torch.float8_e4m3fn, (E, K, N)), (torch.float32, (E, kb, nb)))
+    if (fp8[2] is None) != (fp8[3] is None):
+        raise ValueError(f"{name}: qT and sT must both be tensors or both be None, got "
+                         f"{type(fp8[2]).__name__} and {type(fp8[3]).__name__}")
+    device = weight.device
+    for i, (t, (dtype, shape)) in enumerate(zip(fp8, want)):
+        if t is None and i >= 2:
+            continue
+        if isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape and t.device == device:
+            continue  # the common case, with no message built (the layers pass their copies in every call)
+        what = f"{name}[{i}] ({parts[i]} of quantize_weight({weight_name}), {weight_name} of shape {(E, N, K)})"
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"{what} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.shape != shape:
+            raise ValueError(f"{what} must have shape {shape}, got {tuple(t.shape)}")
+        raise ValueError(f"{what} is on {t.device} but {weight_name} is on {device}")
+
+
+def check_fp8_weight_pair(fp8_weights, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> None:
+    """``fp8_weights`` of the MLP: None (or empty), or
+    ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))``."""
+    if fp8_weights is None or (isinstance(fp8_weights, (tuple, list)) and len(fp8_weights) == 0):
+        return
+    if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
+        got = (f"{type(fp8_weights).__name__} of length {len(fp8_weights)}" if isinstance(fp8_weights, (tuple, list))
+               else type(fp8_weights).__name__)
+        raise TypeError("fp8_weights must be the pair (quantize_weight(fc1_weight), quantize_weight(fc2_weight)), "
+                        f"got {got}")
+    check_fp8_weight(fp8_weights[0], fc1_weight, "fp8_weights[0]", "fc1_weight")
+    check_fp8_weight(fp8_weights[1], fc2_weight, "fp8_weights[1]", "fc2_weight")
+
+
+def check_optional_bool(name: str, value) -> None:
+    """A per-call switch (``check_splits``, ``is_first_microbatch``): None, True or False."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be None, True or False, got {type(value).__name__} {value!r}")
+
+
 def check_main_grad(weight: torch.Tensor) -> None:
     """Megatron's gradient-accumulation fusion: ``weight.main_grad`` must be an fp32 buffer like weight."""
     main_grad = getattr(weight, "main_grad", None)
@@ -215,6 +269,7 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
     ``device`` is returned as it is (never read on the host) unless the checked mode is on. Under
     torch.compile a tensor's values are not read either (a traced graph cannot read data on the host): the
     plan clamps them, as it does for device tensors."""
+    check_optional_bool("check_splits", check_splits)
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1:
             raise ValueError(f"m_splits must be 1-D, got shape {tuple(m_splits.shape)}")

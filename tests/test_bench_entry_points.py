@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ NEED_A_GPU = {"bench.suite": ["--quick"], "bench.suite.profile_mlp": [], "bench.
               "bench.bandwidth.ab": ["--env", "MOEGEMM_AB", "--values", "0,1"],
               "bench.gemm.ragged_rows": [], "bench.gemm.ragged_reduction": [], "bench.gemm.vs_deepgemm": ["peer.json"],
               "bench.gemm.tile_probe": ["Small experts E=64 zipf fc1 fprop"], "bench.gemm.power": [],
+              "bench.gemm.contention": [],
               "bench.peers.deepgemm": [], "bench.examples.megatron_ep": [], "bench.examples.megatron_ep_train": [],
               "tests/sanitize/every_kernel.py": [], "tests/sanitize/adversarial.py": []}
 
@@ -112,3 +114,43 @@ def test_preflight_sentences(monkeypatch):
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     with pytest.raises(SystemExit, match=r"^x needs the CUDA toolkit \(nvcc\)"):
         preflight.require_cuda_toolkit("x")
+
+
+# The commands that need a package moegemm does not (matplotlib for the PNGs): the arguments of a plain run and
+# the command as the sentence names it.
+NEED_MATPLOTLIB = {
+    "bench.suite.plot": (["bench/results/results.json"], "python -m bench.suite.plot"),
+    "bench.examples.train_lm": (["--plot", "bench/results/lm_loss.json"], "python -m bench.examples.train_lm --plot"),
+    "bench.examples.train_moe_lm": (["--plot-only", "bench/results/train_moe_lm.json"],
+                                    "python -m bench.examples.train_moe_lm --plot-only")}
+
+
+@pytest.mark.parametrize("name", list(NEED_MATPLOTLIB))
+def test_no_matplotlib_stops_with_one_sentence(name, monkeypatch, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda mod, *a: None if mod == "matplotlib" else find_spec(mod, *a))
+    args, command = NEED_MATPLOTLIB[name]
+    monkeypatch.setattr(sys, "argv", [name] + args + ["--out", str(tmp_path / "out")])
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    assert stop.value.code == (f"{command} needs matplotlib (pip install matplotlib), and it is not installed; "
+                               "nothing was run.")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script, args", [("bench/gemm/ncu.sh", ["DeepSeek-V2-Lite zipf:fc1 wgrad bf16"]),
+                                          ("bench/suite/ncu_quant.sh", [])])
+def test_ncu_scripts_without_ncu(script, args, tmp_path):
+    """Without Nsight Compute the scripts say so (they printed nothing and exited 0 through their output filter)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))  # PATH holds no ncu, only what the scripts call first
+    proc = subprocess.run([shutil.which("bash"), str(REPO / script), *args], env={"PATH": str(bin_dir)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr == f"bash {script} needs Nsight Compute (ncu on PATH), and none was found; nothing was run.\n"

@@ -106,6 +106,7 @@ def test_train_lm_default_and_out(cache, tmp_path, results_dir, monkeypatch):
     monkeypatch.setattr(train_lm, "load_corpus", lambda n: train_lm.torch.zeros(1000, dtype=train_lm.torch.long))
     monkeypatch.setattr(train_lm, "train", lambda recipe, data, args, device: _fake_results()["runs"][recipe])
     monkeypatch.setattr(train_lm, "plot", lambda results, path: plots.append(path))
+    monkeypatch.setattr(train_lm, "require_module", lambda script, module: None)  # matplotlib, which plot imports
     for argv, folder in ((["train_lm"], cache / "train_lm"), (["train_lm", "--out", str(tmp_path / "o")], tmp_path / "o")):
         monkeypatch.setattr(sys, "argv", argv)
         train_lm.main()
@@ -124,6 +125,7 @@ def test_train_moe_lm_plot_only_default_and_out(cache, tmp_path, results_dir, mo
     before = _tracked_results()
     plots = []
     monkeypatch.setattr(train_moe_lm, "plot", lambda results, path: plots.append(path))
+    monkeypatch.setattr(train_moe_lm, "require_module", lambda script, module: None)
     monkeypatch.setattr(train_moe_lm, "print_summary", lambda results: None)
     monkeypatch.setattr(train_moe_lm, "compare", lambda results: {})
     committed = str(results_dir / "train_moe_lm.json")
@@ -147,6 +149,7 @@ def test_suite_plot_default_and_out(cache, tmp_path, results_dir, monkeypatch, c
     before = _tracked_results()
     seen = []
     monkeypatch.setattr(plot, "make_plots", lambda res, out_dir: seen.append(Path(out_dir)) or [])
+    monkeypatch.setattr(plot, "require_module", lambda script, module: None)
     assert plot.main([str(results_dir / "results.json")]) == 0
     assert seen[-1] == cache / "suite"  # not results.json's folder
     assert plot.main([str(results_dir / "results.json"), "--out", str(tmp_path / "p")]) == 0

@@ -1,7 +1,8 @@
 """moegemm's boolean environment variables: 1/0, true/false, yes/no, on/off in any case, unset or empty the
 default, anything else an error naming the variable; in Python (moegemm/_env.py: MOEGEMM_CHECK_SPLITS,
 MOEGEMM_VERBOSE_BUILD, setup.py's MOEGEMM_NO_EXTENSION) and, by the same rule, in C++ (csrc/env_flag.h:
-MOEGEMM_ONE_LAUNCH_FORWARD), whose parser is compiled here with the host compiler and run."""
+MOEGEMM_ONE_LAUNCH_FORWARD), whose parser is compiled here with the host compiler and run. And MOEGEMM_BACKEND,
+which names a backend: ``reference`` in any case, unset or empty the default, anything else an error."""
 
 from __future__ import annotations
 
@@ -89,6 +90,27 @@ def test_build_module_uses_the_same_parser_when_loaded_on_its_own(monkeypatch):
         mod.env_flag("MOEGEMM_NO_EXTENSION")
     assert str(err.value) == MESSAGE.format(name="MOEGEMM_NO_EXTENSION", value="nope")
     assert 'env_flag("MOEGEMM_NO_EXTENSION")' in (ROOT / "setup.py").read_text()
+
+
+def _import_backend(value):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MOEGEMM_BACKEND=value)
+    return subprocess.run([sys.executable, "-c", "import moegemm.backends as b; print(b.FORCE_REFERENCE)"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("value, expected", [("reference", "True"), (" Reference ", "True"), ("", "False")])
+def test_backend_at_import(value, expected):
+    proc = _import_backend(value)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("value", ["cuda", "ref", "nosuch"])
+def test_backend_rejects_other_names_at_import(value):
+    proc = _import_backend(value)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"ValueError: environment variable MOEGEMM_BACKEND={value!r} must be one of reference, or unset")
 
 
 CPP_MAIN = r"""

@@ -245,6 +245,74 @@ def test_errors_raise_before_work(monkeypatch):
         grouped_linear(x, w, SPLITS, torch.zeros(E, N + 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float64, torch.float8_e4m3fn])
+def test_quantizers_x_dtype(dtype):
+    """The quantizers take x in the dtypes the layers take; anything else is refused, not cast."""
+    x = torch.randn(T, K).to(dtype)
+    with pytest.raises(TypeError, match=r"x\.dtype"):
+        moegemm.quantize_act(x, [T])
+    with pytest.raises(TypeError, match=r"x\.dtype"):
+        moegemm.to_fp8_rows(x)
+
+
+@pytest.mark.parametrize("other", [(E, N - 16, K), (E, N + 16, K), (E, N, K + 16), (E + 1, N, K), (E - 1, N, K)])
+def test_fp8_weight_of_another_shape(other):
+    """Copies of another weight's shape would be read as this weight's (a result of the wrong shape, or an
+    index error): refused, naming the argument and the part."""
+    x, w, _ = inputs()
+    copies = moegemm.quantize_weight(torch.randn(other, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"fp8_weight\[0\] \(q of quantize_weight\(weight\).*must have shape"):
+        grouped_linear(x, w, SPLITS, fp8_weight=copies)
+
+
+def test_fp8_weight_parts():
+    x, w, _ = inputs()
+    q, s, qT, sT = moegemm.quantize_weight(w)
+    ref = grouped_linear(x, w, SPLITS)
+    assert torch.equal(grouped_linear(x, w, SPLITS, fp8_weight=(q, s, qT, sT)), ref)
+    with pytest.raises(TypeError, match=r"fp8_weight must be the 4-tuple .* got tuple of length 2"):
+        grouped_linear(x, w, SPLITS, fp8_weight=(q, s))
+    with pytest.raises(TypeError, match=r"fp8_weight must be the 4-tuple .* got Tensor"):
+        grouped_linear(x, w, SPLITS, fp8_weight=q)
+    with pytest.raises(TypeError, match=r"fp8_weight\[0\] \(q .* must be a torch.float8_e4m3fn tensor, got torch.bfloat16"):
+        grouped_linear(x, w, SPLITS, fp8_weight=(q.to(torch.bfloat16), s, qT, sT))
+    with pytest.raises(ValueError, match=r"fp8_weight\[3\] \(sT .* must have shape \(3, 1, 1\), got \(3, 1, 2\)"):
+        grouped_linear(x, w, SPLITS, fp8_weight=(q, s, qT, sT.repeat(1, 1, 2)))
+    with pytest.raises(ValueError, match=r"qT and sT must both be tensors or both be None"):
+        grouped_linear(x, w, SPLITS, fp8_weight=(q, s, qT, None))
+
+
+def test_fp8_weights_of_the_mlp():
+    x, _, _ = inputs()
+    w1, w2 = torch.randn(E, 2 * N, K, dtype=torch.bfloat16), torch.randn(E, K, N, dtype=torch.bfloat16)
+    c1, c2 = moegemm.quantize_weight(w1), moegemm.quantize_weight(w2)
+    ref = moegemm.grouped_mlp(x, w1, w2, SPLITS)
+    assert torch.equal(moegemm.grouped_mlp(x, w1, w2, SPLITS, fp8_weights=(c1, c2)), ref)
+    with pytest.raises(TypeError, match=r"fp8_weights must be the pair .* got tuple of length 4"):
+        moegemm.grouped_mlp(x, w1, w2, SPLITS, fp8_weights=c1)
+    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] \(q of quantize_weight\(fc1_weight\)"):
+        moegemm.grouped_mlp(x, w1, w2, SPLITS, fp8_weights=(c2, c1))
+
+
+def test_per_call_switches():
+    """check_splits, is_first_microbatch and wgrad_store: a string or a number is refused, not read as a truth value."""
+    x, w, _ = inputs()
+    with pytest.raises(TypeError, match=r"check_splits must be None, True or False, got str 'no'"):
+        grouped_linear(x, w, SPLITS, check_splits="no")
+    with pytest.raises(TypeError, match=r"is_first_microbatch must be None, True or False, got int 0"):
+        GroupedLinear(E, K, N)(x, SPLITS, is_first_microbatch=0)
+    with pytest.raises(TypeError, match=r"wgrad_store must be a moegemm.WgradStore or None, got str"):
+        grouped_linear(x.requires_grad_(), w, SPLITS, wgrad_store="store")
+
+
+def test_wgrad_store_max_pending():
+    assert moegemm.WgradStore(0).max_pending == 0
+    with pytest.raises(ValueError, match=r"max_pending must be non-negative, got -1"):
+        moegemm.WgradStore(-1)
+    with pytest.raises(TypeError, match=r"max_pending must be an int, got str '8'"):
+        moegemm.WgradStore("8")
+
+
 # ------------------------------------------------------------------------------------- CUDA-only checks
 @requires_cuda
 def test_device_mismatch():

@@ -80,15 +80,33 @@ def test_commands_in_the_form_ci_extracts():
     assert "'^    pip install torch'" in ci and "'^    python -m pytest'" in ci
 
 
-def test_no_stale_counts():
-    """README states no counts that drift as the project changes: no test tallies ("848 passed"), and the number
-    of translation units only if it is the build's (``moegemm._build.sources()``)."""
+@pytest.mark.parametrize("path", ["README.md", "bench/README.md", "docs/contributing.md"])
+def test_no_stale_counts(path):
+    """README, bench/README.md and the contributors' guide state no counts that drift as the project changes: no
+    test tallies ("848 passed"), and the number of translation units only if it is the build's
+    (``moegemm._build.sources()``)."""
     from moegemm import _build
 
-    text = read(README)
+    text = read(os.path.join(ROOT, path))
     assert not re.search(r"\d+\s+(passed|skipped|failed|tests?\b)", text), re.findall(r".*\d+\s+(?:passed|skipped).*", text)
     for n in re.findall(r"(\d+) translation units", text):
-        assert int(n) == len(_build.sources()), f"README says {n} translation units; the build has {len(_build.sources())}"
+        assert int(n) == len(_build.sources()), (f"{path} says {n} translation units; the build has "
+                                                 f"{len(_build.sources())}")
+
+
+def test_committed_test_logs_say_what_their_index_quotes():
+    """bench/results/README.md may quote a committed test log's tally (a record of that run, not of the suite
+    today): each quoted count is the one on the log's summary line."""
+    if not os.path.isdir(os.path.join(ROOT, "bench", "results")):
+        pytest.skip("no committed results here (an sdist carries none)")
+    index = read(os.path.join(ROOT, "bench", "results", "README.md"))
+    rows = re.findall(r"^\| `([^`]+\.log)` \|([^|]*)\|", index, re.M)
+    for name, text in rows:
+        log = read(os.path.join(ROOT, "bench", "results", name)).strip().splitlines()
+        summary = log[-1]
+        for n, word in re.findall(r"(\d+) (passed|skipped|failed|deselected)", text):
+            assert re.search(rf"\b{n} {word}\b", summary), (f"bench/results/README.md quotes {n} {word} for {name}; "
+                                                             f"its summary: {summary}")
 
 
 def test_skip_reasons_are_the_tests():

@@ -25,6 +25,7 @@ from torch import nn
 
 import moegemm
 from bench.outputs import describe, out_dir
+from bench.preflight import require_module
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -167,6 +168,7 @@ def main():
     ap.add_argument("--plot", default=None, help="only plot an existing results JSON (the PNG goes to the output folder)")
     args = ap.parse_args()
     if args.plot:
+        require_module("python -m bench.examples.train_lm --plot", "matplotlib")
         with open(args.plot) as f:
             results = json.load(f)
         plot(results, str(out_dir(args.out, "train_lm") / (os.path.splitext(os.path.basename(args.plot))[0] + ".png")))

@@ -60,6 +60,7 @@ from torch import nn
 
 import moegemm
 from bench.outputs import describe, out_file
+from bench.preflight import require_module
 
 RECIPES = ("bf16", "fp8_blockwise")
 # Diagnostic variants (same parameters, init and batches; the experts' math differs), for --recipes:
@@ -662,6 +663,7 @@ def main():
                     help="plot existing results (several JSON files of single runs are merged into --out)")
     a = ap.parse_args()
     if a.plot_only:
+        require_module("python -m bench.examples.train_moe_lm --plot-only", "matplotlib")
         results = None
         for p in a.plot_only:
             with open(p) as f:

@@ -14,6 +14,7 @@ Needs a Hopper GPU. Writes nothing unless --json names a file.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -21,7 +22,10 @@ import time
 import torch
 
 import moegemm
+from bench.preflight import require_cuda_gpu, require_cuda_toolkit
 from bench.workloads import SHAPES, SMALL_EXPERTS, small_experts_splits, zipf_splits
+
+PROG = "python -m bench.gemm.contention"
 
 HOLD_SOURCE = r"""
 extern "C" __global__ void hold(long long cycles, int* started) {
@@ -186,7 +190,7 @@ def mlp_step(holder: Holder, name: str, held: int, reps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.gemm.contention", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
     ap.add_argument("--held", default="0,8,16,24,33", help="SMs held by the other stream, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
@@ -196,6 +200,9 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=["gemms", "fc1", "step"], help="one part only")
     ap.add_argument("--json", help="write the rows to this file (default: none)")
     args = ap.parse_args(argv)
+    require_cuda_gpu(PROG, hopper=True)
+    if importlib.util.find_spec("cupy") is None:  # the SM-holding kernel is then built as a torch extension
+        require_cuda_toolkit(PROG)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     holder = Holder()
     shapes = {**SHAPES, **SMALL_EXPERTS}

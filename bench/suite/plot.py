@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from bench.outputs import describe, out_dir
+from bench.preflight import require_module
 
 SECTIONS = {"fc1": "fc1 forward", "mlp": "MLP forward+backward"}
 
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("results", help="results.json written by python -m bench.suite")
     ap.add_argument("--out", default=None, help=f"output folder ({describe('suite')})")
     args = ap.parse_args(argv)
+    require_module("python -m bench.suite.plot", "matplotlib")
     path = Path(args.results)
     with open(path) as f:
         res = json.load(f)

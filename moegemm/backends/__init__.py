@@ -15,15 +15,15 @@ Tensors on a Hopper GPU (compute capability 9.0) go to the CUDA ops; everything 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from .._env import env_choice
 from . import reference
 from .protocol import Backend
 
-FORCE_REFERENCE = os.environ.get("MOEGEMM_BACKEND", "") == "reference"
+FORCE_REFERENCE = env_choice("MOEGEMM_BACKEND", ("reference",)) == "reference"
 
 _HOPPER: dict = {}  # device index -> is it compute capability 9.0 (a plain dict: torch.compile traces it)
 _CUDA: list = []  # the cuda backend module once imported (it builds or loads the extension)

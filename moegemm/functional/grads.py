@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from .._validate import check_main_grad
+from .._validate import check_int_arg, check_main_grad
 
 
 def refuse_double_backward(what: str) -> None:
@@ -97,6 +97,9 @@ class WgradStore:
     after any failed backward: discard the step (zero the gradients); the store starts the next one empty."""
 
     def __init__(self, max_pending: int = 8):
+        max_pending = check_int_arg("max_pending", max_pending)
+        if max_pending < 0:
+            raise ValueError(f"max_pending must be non-negative, got {max_pending}")
         self.max_pending = max_pending
         self._pending = collections.deque()
         self._warned = False
@@ -129,6 +132,12 @@ class WgradStore:
 
     def clear(self) -> None:
         self._pending.clear()
+
+
+def check_wgrad_store(store) -> None:
+    """``wgrad_store`` of the functions: None or a ``WgradStore``."""
+    if store is not None and not isinstance(store, WgradStore):
+        raise TypeError(f"wgrad_store must be a moegemm.WgradStore or None, got {type(store).__name__}")
 
 
 def drops_on_failure(store):

@@ -24,11 +24,13 @@ from typing import Optional
 import torch
 
 from .. import backends
-from .._validate import SplitsLike, check_bias, check_main_grad, check_recipe, check_weight, splits_to_device
+from .._validate import (SplitsLike, check_bias, check_fp8_weight, check_main_grad, check_recipe, check_weight,
+                         splits_to_device)
 from ..backends import contract
 from ..layout import BF16, RECIPE_IDS
-from .grads import (WgradStore, add_grad, check_deferrable, drops_on_failure, finish_sum, finish_weight_grad,
-                    grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph, weight_grad_target)
+from .grads import (WgradStore, add_grad, check_deferrable, check_wgrad_store, drops_on_failure, finish_sum,
+                    finish_weight_grad, grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph,
+                    weight_grad_target)
 from .inputs import split_x
 
 _WGRAD_GATHER = {recipe: contract.LINEAR.wgrad_gather(recipe) for recipe in RECIPE_IDS.values()}
@@ -110,6 +112,9 @@ def grouped_linear(
     x_dev = x_fp8 if x_scales is not None else x
     check_bias(bias, E, N, weight.device)
     check_main_grad(weight)
+    check_wgrad_store(wgrad_store)
+    if fp8_weight is not None and recipe == "fp8_blockwise":
+        check_fp8_weight(fp8_weight, weight, "fp8_weight")
     m = splits_to_device(m_splits, E, x_dev.shape[0], x_dev.device, check_splits)  # the first device work
     fp8 = list(fp8_weight) if fp8_weight is not None and recipe == "fp8_blockwise" else []
     ops = backends.select(x_dev.device)

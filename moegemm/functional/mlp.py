@@ -18,12 +18,13 @@ from typing import Optional
 import torch
 
 from .. import backends
-from .._validate import (SplitsLike, check_activation, check_bias, check_main_grad, check_mlp_weights, check_probs,
-                         check_recipe, splits_to_device)
+from .._validate import (SplitsLike, check_activation, check_bias, check_fp8_weight_pair, check_main_grad,
+                         check_mlp_weights, check_probs, check_recipe, splits_to_device)
 from ..backends import contract
 from ..layout import ACTIVATIONS, BF16, RECIPE_IDS
-from .grads import (WgradStore, add_grad, check_deferrable, drops_on_failure, finish_sum, finish_weight_grad,
-                    grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph, weight_grad_target)
+from .grads import (WgradStore, add_grad, check_deferrable, check_wgrad_store, drops_on_failure, finish_sum,
+                    finish_weight_grad, grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph,
+                    weight_grad_target)
 from .inputs import split_x
 
 _RELEASED = "released"
@@ -134,6 +135,9 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     check_main_grad(fc2_weight)
     T = x_dev.shape[0]
     check_probs(probs, T, x_dev.device)
+    check_wgrad_store(wgrad_store)
+    if recipe == "fp8_blockwise":
+        check_fp8_weight_pair(fp8_weights, fc1_weight, fc2_weight)
     m = splits_to_device(m_splits, E, T, x_dev.device, check_splits)  # the first device work
     fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe == "fp8_blockwise" else []
     act_id, recipe_id = ACTIVATIONS[activation], RECIPE_IDS[recipe]

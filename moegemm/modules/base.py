@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import weight_cache
-from .._validate import check_recipe
+from .._validate import check_optional_bool, check_recipe
 from ..functional import WgradStore
 
 
@@ -49,6 +49,7 @@ class ExpertLayer:
     def fp8_weights(self, is_first_microbatch: Optional[bool] = None):
         """The FP8 copies of ``expert_weights()`` for this call, one ``quantize_weight`` 4-tuple each; None:
         quantize inside the call (bf16, or the cache's decision)."""
+        check_optional_bool("is_first_microbatch", is_first_microbatch)
         if self.recipe != "fp8_blockwise":
             return None
         if self._fp8_inference is not None:

@@ -166,3 +166,44 @@ def test_cpp_heuristics_read_the_strict_flag():
     text = (ROOT / "csrc" / "kernels" / "gemm" / "heuristics.h").read_text()
     assert '#include "env_flag.h"' in text
     assert "inline bool enabled_by_env(const char* env) { return env_flag(env, true); }" in text
+
+
+CPP_CHOICE_MAIN = r"""
+#include <cstdio>
+#include "env_flag.h"
+int main() {
+  try {
+    std::printf("%d\n", moegemm::env_choice("MOEGEMM_TEST_CHOICE", {"sm90", "cutlass"}));
+  } catch (const std::invalid_argument& e) {
+    std::printf("invalid_argument: %s\n", e.what());
+  }
+  return 0;
+}
+"""
+
+
+def test_cpp_choice_variables_are_strict(tmp_path):
+    """env_flag.h's env_choice (MOEGEMM_FP8_WGRAD=sm90|cutlass): a name in any case, unset or empty for the default,
+    anything else an error naming the variable."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    (tmp_path / "main.cpp").write_text(CPP_CHOICE_MAIN)
+    exe = tmp_path / "choice"
+    subprocess.run([cxx, "-std=c++17", f"-I{ROOT / 'csrc'}", str(tmp_path / "main.cpp"), "-o", str(exe)], check=True,
+                   capture_output=True, timeout=300)
+
+    def run(value):
+        env = {k: v for k, v in os.environ.items() if k != "MOEGEMM_TEST_CHOICE"}
+        if value is not None:
+            env["MOEGEMM_TEST_CHOICE"] = value
+        return subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+    for value, expected in ((None, "-1"), ("", "-1"), (" ", "-1"), ("sm90", "0"), (" SM90 ", "0"), ("cutlass", "1"),
+                            ("CUTLASS", "1")):
+        assert run(value) == expected, value
+    for value in ("cutlas", "1", "deepgemm"):
+        assert run(value) == (f"invalid_argument: environment variable MOEGEMM_TEST_CHOICE='{value}' must be one of "
+                              "sm90, cutlass, or unset"), value
+    text = (ROOT / "csrc" / "kernels" / "gemm" / "heuristics.h").read_text()
+    assert 'env_choice(env, {"sm90", "cutlass"})' in text

@@ -558,6 +558,11 @@ def test_resolve_recipe(cpu, monkeypatch):
     assert resolve_recipe(cfg, "fp8_blockwise") == "fp8_blockwise"
     with pytest.raises(ValueError, match="recipe"):
         resolve_recipe(cfg, "fp4")
+    monkeypatch.setenv("MOEGEMM_MEGATRON_RECIPE", "fp4")
+    with pytest.raises(ValueError, match="MOEGEMM_MEGATRON_RECIPE='fp4' must be one of"):
+        resolve_recipe(cfg)
+    monkeypatch.setenv("MOEGEMM_MEGATRON_RECIPE", " ")
+    assert resolve_recipe(cfg) == "fp8_blockwise"  # blank: unset
     cfg.fp8 = None
     monkeypatch.setenv("MOEGEMM_MEGATRON_RECIPE", "fp8_blockwise")
     ex = MoegemmExperts(4, cfg)

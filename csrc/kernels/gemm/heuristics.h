@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "env_flag.h"
 #include "moegemm.h"
@@ -108,10 +106,10 @@ inline RaggedReductionTiling ragged_reduction_tiling(const RaggedReduction& p, i
 }
 
 // The kernel an FP8 grouped GEMM runs when the caller names none: CUTLASS's when the environment variable
-// `env` says "cutlass", else moegemm's own sm90 kernel.
+// `env` says "cutlass", moegemm's own sm90 kernel when it says "sm90" or is unset (anything else throws
+// std::invalid_argument naming the variable: env_flag.h's rule).
 inline GemmKernel kernel_from_env(const char* env) {
-  const char* v = std::getenv(env);
-  return v != nullptr && std::strcmp(v, "cutlass") == 0 ? GemmKernel::kCutlass : GemmKernel::kSm90;
+  return env_choice(env, {"sm90", "cutlass"}) == 1 ? GemmKernel::kCutlass : GemmKernel::kSm90;
 }
 
 // A form that the boolean environment variable `env` turns off (on when unset; env_flag.h's strict rule: a value

@@ -194,11 +194,12 @@ def check_bias(bias, E: int, N: int, device: torch.device) -> None:
         raise TypeError(f"bias.dtype must be floating point, got {bias.dtype}")
 
 
-def check_fp8_weight(fp8, weight: torch.Tensor, name: str, weight_name: str = "weight") -> None:
+def check_fp8_weight(fp8, weight: torch.Tensor, name: str, weight_name: str = "weight",
+                     transposed: bool = True) -> None:
     """``name``: the FP8 copies of ``weight`` given to a function, as ``quantize_weight(weight)`` returns them:
     ``(q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb])``, float8_e4m3fn and float32 on the weight's device
-    (``qT`` and ``sT`` may both be None: FP8 inference keeps no transposed copy). Copies of a weight of
-    another shape would be read as this one's."""
+    (``qT`` and ``sT`` may both be None unless ``transposed``: FP8 inference keeps no transposed copy). Copies of
+    a weight of another shape would be read as this one's."""
     parts = ("q", "s", "qT", "sT")
     if not isinstance(fp8, (tuple, list)) or len(fp8) != len(parts):
         got = f"{type(fp8).__name__} of length {len(fp8)}" if isinstance(fp8, (tuple, list)) else type(fp8).__name__
@@ -211,6 +212,9 @@ def check_fp8_weight(fp8, weight: torch.Tensor, name: str, weight_name: str = "w
     if (fp8[2] is None) != (fp8[3] is None):
         raise ValueError(f"{name}: qT and sT must both be tensors or both be None, got "
                          f"{type(fp8[2]).__name__} and {type(fp8[3]).__name__}")
+    if transposed and fp8[2] is None:
+        raise ValueError(f"{name}: qT and sT are needed here (the call records gradients, or the function takes "
+                         "all four copies), got None")
     device = weight.device
     for i, (t, (dtype, shape)) in enumerate(zip(fp8, want)):
         if t is None and i >= 2:
@@ -225,9 +229,10 @@ def check_fp8_weight(fp8, weight: torch.Tensor, name: str, weight_name: str = "w
         raise ValueError(f"{what} is on {t.device} but {weight_name} is on {device}")
 
 
-def check_fp8_weight_pair(fp8_weights, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> None:
+def check_fp8_weight_pair(fp8_weights, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, transposed: bool) -> None:
     """``fp8_weights`` of the MLP: None (or empty), or
-    ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))``."""
+    ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))``; the transposed copies needed when
+    ``transposed`` (a call that records gradients)."""
     if fp8_weights is None or (isinstance(fp8_weights, (tuple, list)) and len(fp8_weights) == 0):
         return
     if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
@@ -235,8 +240,8 @@ def check_fp8_weight_pair(fp8_weights, fc1_weight: torch.Tensor, fc2_weight: tor
                else type(fp8_weights).__name__)
         raise TypeError("fp8_weights must be the pair (quantize_weight(fc1_weight), quantize_weight(fc2_weight)), "
                         f"got {got}")
-    check_fp8_weight(fp8_weights[0], fc1_weight, "fp8_weights[0]", "fc1_weight")
-    check_fp8_weight(fp8_weights[1], fc2_weight, "fp8_weights[1]", "fc2_weight")
+    check_fp8_weight(fp8_weights[0], fc1_weight, "fp8_weights[0]", "fc1_weight", transposed)
+    check_fp8_weight(fp8_weights[1], fc2_weight, "fp8_weights[1]", "fc2_weight", transposed)
 
 
 def check_optional_bool(name: str, value) -> None:

@@ -52,7 +52,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from . import backends, weight_cache
-from ._validate import check_mlp_dims, check_probs, check_recipe, check_x, splits_to_device
+from ._validate import X_DTYPES, check_bool_arg, check_mlp_dims, check_probs, check_recipe, check_x, splits_to_device
 from .backends import contract as C
 from .functional.grads import refuse_double_backward
 from .layout import ACTIVATIONS, BF16, FP8_BLOCKWISE, RECIPE_IDS
@@ -141,6 +141,8 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
         if tuple(w.shape) != shape or w.device != w1.device:
             raise ValueError(f"{name} must have shape {shape} on {w1.device} to match w1 {(E, F, D)}, got "
                              f"{tuple(w.shape)} on {w.device}")
+    if isinstance(x, torch.Tensor) and x.dtype not in X_DTYPES:  # (checked before x is cast to bf16)
+        raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {x.dtype}")
     out_dtype = x.dtype
     xb = x.to(torch.bfloat16).contiguous()
     check_x(xb, D, w1.device, cuda_path=backends.uses_cuda(w1.device))
@@ -158,12 +160,14 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
 
 
 # ----------------------------------------------------------------------------------------- the module
-def _local(p: torch.Tensor):
-    """(the tensor the op runs on, the tensor the cache keys on): ``to_local()`` of a DTensor (differentiable,
-    a new view every call) and its local tensor itself; a plain tensor twice."""
-    if isinstance(p, DTensor):
-        return p.to_local(), p._local_tensor
-    return p, p
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor the op runs on: ``to_local()`` of a DTensor (differentiable, a new view every call), else ``p``."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _stored(p: torch.Tensor) -> torch.Tensor:
+    """The tensor the FP8 cache keys on: a DTensor's local tensor itself, else ``p``."""
+    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 class MoegemmGroupedExperts(GroupedExperts):
@@ -186,6 +190,7 @@ class MoegemmGroupedExperts(GroupedExperts):
 
     def __init__(self, config: Config):
         check_recipe(config.recipe)
+        check_bool_arg("fp8_weight_cache", config.fp8_weight_cache)
         check_mlp_dims(config.num_experts, config.dim, config.hidden_dim, "swiglu",
                        names=("w1_EFD/w3_EFD (fc1)", "w2_EDF (fc2)"))
         super().__init__(config)
@@ -195,12 +200,12 @@ class MoegemmGroupedExperts(GroupedExperts):
     fp8_weight_cache = weight_cache.switch
 
     def _cache_sources(self) -> list:
-        return [(_local(self.w1_EFD)[1], _local(self.w3_EFD)[1]), _local(self.w2_EDF)[1]]
+        return [(_stored(self.w1_EFD), _stored(self.w3_EFD)), _stored(self.w2_EDF)]
 
     def fp8_weights(self):
         """The FP8 copies (fused fc1, fc2) for this call, or None: quantize inside the call (bf16, the cache off,
         torch.compile, a CUDA-graph capture)."""
-        if self.recipe != "fp8_blockwise" or torch.compiler.is_compiling():
+        if self.recipe != "fp8_blockwise":
             return None
         return self._fp8_cache.get(self._cache_sources())
 
@@ -211,7 +216,7 @@ class MoegemmGroupedExperts(GroupedExperts):
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor,
                 scores_R: Optional[torch.Tensor] = None) -> torch.Tensor:
-        w1, w3, w2 = _local(self.w1_EFD)[0], _local(self.w3_EFD)[0], _local(self.w2_EDF)[0]
+        w1, w3, w2 = _local(self.w1_EFD), _local(self.w3_EFD), _local(self.w2_EDF)
         return swiglu_experts(x_RD, w1, w3, w2, num_tokens_per_expert_E, scores_R, self.recipe, self.fp8_weights())
 
     def extra_repr(self) -> str:
@@ -260,7 +265,7 @@ def _convert(cfg: GroupedExperts.Config, recipe: str, fp8_weight_cache: bool) ->
         raise ValueError(f"moegemm replaces torchtitan's stock GroupedExperts only, got {type(cfg).__qualname__} "
                          "(another experts variant or converter: apply moegemm's instead of it)")
     return derive(cfg, MoegemmGroupedExperts.Config, recipe=check_recipe(recipe),
-                  fp8_weight_cache=bool(fp8_weight_cache))
+                  fp8_weight_cache=check_bool_arg("fp8_weight_cache", fp8_weight_cache))
 
 
 class MoegemmExpertsConverter(QuantizationConverter):

@@ -8,6 +8,7 @@
 * ``cuda_alive()``: asserts that the CUDA context still works (after an input that must not kill it).
 * ``capture_step(step)``: warms ``step`` up on a side stream and captures it in a CUDA graph.
 * ``cuda_kernels(fn)``: ``fn()``'s result and the CUDA kernels it ran (after one warm-up call).
+* ``quant`` (fixture): counts of the weight quantizations of the FP8 weight cache and of the reference op.
 """
 
 from __future__ import annotations
@@ -79,6 +80,39 @@ def zipf_splits(E: int, T: int, empty: bool = True, alpha: float = 1.2) -> list:
 @pytest.fixture
 def zipf():
     return zipf_splits
+
+
+@pytest.fixture
+def quant(monkeypatch):
+    """Counts weight quantizations: ``cache`` (the weights the FP8 weight cache quantized, through the backend's
+    quantize_weights), ``cache_calls`` (its calls of it: one per layer refresh) and ``op`` (inside the reference
+    op; the CUDA op quantizes in C++, not counted)."""
+    from moegemm import reference
+    from moegemm.backends import reference as reference_backend
+
+    calls = {"cache": 0, "cache_calls": 0, "op": 0}
+
+    def counting_many(fn):
+        def wrapped(weights):
+            calls["cache"] += len(weights)
+            calls["cache_calls"] += 1
+            return fn(weights)
+        return wrapped
+
+    def counting(fn):
+        def wrapped(w):
+            calls["op"] += 1
+            return fn(w)
+        return wrapped
+
+    plain = reference.quantize_weight  # (reference.quantize_weights calls the module's, counted as the op's below)
+    monkeypatch.setattr(reference_backend, "quantize_weights", counting_many(lambda weights: [plain(w) for w in weights]))
+    monkeypatch.setattr(reference, "quantize_weight", counting(reference.quantize_weight))
+    if HAS_HOPPER:
+        from moegemm.backends import cuda as cuda_ops
+
+        monkeypatch.setattr(cuda_ops, "quantize_weights", counting_many(cuda_ops.quantize_weights))
+    return calls
 
 
 def rel(out: torch.Tensor, expected: torch.Tensor) -> float:

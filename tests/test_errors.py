@@ -280,6 +280,8 @@ def test_fp8_weight_parts():
         grouped_linear(x, w, SPLITS, fp8_weight=(q, s, qT, sT.repeat(1, 1, 2)))
     with pytest.raises(ValueError, match=r"qT and sT must both be tensors or both be None"):
         grouped_linear(x, w, SPLITS, fp8_weight=(q, s, qT, None))
+    with pytest.raises(ValueError, match=r"fp8_weight: qT and sT are needed here"):
+        grouped_linear(x, w, SPLITS, fp8_weight=(q, s, None, None))  # the linear ops take all four copies
 
 
 def test_fp8_weights_of_the_mlp():
@@ -292,6 +294,12 @@ def test_fp8_weights_of_the_mlp():
         moegemm.grouped_mlp(x, w1, w2, SPLITS, fp8_weights=c1)
     with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] \(q of quantize_weight\(fc1_weight\)"):
         moegemm.grouped_mlp(x, w1, w2, SPLITS, fp8_weights=(c2, c1))
+    # without the transposed copies: inference only
+    bare = (c1[:2] + (None, None), c2[:2] + (None, None))
+    with torch.no_grad():
+        assert torch.equal(moegemm.grouped_mlp(x, w1, w2, SPLITS, fp8_weights=bare), ref)
+    with pytest.raises(ValueError, match=r"fp8_weights\[0\]: qT and sT are needed here"):
+        moegemm.grouped_mlp(x, w1.requires_grad_(), w2, SPLITS, fp8_weights=bare)
 
 
 def test_per_call_switches():

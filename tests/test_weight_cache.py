@@ -48,34 +48,6 @@ if HAS_HOPPER:
     _QUANTIZE["cuda"] = cuda_ops.quantize_weight
 
 
-@pytest.fixture
-def quant(monkeypatch):
-    """Counts weight quantizations: ``cache`` (the weights the cache quantized, through the backend's
-    quantize_weights), ``cache_calls`` (its calls of it: one per layer refresh) and ``op`` (inside the reference
-    op; the CUDA op quantizes in C++, not counted)."""
-    calls = {"cache": 0, "cache_calls": 0, "op": 0}
-
-    def counting_many(fn):
-        def wrapped(weights):
-            calls["cache"] += len(weights)
-            calls["cache_calls"] += 1
-            return fn(weights)
-        return wrapped
-
-    def counting(fn):
-        def wrapped(w):
-            calls["op"] += 1
-            return fn(w)
-        return wrapped
-
-    plain = reference.quantize_weight  # (reference.quantize_weights calls the module's, counted as the op's below)
-    monkeypatch.setattr(reference_backend, "quantize_weights", counting_many(lambda weights: [plain(w) for w in weights]))
-    monkeypatch.setattr(reference, "quantize_weight", counting(reference.quantize_weight))
-    if HAS_HOPPER:
-        monkeypatch.setattr(cuda_ops, "quantize_weights", counting_many(cuda_ops.quantize_weights))
-    return calls
-
-
 def make_mlp(device, cache=True, bias=True, dtype=None):
     return GroupedMLP(E, H, FFN, activation="swiglu", bias=bias, recipe="fp8_blockwise", device=device, dtype=dtype,
                       fp8_weight_cache=cache)

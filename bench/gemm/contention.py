@@ -87,15 +87,21 @@ class Holder:
         self.stream.synchronize()
 
 
-def median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int, before=None, after=None) -> float:
+    """fn's median time in ms over ``reps`` calls, each timed alone (``before`` / ``after`` run around each, untimed
+    unless they launch work on the timed stream)."""
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+        if after is not None:
+            after()
     return statistics.median(times)
 
 
@@ -145,17 +151,7 @@ def fc1_forward(holder: Holder, held: list, reps: int) -> list:
             fn()
         line = f"fc1 forward {E} x {H} x {F} x {T}:"
         for k in held:
-            times = []
-            for _ in range(reps):
-                holder.hold(k, seconds=0.004)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-                holder.release()
-            t = statistics.median(times)
+            t = median_ms(fn, reps, before=lambda: holder.hold(k, seconds=0.004), after=holder.release)
             rows.append({"fc1_forward": [E, H, F, T], "held": k, "ms": t, "gpu": torch.cuda.get_device_name()})
             line += f" k={k} {t:.3f} ms"
         print(line, flush=True)

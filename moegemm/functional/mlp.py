@@ -136,8 +136,10 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     T = x_dev.shape[0]
     check_probs(probs, T, x_dev.device)
     check_wgrad_store(wgrad_store)
+    inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)
+    records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     if recipe == "fp8_blockwise":
-        check_fp8_weight_pair(fp8_weights, fc1_weight, fc2_weight)
+        check_fp8_weight_pair(fp8_weights, fc1_weight, fc2_weight, records_grad)
     m = splits_to_device(m_splits, E, T, x_dev.device, check_splits)  # the first device work
     fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe == "fp8_blockwise" else []
     act_id, recipe_id = ACTIVATIONS[activation], RECIPE_IDS[recipe]
@@ -145,8 +147,7 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     if ops.LAYER_AUTOGRAD and wgrad_store is None:  # one C++ node, with grad or without
         return ops.grouped_mlp(x_dev, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id, recipe_id, fp8,
                                x_scales, x if x_scales is not None else None)
-    inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):  # inference
+    if not records_grad:  # inference
         return ops.mlp_fwd(x_dev, fc1_weight, fc2_weight, m, fc1_bias, fc2_bias, probs, act_id, recipe_id, fp8, False,
                            False, False, x_scales)[0]
     if wgrad_store is not None:

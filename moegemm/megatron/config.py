@@ -3,13 +3,13 @@ the sizes and ranks of the process groups."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
+from .._env import env_choice
 from .._validate import RECIPES, check_recipe
 
 RECIPE_ENV = "MOEGEMM_MEGATRON_RECIPE"
@@ -19,10 +19,7 @@ def resolve_recipe(config, recipe: Optional[str] = None) -> str:
     """The moegemm recipe: the ``recipe`` argument, else ``$MOEGEMM_MEGATRON_RECIPE``, else
     ``'fp8_blockwise'`` when ``config.fp8`` is set and ``'bf16'`` otherwise."""
     if recipe is None:
-        recipe = os.environ.get(RECIPE_ENV, "").strip() or None
-        if recipe is not None and recipe not in RECIPES:
-            raise ValueError(f"environment variable {RECIPE_ENV}={recipe!r} must be one of {', '.join(RECIPES)}, "
-                             "or unset")
+        recipe = env_choice(RECIPE_ENV, RECIPES)
     if recipe is None:
         recipe = "fp8_blockwise" if getattr(config, "fp8", None) else "bf16"
     return check_recipe(recipe)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import moegemm
 from moegemm import backends
+from moegemm.layout import DIM_ALIGN, MAX_EXPERTS, MAX_TOKENS
 
 ERROR_BOUND = {"fp8_blockwise": 0.10, "bf16": 0.02}  # FP8 E4M3: ~3-5 % per GEMM (docs/design.md#reference), ~6-7 % through the MLP
 DEEPSEEK_V2_LITE = (64, 2048, 1408, 24576)  # experts, hidden, ffn per expert, routed tokens
@@ -222,10 +223,6 @@ def run(E: int, H: int, Fh: int, T: int, device: str, name: str, iters: int) -> 
     return 0
 
 
-MAX_EXPERTS = 1024  # the kernels' limit (README, Limits)
-DIM_ALIGN = 16  # hidden and ffn: positive multiples of this
-
-
 def shape_problem(E: int, H: int, Fh: int, T: int):
     """Why ``--shape E HIDDEN FFN T`` cannot run (a sentence), or None."""
     if not 1 <= E <= MAX_EXPERTS:
@@ -233,8 +230,8 @@ def shape_problem(E: int, H: int, Fh: int, T: int):
     for name, v in (("HIDDEN", H), ("FFN", Fh)):
         if v <= 0 or v % DIM_ALIGN:
             return f"{name} must be a positive multiple of {DIM_ALIGN}, got {v}"
-    if T <= 0:
-        return f"T (routed tokens) must be positive, got {T}"
+    if not 1 <= T <= MAX_TOKENS:
+        return f"T (routed tokens) must be in [1, {MAX_TOKENS}], got {T}"
     return None
 
 
@@ -252,8 +249,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.shape and shape_problem(*args.shape):
-        ap.error(f"argument --shape: {shape_problem(*args.shape)}")
+    problem = shape_problem(*args.shape) if args.shape else None
+    if problem:
+        ap.error(f"argument --shape: {problem}")
     if args.iters < 1:
         ap.error(f"argument --iters: must be at least 1, got {args.iters}")
     # torch's first backward on a fresh autograd thread may warn about a missing CUDA context: harmless

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from moegemm import __main__ as cli
+from moegemm.layout import MAX_TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +38,9 @@ def test_help_names_the_command_without_rst():
     (["--shape", "2000", "256", "128", "10"], "argument --shape: E (experts) must be in [1, 1024], got 2000"),
     (["--shape", "8", "100", "128", "10"], "argument --shape: HIDDEN must be a positive multiple of 16, got 100"),
     (["--shape", "8", "256", "-16", "10"], "argument --shape: FFN must be a positive multiple of 16, got -16"),
-    (["--shape", "8", "256", "128", "0"], "argument --shape: T (routed tokens) must be positive, got 0"),
+    (["--shape", "8", "256", "128", "0"], f"argument --shape: T (routed tokens) must be in [1, {MAX_TOKENS}], got 0"),
+    (["--shape", "8", "256", "128", str(MAX_TOKENS + 1)],
+     f"argument --shape: T (routed tokens) must be in [1, {MAX_TOKENS}], got {MAX_TOKENS + 1}"),
     (["--iters", "0"], "argument --iters: must be at least 1, got 0"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):

@@ -151,7 +151,6 @@ void zero_empty_experts(const int32_t* plan, int E, PlanLimits limits, int64_t b
 // read at each launch (a captured CUDA graph keeps the budget of its capture); a budget above the device's SM count is
 // refused at the launch.
 void set_sm_budget(int sms);  // sms >= 0
-int sm_budget();
 
 // ---- grouped GEMMs. A problem travels as one struct; `workspace` (the device-built arguments of the
 // CUTLASS kernels, or the tile counter of moegemm's sm90 ragged reduction) has the size the matching
@@ -216,8 +215,8 @@ void gemm_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, Exper
 // by an earlier launch on the stream, e.g. quantize_weights') and x's FP8 row copy into qa [T, K] and sa
 // (quantize_act's bytes on the rows the plan covers; the rows past them, which quantize_act zeroes, are quantized
 // too and never read), then run the GEMM out [T, N] with a = (qa, sa). The CTAs claim that work off counters in
-// `workspace` (gemm_fp8_ragged_rows_quantize_a_workspace_size bytes, of any contents) rather than meet at a grid
-// barrier: none waits for a CTA that a kernel on another stream keeps from starting. Needs T >= 1 and make_plan's
+// `workspace` (gemm_fp8_ragged_rows_quantize_a_workspace_size bytes, of any contents): none waits for a CTA that a
+// kernel on another stream keeps from starting. Needs T >= 1 and make_plan's
 // requirements. `zero`: words that the launch zeroes too, for the GEMMs after it (their tile counters), or none.
 size_t gemm_fp8_ragged_rows_quantize_a_workspace_size();
 void gemm_fp8_ragged_rows_quantize_a(const PlanBuild& plan, const void* x, int64_t N, int64_t K, void* out, uint8_t* qa,

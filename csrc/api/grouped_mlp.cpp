@@ -110,7 +110,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     }
     // biases added in the GEMMs' epilogues; a bf16 x quantized (into its row copy, qx) in fc1's launch where that pays
     Quantized qx;
-    const GemmWorkspaces ws = gemm_workspaces(false, 2, plan);  // fc1's and fc2's tile counters, zeroed before fc1
+    const GemmWorkspaces ws = gemm_workspaces(false, 2, plan, true);  // fc1's and fc2's tile counters, zeroed before fc1
     Tensor h = run_fprop(x, fp8_x ? &given_x : nullptr, plan, plan_from, qw1.q, qw1.s, b1, qx, ws);
     qw1.q.reset(), qw1.s.reset();
     const bool keep_x = save && need_dw1 && !fp8_x;  // an FP8 x comes back as backward's x and x_scales

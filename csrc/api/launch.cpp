@@ -183,7 +183,7 @@ Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor
 }
 
 Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
-                                        const Tensor& sb, const Tensor& bias, Quantized& rows, const Tensor& zero) {
+                                        const Tensor& sb, const Tensor& bias, Quantized& rows, const GemmWorkspaces& ws) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_rows_quantize_a");
   const int E = num_experts(plan);
   const int64_t T = x.size(0), K = x.size(1), N = qb.size(1);
@@ -191,10 +191,10 @@ Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_spli
   Tensor out = empty({T, N}, at::kBFloat16, x);
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   const DeviceSplits from = device_splits(m_splits);
-  const Tensor claims = empty({words_of(gemm_fp8_ragged_rows_quantize_a_workspace_size())}, at::kInt, x);  // any contents
+  TORCH_CHECK(ws.claims.defined(), "moegemm: internal: the one-launch forward without its claim words");
   gemm_fp8_ragged_rows_quantize_a({from.m_splits, from.m_is_int64, E, T, plan_ptr(plan)}, x.data_ptr(), N, K, out.data_ptr(),
-                               bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, zero_fill_of(zero),
-                               claims.data_ptr(), current_stream(x));
+                               bytes(qa), sa.data_ptr<float>(), {cbytes(qb), sb.data_ptr<float>()}, b, zero_fill_of(ws.words),
+                               ws.claims.data_ptr(), current_stream(x));
   rows = {qa, sa, Tensor(), Tensor()};
   return out;
 }
@@ -207,7 +207,7 @@ Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, co
     if (ws.words.defined()) ws.words.zero_();  // no launch of ours before the GEMM to zero them
     qx = *fp8_x;
   } else if (T > 0 && gemm_fp8_ragged_rows_quantize_a_preferred(T, K)) {
-    return run_gemm_fp8_ragged_rows_quantize_a(x, plan_from, plan, qb, sb, bias, qx, ws.words);
+    return run_gemm_fp8_ragged_rows_quantize_a(x, plan_from, plan, qb, sb, bias, qx, ws);
   } else {
     qx = run_quantize_act(x, DType::kBF16, plan, true, false, plan_from, ws.words);
   }
@@ -243,14 +243,17 @@ Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan) {
   return wgrad_workspace(fp8_wgrad_workspace_bytes(plan), plan);
 }
 
-GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan) {
+GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan, bool claims) {
   GemmWorkspaces ws;
   const int64_t wgrad_words = wgrad ? words_of(fp8_wgrad_workspace_bytes(plan)) : 0;
   const int64_t counter_words = words_of(gemm_fp8_ragged_rows_workspace_size());
   const int64_t total = wgrad_words + counters * counter_words;
-  if (total == 0) return ws;
-  // (the wgrad workspace first: CUTLASS's part of it wants the allocation's alignment)
-  ws.words = empty({total}, at::kInt, plan);
+  const int64_t claim_words = claims ? words_of(gemm_fp8_ragged_rows_quantize_a_workspace_size()) : 0;
+  if (total + claim_words == 0) return ws;
+  // (the wgrad workspace first: CUTLASS's part of it wants the allocation's alignment; the claims last, not zeroed)
+  const Tensor all = empty({total + claim_words}, at::kInt, plan);
+  if (total > 0) ws.words = all.narrow(0, 0, total);
+  if (claims) ws.claims = all.narrow(0, total, claim_words);
   if (wgrad) ws.wgrad = ws.words.narrow(0, 0, wgrad_words);
   for (int i = 0; i < counters; ++i) ws.counters.push_back(ws.words.narrow(0, wgrad_words + i * counter_words, counter_words));
   return ws;

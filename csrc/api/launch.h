@@ -57,13 +57,15 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
 
 // The words that one launch zeroes for the GEMMs after it (a quantizer's `zero`): the wgrad workspace of
 // fp8_wgrad_workspace (when wanted) first, then one tile counter per ragged-row GEMM (gemm_fp8_ragged_rows's workspace),
-// so that those GEMMs need no launch of their own to zero them.
+// so that those GEMMs need no launch of their own to zero them. A forward's workspaces also hold the one-launch
+// forward's claim words (`claims`), in the same allocation but past the zeroed words.
 struct GemmWorkspaces {
-  Tensor words;                  // all of them (undefined: none)
+  Tensor words;                  // the zeroed words, all of them (undefined: none)
   Tensor wgrad;                  // undefined unless wanted
   std::vector<Tensor> counters;  // one word each
+  Tensor claims;                 // gemm_fp8_ragged_rows_quantize_a's workspace, any contents (undefined unless wanted)
 };
-GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan);
+GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan, bool claims = false);
 
 // out [T, N] bf16 = qa [T, K] · qb [E, N, K]ᵀ (+ bias [E, N], fp32 or bf16, added before the rounding),
 // blockwise scaled (fprop; dgrad with the Wᵀ copy), with the tiling heuristics.h picks unless `tiling` (>= 0)
@@ -72,15 +74,16 @@ GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan);
 Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              int tiling = -1, const Tensor& bias = Tensor(), const Tensor& counter = Tensor());
 // The same on a bf16 x [T >= 1, K] in one launch that first builds `plan` from m_splits (undefined: `plan` was built
-// by an earlier launch) and x's FP8 row copy (`rows`: q, s) with the GEMM's own CTAs, and zeroes `zero` (gemm_workspaces'
-// words, or undefined).
+// by an earlier launch) and x's FP8 row copy (`rows`: q, s) with the GEMM's own CTAs, and zeroes ws.words; its
+// claim words are ws.claims (gemm_workspaces with claims).
 Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_splits, const Tensor& plan, const Tensor& qb,
-                                        const Tensor& sb, const Tensor& bias, Quantized& rows, const Tensor& zero = {});
+                                        const Tensor& sb, const Tensor& bias, Quantized& rows, const GemmWorkspaces& ws);
 // A layer's FP8 forward GEMM out = x_e qb[e]ᵀ (+ bias) with x's FP8 row copy in qx (q, s; the column copy is made in
 // backward, from this row copy), the plan built from plan_from's counts when defined: an FP8 x given as its row copy
 // (fp8_x), or a bf16 x quantized first; where the heuristics prefer it (gemm_fp8_ragged_rows_quantize_a_preferred),
 // quantized and multiplied in one launch (run_gemm_fp8_ragged_rows_quantize_a, which builds the plan too). `ws`: the words
-// zeroed by x's quantizer or the one launch (gemm_workspaces with at least one counter: the first is this GEMM's).
+// zeroed by x's quantizer or the one launch (gemm_workspaces with at least one counter, the first this GEMM's, and
+// the claims).
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx, const GemmWorkspaces& ws);
 // out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the

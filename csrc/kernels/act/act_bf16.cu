@@ -8,6 +8,7 @@
 #include "moegemm.h"
 #include "kernels/act/functions.cuh"
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/device.h"
 #include "kernels/quant/multicast/common.cuh"  // load8, store8, warp_sum
 
 namespace moegemm {
@@ -60,16 +61,9 @@ __global__ void __launch_bounds__(256) act_bf16_kernel(const __nv_bfloat16* __re
 template <class Act, bool kGlu, bool kBackward>
 void launch_act_bf16(const void* h, const void* da, const float* probs, int64_t T, int64_t F, void* out, float* partial,
                      cudaStream_t stream, const char* name) {
-  const int64_t tasks = T * ((F + kActBf16Cols - 1) / kActBf16Cols);
+  const int64_t tasks = T * ceil_div(F, kActBf16Cols);
   if (tasks == 0) return;
-  thread_local int device = -1, sms = 0;
-  int current = 0;
-  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != device) {
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current), name);
-    device = current;
-  }
-  const int64_t grid = std::min<int64_t>((tasks + 7) / 8, int64_t(sms) * 8);
+  const int64_t grid = std::min<int64_t>(ceil_div(tasks, 8), int64_t(sm_count()) * 8);
   act_bf16_kernel<Act, kGlu, kBackward><<<static_cast<unsigned>(grid), 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(h), static_cast<const __nv_bfloat16*>(da), probs, T, F,
       static_cast<__nv_bfloat16*>(out), partial);

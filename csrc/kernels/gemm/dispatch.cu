@@ -15,8 +15,6 @@ void set_sm_budget(int sms) {
   sm_budget_setting().store(sms);
 }
 
-int sm_budget() { return sm_budget_setting().load(); }
-
 size_t gemm_fp8_ragged_rows_workspace_size() { return gemm::kSm90TileCounterWorkspace; }
 
 void gemm_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, void* workspace,

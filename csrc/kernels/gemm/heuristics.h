@@ -64,7 +64,7 @@ inline RaggedRowsTiling ragged_rows_tiling(int64_t T, int E, int64_t N, int sms,
 // Whether an FP8 forward from a bf16 x [T, K] quantizes x inside the GEMM's launch (the fused prologue,
 // gemm_fp8_ragged_rows_quantize_a: one launch) rather than in one of its own before it: for an x of up to 2^23 values
 // (16 MiB), where the host's time per launch is the bound. Beyond that the prologue's lower quantizing rate and its
-// grid barrier (the GEMM starts after all of x) cost more than the saved launch (H200; docs/performance.md,
+// wait (every CTA's GEMM starts after all of x) cost more than the saved launch (H200; docs/performance.md,
 // Ragged-row GEMM). Both forms give bitwise the same results.
 constexpr int64_t kQuantizeAInGemmMaxValues = int64_t(1) << 23;
 inline bool quantize_a_in_gemm(int64_t T, int64_t K) { return T * K <= kQuantizeAInGemmMaxValues; }

@@ -46,8 +46,7 @@
 //   workspace, zero at launch) a tile ahead and hands it to the scale warp through a ring of shared-memory slots
 //   (pipeline.cuh, TileIdRing); the math warpgroups read each tile from its stages as before, and the walk's end
 //   from a last stage with no copies. A CTA that starts late (its SM held by a kernel on another stream) takes
-//   fewer tiles instead of holding up the whole GEMM. Clusters and the one-launch form (all CTAs resident at
-//   once) walk the ids statically (below).
+//   fewer tiles instead of holding up the whole GEMM. Clusters of two walk the ids statically (below).
 // - The producer's TMA warp and scale warp each walk the tile list in the plan (global memory): each looks the
 //   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
 //   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that
@@ -99,7 +98,7 @@ namespace moegemm::sm90 {
 // accumulator and its promoted copy would not fit in the registers). A 192-wide tile starts at a column
 // n0 with n0 % 128 in {0, 64}, so its part straddles two weight-scale blocks at column 128 or 64.
 // kStages: as many as fit beside the epilogue buffer.
-template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false, bool kDynamicWalk_ = kCluster_ == 1>
+template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false>
 struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
@@ -108,9 +107,7 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr bool kQuantizeA = kQuantizeA_;
   // Tile ids drawn from the launch's tile counter (single CTAs whose grid need not be resident at once), else
   // walked statically
-  static constexpr bool kDynamicWalk = kDynamicWalk_;
-  static_assert(!kDynamicWalk || kCluster == 1, "the dynamic walk in grids of single CTAs");
-  static_assert(!kQuantizeA || kDynamicWalk, "the fused prologue's CTAs may start late: their tiles drawn, not assigned");
+  static constexpr bool kDynamicWalk = kCluster == 1;
   static constexpr int kIdSlots = 4;
   static constexpr int kIdReaders = 32;  // the scale warp's lanes (the math warpgroups see the walk's end in a stage)
   static constexpr int kIdRingBytes = kDynamicWalk ? TileIdRing<kIdSlots>::kBytes : 0;

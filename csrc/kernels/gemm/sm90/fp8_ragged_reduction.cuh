@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&full[s], 1 + 32);                        // the TMA thread (+ bytes), each scale lane
-      Barrier::init(&empty[s], Cfg::kMathWarpgroups * 4);     // each math warp
+      Barrier::init(&empty[s], Cfg::kMathWarpgroups * 128);   // each math thread
     }
     TileIdRing<Cfg::kIdSlots>::init(id_full, id_empty, Cfg::kIdReaders);
     cutlass::arch::fence_barrier_init();
@@ -349,12 +349,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_reduction_kernel(
     set_up();
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
 
-    // The warp's reads of a stage are done: release it (the warp barrier orders every lane's reads first; the
-    // arriving lane is elected rather than compared with a lane index recomputed from %tid per K block).
-    auto release = [&](int s) {
-      __syncwarp();
-      if (cute::elect_one_sync()) Barrier::arrive(&empty[s]);
-    };
+    // This thread's reads of a stage are done: release it. Every math thread arrives (not one lane per warp), so
+    // each reader's own arrival orders its reads before the stage's next fill, as racecheck models it.
+    auto release = [&](int s) { Barrier::arrive(&empty[s]); };
     // Whether the next K block's stage (of this tile or the next: the stages are consumed in order) is full
     // (next_stage_full, tested after an early release).
     bool full_next = false;

@@ -9,7 +9,7 @@
 #include "kernels/act/functions.cuh"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
-#include "kernels/quant/multicast/common.cuh"  // load8, store8, warp_sum
+#include "kernels/common/vec8.cuh"
 
 namespace moegemm {
 namespace {
@@ -24,7 +24,7 @@ template <class Act, bool kGlu, bool kBackward>
 __global__ void __launch_bounds__(256) act_bf16_kernel(const __nv_bfloat16* __restrict__ h,
     const __nv_bfloat16* __restrict__ da, const float* __restrict__ probs, int64_t T, int64_t F,
     __nv_bfloat16* __restrict__ out, float* __restrict__ partial) {
-  constexpr int n = multicast::kVec;
+  constexpr int n = 8;
   const int64_t nb = (F + kActBf16Cols - 1) / kActBf16Cols;
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -35,24 +35,24 @@ __global__ void __launch_bounds__(256) act_bf16_kernel(const __nv_bfloat16* __re
     float extra = 0.f;
     if (k < F) {  // F is a multiple of 16: a lane's eight columns are all in or all out
       float g[n], u[n], o[n];
-      multicast::load8(h + row * ld + k, g);
-      if (kGlu) multicast::load8(h + row * ld + F + k, u);
+      load8(h + row * ld + k, g);
+      if (kGlu) load8(h + row * ld + F + k, u);
       const float p = prob(probs, row);
       if constexpr (!kBackward) {
 #pragma unroll
         for (int i = 0; i < n; ++i) o[i] = Act::f(g[i]) * (kGlu ? u[i] : 1.f) * p;
-        multicast::store8(out + row * F + k, o);
+        store8(out + row * F + k, o);
       } else {
         float d[n], o_up[n];
-        multicast::load8(da + row * F + k, d);
+        load8(da + row * F + k, d);
 #pragma unroll
         for (int i = 0; i < n; ++i) extra += act_grad<Act>(d[i], g[i], kGlu ? u[i] : 1.f, p, o[i], o_up[i]);
-        multicast::store8(out + row * ld + k, o);
-        if (kGlu) multicast::store8(out + row * ld + F + k, o_up);
+        store8(out + row * ld + k, o);
+        if (kGlu) store8(out + row * ld + F + k, o_up);
       }
     }
     if constexpr (kBackward) {
-      extra = multicast::warp_sum(extra);  // every lane of the warp: the task is warp-uniform
+      extra = warp_sum(extra);  // every lane of the warp: the task is warp-uniform
       if (partial != nullptr && lane == 0) partial[row * nb + blk] = extra;
     }
   }

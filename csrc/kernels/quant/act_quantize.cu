@@ -37,7 +37,7 @@ struct ActForward {
   __device__ __forceinline__ float values(const __nv_bfloat16* const (&raw)[kInputs], float p, int64_t, int64_t,
                                           float (&v)[multicast::kVec]) const {
     float g[multicast::kVec];
-    multicast::load8(raw[0], g);
+    load8(raw[0], g);
 #pragma unroll
     for (int i = 0; i < multicast::kVec; ++i) v[i] = Act::f(g[i]) * p;
     return 0.f;
@@ -80,9 +80,9 @@ struct ActBackward {
     constexpr int n = multicast::kVec;
     const bool up_half = kGlu && k >= F;  // F is a multiple of 16: a lane's eight columns are all on one side
     float d[n], g[n], u[n];
-    multicast::load8(raw[0], d);
-    multicast::load8(raw[1], g);
-    if (kGlu && !up_half) multicast::load8(raw[kInputs - 1], u);
+    load8(raw[0], d);
+    load8(raw[1], g);
+    if (kGlu && !up_half) load8(raw[kInputs - 1], u);
     float extra = 0.f, unused;
     if (up_half) {  // (act_grad's up-side value, without the derivative)
 #pragma unroll

@@ -6,6 +6,8 @@
 #include <cuda_fp8.h>
 #include <cstdint>
 
+#include "kernels/common/vec8.cuh"  // unpack_bf16x8
+
 namespace moegemm {
 
 constexpr float kFp8Max = 448.0f;
@@ -68,17 +70,6 @@ __device__ __forceinline__ uint32_t pack4_by(float mul, const float (&v)[4]) {
   const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * mul, v[1] * mul), __NV_SATFINITE, __NV_E4M3);
   const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * mul, v[3] * mul), __NV_SATFINITE, __NV_E4M3);
   return uint32_t(lo) | uint32_t(hi) << 16;
-}
-
-// Eight bf16 values (16 bytes) as floats: bf16 -> fp32 is a 16-bit shift, the low half moves up, the high half
-// keeps its place (one instruction each).
-__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
 }
 
 // bf16 pairs (two values in one 32-bit word, the first in the low half), as the quantizers of bf16 tiles keep them.

@@ -1,5 +1,5 @@
 // The pieces both forms of the multi-cast FP8 quantizer share (launch.cuh): the thread layout of a tile's values
-// (kVec columns x kRows rows per thread), eight values at a time as floats (load8, store8), the warp reductions, and
+// (kVec columns x kRows rows per thread; common/vec8.cuh moves eight values at a time), the warp reductions, and
 // the staging of a tile's input rows (and row factors) into shared memory by cp.async (load_tile_rows).
 #pragma once
 
@@ -8,6 +8,7 @@
 
 #include "moegemm.h"
 #include "kernels/common/async_copy.cuh"
+#include "kernels/common/vec8.cuh"
 #include "kernels/quant/fp8_block.cuh"
 
 namespace moegemm::multicast {
@@ -24,54 +25,12 @@ struct Segment {
   int dst, n;
 };
 
-// Eight consecutive values as floats (one 16-byte load for 16-bit types, two for fp32).
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&v)[kVec]);
-template <>
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[kVec]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  unpack_bf16x8(raw, v);
-}
-template <>
-__device__ __forceinline__ void load8(const __half* p, float (&v)[kVec]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]);
-    v[2 * i] = f.x; v[2 * i + 1] = f.y;
-  }
-}
-template <>
-__device__ __forceinline__ void load8(const float* p, float (&v)[kVec]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-
-// Eight staged values in their stage type (exact for the loaders' types).
-__device__ __forceinline__ void store8(float* p, const float (&v)[kVec]) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-template <typename T>
-__device__ __forceinline__ void store8(T* p, const float (&v)[kVec]) {
-  union { T h[kVec]; uint4 u; } pack;
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) pack.h[i] = static_cast<T>(v[i]);
-  *reinterpret_cast<uint4*>(p) = pack.u;
-}
-
 __device__ __forceinline__ float warp_amax(float a) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) a = nan_max(a, __shfl_xor_sync(0xffffffffu, a, o));
   return a;
 }
 
-__device__ __forceinline__ float warp_sum(float a) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-  return a;
-}
 
 // A reduction (op) of each of 4 rows over a half-warp, reduced and scattered: lane hl returns row hl / 4's (5
 // shuffles instead of 16). Each result is a half-warp butterfly's (xor 8, 4, 2, 1) to the bit: the same pairs are

@@ -63,7 +63,8 @@ void launch_act_bf16(const void* h, const void* da, const float* probs, int64_t 
                      cudaStream_t stream, const char* name) {
   const int64_t tasks = T * ceil_div(F, kActBf16Cols);
   if (tasks == 0) return;
-  const int64_t grid = std::min<int64_t>(ceil_div(tasks, 8), int64_t(sm_count()) * 8);
+  // Eight CTAs per SM of the budget (grid_sms), striding over the tasks.
+  const int64_t grid = std::min<int64_t>(ceil_div(tasks, 8), int64_t(grid_sms()) * 8);
   act_bf16_kernel<Act, kGlu, kBackward><<<static_cast<unsigned>(grid), 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(h), static_cast<const __nv_bfloat16*>(da), probs, T, F,
       static_cast<__nv_bfloat16*>(out), partial);

@@ -95,12 +95,17 @@ def check_layer_sizes(experts: tuple, *dims: tuple) -> None:
             raise ValueError(f"{name} must be a positive multiple of {DIM_ALIGN}, got {v}")
 
 
-def check_tokens_input(x: torch.Tensor) -> None:
-    """``x`` [T, K] for the quantizers: a tensor of one of X_DTYPES with K a positive multiple of DIM_ALIGN."""
+def check_x_tensor(x) -> None:
+    """``x``: a tensor of one of X_DTYPES (before any cast of it)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in X_DTYPES:
         raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {x.dtype}")
+
+
+def check_tokens_input(x: torch.Tensor) -> None:
+    """``x`` [T, K] for the quantizers: a tensor of one of X_DTYPES with K a positive multiple of DIM_ALIGN."""
+    check_x_tensor(x)
     if x.dim() != 2 or x.shape[1] <= 0 or x.shape[1] % DIM_ALIGN:
         raise ValueError(f"x must be [T, K] with K a positive multiple of {DIM_ALIGN}, got shape {tuple(x.shape)}")
 
@@ -161,16 +166,12 @@ def check_probs(probs, T: int, device: torch.device) -> None:
 
 def check_x(x: torch.Tensor, K: int, device: torch.device, cuda_path: bool = False) -> None:
     """x [T, K] on ``device``; bf16 on the CUDA path (``cuda_path``), which its kernels take."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_x_tensor(x)
     shape, dtype = x.shape, x.dtype
     if len(shape) != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(shape)}")
-    if dtype is not torch.bfloat16:
-        if dtype not in X_DTYPES:
-            raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {dtype}")
-        if cuda_path:
-            raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {dtype}")
+    if dtype is not torch.bfloat16 and cuda_path:
+        raise TypeError(f"x.dtype must be torch.bfloat16 on the CUDA path, got {dtype}")
     if shape[0] > MAX_TOKENS:
         raise ValueError(f"x.shape[0] (tokens) must be at most {MAX_TOKENS}, got {shape[0]}")
     if shape[1] != K:

@@ -52,7 +52,8 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from . import backends, weight_cache
-from ._validate import X_DTYPES, check_bool_arg, check_mlp_dims, check_probs, check_recipe, check_x, splits_to_device
+from ._validate import (check_bool_arg, check_mlp_dims, check_probs, check_recipe, check_x, check_x_tensor,
+                        splits_to_device)
 from .backends import contract as C
 from .functional.grads import refuse_double_backward
 from .layout import ACTIVATIONS, BF16, FP8_BLOCKWISE, RECIPE_IDS
@@ -141,8 +142,7 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
         if tuple(w.shape) != shape or w.device != w1.device:
             raise ValueError(f"{name} must have shape {shape} on {w1.device} to match w1 {(E, F, D)}, got "
                              f"{tuple(w.shape)} on {w.device}")
-    if isinstance(x, torch.Tensor) and x.dtype not in X_DTYPES:  # (checked before x is cast to bf16)
-        raise TypeError(f"x.dtype must be one of {X_DTYPES}, got {x.dtype}")
+    check_x_tensor(x)  # before x is cast to bf16
     out_dtype = x.dtype
     xb = x.to(torch.bfloat16).contiguous()
     check_x(xb, D, w1.device, cuda_path=backends.uses_cuda(w1.device))

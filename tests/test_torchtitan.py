@@ -360,6 +360,8 @@ def test_swiglu_experts_refuses_other_x_dtypes():
     for dtype in (torch.int32, torch.float8_e4m3fn):
         with pytest.raises(TypeError, match=r"x.dtype must be one of"):
             ours(x.to(dtype), counts)
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):
+        ours(x.tolist(), counts)
 
 
 # ------------------------------------------------------------------------------- installing it

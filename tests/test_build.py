@@ -98,7 +98,8 @@ def _bare_environment(tmp_path) -> dict:
     keep = [d for d in os.environ.get("PATH", "").split(os.pathsep)
             if d and not os.path.isfile(os.path.join(d, "nvcc"))]
     (tmp_path / "cuda").mkdir()
-    return dict(os.environ, PYTHONPATH=str(ROOT), PATH=os.pathsep.join(keep), CUDA_HOME=str(tmp_path / "cuda"),
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=python_path, PATH=os.pathsep.join(keep), CUDA_HOME=str(tmp_path / "cuda"),
                 CUDA_PATH=str(tmp_path / "cuda"))
 
 

@@ -307,6 +307,8 @@ def main(argv=None) -> dict:
                          f"not import here ({e}); nothing was run.")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, named by index for the generators and set_device
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     elif not a.tiny:
         print(f"{PROG}: no GPU, so moegemm runs its slow reference path; use --tiny for a smoke run", file=sys.stderr)

@@ -3,8 +3,10 @@
 // they compile in parallel.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
+#include "env_flag.h"
 #include "moegemm.h"
 #include "kernels/gemm/variants.h"
 #include "kernels/gemm/cutlass/configs.cuh"
@@ -23,6 +25,10 @@ template <class Arrays, Ragged kRagged>
 __global__ void build_args(Arrays a, const int32_t* __restrict__ plan, int E, int64_t T, int Mg, int Ng, int Kg,
                            const typename Arrays::ElementA* A, int64_t lda, const typename Arrays::ElementB* B,
                            int64_t ldb, typename Arrays::ElementD* D, int64_t ldd) {
+  // The dynamic tile walk's counter starts at tile 0 (the GEMM follows on this stream).
+  if constexpr (Arrays::kDynamicWalk) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) a.claims[0] = 0;
+  }
   const bool fits = plan_fits(plan, E, token_limit(T));
   if constexpr (kRagged == Ragged::kRows) {
     if (grouped::zero_uncovered_rows(fits ? plan[E] : 0, T, ldd * int64_t(sizeof(typename Arrays::ElementD)), D)) return;
@@ -64,17 +70,48 @@ void run(const int32_t* plan, int E, int64_t T, int Mg, int Ng, int Kg, const vo
   Runner::run(a, E, 1.f, beta, workspace, stream, name);
 }
 
+// A/B switch for measuring the tile walks (configs.cuh), read on each launch: MOEGEMM_AB_BF16_WALK=static
+// (the default) | static1x1 | dynamic. Config<kWalk> is the GEMM's configuration with that walk.
+inline int walk_from_env() {
+  return std::max(0, env_choice("MOEGEMM_AB_BF16_WALK", {"static", "static1x1", "dynamic"}));
+}
+
+template <template <int> class Config>
+size_t walk_workspace_size(int E) {
+  return std::max({Config<grouped::kWalkStatic>::Runner::workspace_size(E),
+                   Config<grouped::kWalkStatic1x1>::Runner::workspace_size(E),
+                   Config<grouped::kWalkDynamic>::Runner::workspace_size(E)});
+}
+
+template <template <int> class Config, Ragged kRagged, class... Args>
+void run_walk(Args... args) {
+  switch (walk_from_env()) {
+    case grouped::kWalkStatic1x1: return run<Config<grouped::kWalkStatic1x1>, kRagged>(args...);
+    case grouped::kWalkDynamic: return run<Config<grouped::kWalkDynamic>, kRagged>(args...);
+    default: return run<Config<grouped::kWalkStatic>, kRagged>(args...);
+  }
+}
+
 // wgrad: dy_e read as a column-major A, x_e as a row-major B; fp32 output reads C so it can accumulate.
 template <class ElementD>
-using WgradConfig = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
-                                      std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
+struct Wgrad {
+  template <int kWalk>
+  using Config = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
+                                   std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD, kWalk>;
+};
+
+template <class ElementD>
+size_t wgrad_workspace_size(int E) {
+  return walk_workspace_size<Wgrad<ElementD>::template Config>(E);
+}
 
 template <class ElementD>
 void wgrad(const RaggedReduction& p, const void* dy, const void* x, void* workspace, cudaStream_t stream, const char* name) {
   const bool accumulate = p.out_kind == WgradOut::kF32Accumulate;
   if (!accumulate) zero_empty_experts(p.plan, p.E, token_limit(p.T), p.N * p.K * int64_t(sizeof(ElementD)), p.out, stream);
-  run<WgradConfig<ElementD>, Ragged::kReduction>(p.plan, p.E, p.T, int(p.N), int(p.K), 0, dy, p.N, x, p.K, p.out, p.K,
-                                                 accumulate ? 1.f : 0.f, workspace, stream, name);
+  run_walk<Wgrad<ElementD>::template Config, Ragged::kReduction>(p.plan, p.E, p.T, int(p.N), int(p.K), 0, dy, p.N, x,
+                                                                p.K, p.out, p.K, accumulate ? 1.f : 0.f, workspace,
+                                                                stream, name);
 }
 
 }  // namespace moegemm::bf16

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -23,6 +24,8 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
+
+#include "kernels/gemm/cutlass/dynamic_scheduler.cuh"
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device.h"
@@ -47,6 +50,8 @@ struct GroupArrays {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
+  // A kernel with the dynamic tile walk (dynamic_scheduler.cuh) also takes its claim counters.
+  static constexpr bool kDynamicWalk = std::is_same_v<typename Kernel::ProblemShape, DynamicWalkShape>;
 
   GroupShape* shape;
   const ElementA** A;
@@ -59,15 +64,17 @@ struct GroupArrays {
   StrideD* stride_D;
   const float** SFA;  // blockwise only
   const float** SFB;
+  int* claims;  // dynamic walk only: kMaxGridCtas + 1 counters
 
   // Lays the arrays out from `base`; returns the bytes they take (each array 128-byte aligned).
   static size_t carve(void* base, int E, GroupArrays* out) {
     size_t offset = 0;
-    auto take = [&](auto*& ptr, size_t elem) {
+    auto take_bytes = [&](auto*& ptr, size_t bytes) {
       offset = (offset + 127) / 128 * 128;
       if (out) ptr = reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(static_cast<char*>(base) + offset);
-      offset += elem * E;
+      offset += bytes;
     };
+    auto take = [&](auto*& ptr, size_t elem) { take_bytes(ptr, elem * E); };
     GroupArrays dummy{};
     GroupArrays& a = out ? *out : dummy;
     take(a.shape, sizeof(GroupShape));
@@ -83,6 +90,7 @@ struct GroupArrays {
       take(a.SFA, sizeof(void*));
       take(a.SFB, sizeof(void*));
     }
+    if constexpr (kDynamicWalk) take_bytes(a.claims, sizeof(int) * (kMaxGridCtas + 1));
     return (offset + 127) / 128 * 128;
   }
 };
@@ -107,7 +115,8 @@ struct GroupedGemm {
   static typename Gemm::Arguments arguments(const Arrays& a, int E, float alpha, float beta, int sms = 0) {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {E, a.shape, nullptr};
+    if constexpr (Arrays::kDynamicWalk) args.problem_shape = DynamicWalkShape{{E, a.shape, nullptr}, a.claims};
+    else args.problem_shape = {E, a.shape, nullptr};
     if constexpr (kBlockwise) {
       args.mainloop = {a.A, a.stride_A, a.B, a.stride_B, a.SFA, nullptr, a.SFB, nullptr};
     } else {
@@ -124,6 +133,8 @@ struct GroupedGemm {
       args.hw_info.sm_count = clusters * kCluster;
       if (args.hw_info.max_active_clusters > clusters) args.hw_info.max_active_clusters = clusters;
     }
+    // One claim slot per CTA of the dynamic walk's grid (sm_count CTAs).
+    if constexpr (Arrays::kDynamicWalk) args.hw_info.sm_count = std::min(args.hw_info.sm_count, kMaxGridCtas);
     return args;
   }
 

@@ -7,6 +7,7 @@ forward with cached FP8 weights (one launch up to 2^23 values of x; MOEGEMM_ONE_
 weight cache) with `--step-held` SMs held for the whole step, over its time alone x SMs / (SMs - k).
 
     python -m bench.gemm.contention [--shapes DeepSeek-V3-EP8,Mixtral-8x7B] [--held 0,8,16,24,33] [--json PATH]
+    python -m bench.gemm.contention --only fc1 --fc1-kernels   # the fc1 forward's kernels one by one
 
 Needs a Hopper GPU. Writes nothing unless --json names a file.
 """
@@ -135,9 +136,28 @@ def gemms(name: str, E: int, H: int, F: int, T: int):
 FC1_SHAPES = [(8, 1024, 1024, 8192), (64, 1024, 1024, 8192), (64, 2048, 2816, 4096), (128, 2048, 1536, 2048)]
 
 
-def fc1_forward(holder: Holder, held: list, reps: int) -> list:
+def kernel_medians_us(fn, reps: int, before=None, after=None) -> dict:
+    """Each CUDA kernel's median device time in us over ``reps`` calls of fn (torch.profiler; kernels named "hold"
+    left out), in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if before is not None:
+                before()
+            fn()
+            torch.cuda.synchronize()
+            if after is not None:
+                after()
+    times = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "hold" not in ev.name:
+            times.setdefault(ev.name, []).append(ev.device_time_total)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False) -> list:
     """The fc1 forward with cached FP8 weights (E x hidden x columns x tokens) alone and with a 4 ms kernel holding
-    k SMs launched just before each call, in ms (median)."""
+    k SMs launched just before each call, in ms (median); with `kernels`, each kernel's time too."""
     from moegemm.backends import cuda as ops
     from moegemm.layout import FP8_BLOCKWISE
     rows = []
@@ -152,9 +172,16 @@ def fc1_forward(holder: Holder, held: list, reps: int) -> list:
         line = f"fc1 forward {E} x {H} x {F} x {T}:"
         for k in held:
             t = median_ms(fn, reps, before=lambda: holder.hold(k, seconds=0.004), after=holder.release)
-            rows.append({"fc1_forward": [E, H, F, T], "held": k, "ms": t, "gpu": torch.cuda.get_device_name()})
+            row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "gpu": torch.cuda.get_device_name()}
             line += f" k={k} {t:.3f} ms"
+            if kernels:
+                row["kernels_us"] = kernel_medians_us(fn, reps, before=lambda: holder.hold(k, seconds=0.004),
+                                                      after=holder.release)
+            rows.append(row)
         print(line, flush=True)
+        for row in rows[-len(held):] if kernels else []:
+            print(f"  k={row['held']}: " + "; ".join(f"{n[:60]} {us:.1f} us" for n, us in row["kernels_us"].items()),
+                  flush=True)
     return rows
 
 
@@ -193,6 +220,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fc1-held", default="0,8,33", help="SMs held during the fc1 forward ('': skip it)")
     ap.add_argument("--step-held", type=int, default=24, help="SMs held during the MLP step (0: skip it)")
     ap.add_argument("--step-shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
+    ap.add_argument("--fc1-kernels", action="store_true", help="the fc1 forward's time per kernel too (torch.profiler)")
     ap.add_argument("--only", choices=["gemms", "fc1", "step"], help="one part only")
     ap.add_argument("--json", help="write the rows to this file (default: none)")
     args = ap.parse_args(argv)
@@ -226,7 +254,7 @@ def main(argv=None) -> None:
                     line += f" k={k}{'b' if budget else ''} {ratio:.2f}"
             print(line, flush=True)
     if args.fc1_held and args.only in (None, "fc1"):
-        rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps)
+        rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps, args.fc1_kernels)
     if args.step_held and args.only in (None, "step"):
         for name in [s.strip() for s in args.step_shapes.split(",") if s.strip()]:
             rows.append(mlp_step(holder, name, args.step_held, args.reps))

@@ -3,8 +3,8 @@
 # quick benchmark; logs under $OUT (default, as bench/outputs.py: ~/.cache/moegemm-bench/gpu_run), a short
 # table last. From the repository root:
 #   bash bench/gpu_run.sh [pytest args...]
-# TRAIN_LM=1 adds the small LM example, SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/),
-# SKIP_BENCH=1 leaves the benchmark out.
+# TRAIN_LM=1 adds the small LM example, TITAN=1 torchtitan's MoE layer (eager; needs torchtitan 0.3.0),
+# SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/), SKIP_BENCH=1 leaves the benchmark out.
 set -uo pipefail
 OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/moegemm-bench/gpu_run}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."  # the repository root: the bench scripts run as modules from there
@@ -20,6 +20,7 @@ python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
 [ -n "${TRAIN_LM:-}" ] && python3 -m bench.examples.train_lm --out "$OUT" 2>&1 | tee "$OUT/train_lm.log" | tail -12
+[ -n "${TITAN:-}" ] && python3 -m bench.examples.torchtitan_layer --modes eager --out "$OUT" 2>&1 | tee "$OUT/torchtitan_layer.log" | tail -16
 ${SKIP_BENCH:+true} python3 -m bench.suite --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -20
 if [ -n "${SANITIZE:-}" ]; then
   for tool in memcheck racecheck; do

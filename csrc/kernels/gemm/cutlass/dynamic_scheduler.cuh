@@ -13,6 +13,11 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/pipeline/pipeline.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"  // the selector and PersistentTileSchedulerSm90Group
+#include "cutlass/version.h"
+
+// Written against CUTLASS 4.2's cooperative ptr-array kernel: which roles call the scheduler, the
+// __syncthreads after its construction (1x1 clusters), the base's members it uses.
+static_assert(CUTLASS_MAJOR == 4 && CUTLASS_MINOR == 2, "dynamic_scheduler.cuh: check it against this CUTLASS's kernel");
 
 namespace moegemm::grouped {
 

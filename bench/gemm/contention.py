@@ -137,7 +137,7 @@ FC1_SHAPES = [(8, 1024, 1024, 8192), (64, 1024, 1024, 8192), (64, 2048, 2816, 40
 
 
 def kernel_medians_us(fn, reps: int, before=None, after=None) -> dict:
-    """Each CUDA kernel's median device time in us over ``reps`` calls of fn (torch.profiler; kernels named "hold"
+    """Each CUDA kernel's median GPU time in us over ``reps`` calls of fn (torch.profiler; kernels named "hold"
     left out), in launch order."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

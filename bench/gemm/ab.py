@@ -1,16 +1,18 @@
-"""A/B of a change to one of moegemm's own sm90 FP8 GEMM kernels, in one build: the kernel's launcher reads an
-environment variable at every launch and picks the form under test (a temporary switch, removed once the A/B has
-decided), and this tool runs both forms side by side in one process.
+"""A/B of a change to one of moegemm's grouped GEMM kernels (its own sm90 FP8 ones, or the bf16 ones on CUTLASS), in
+one build: the kernel's launcher reads an environment variable at every launch and picks the form under test (a
+temporary switch, removed once the A/B has decided), and this tool runs both forms side by side in one process.
 
 1. Bitwise: every form's output equal to the first's, on edge problems (empty experts, 1, 127, 128, 129 rows, one
    expert with every token, E = 1024; K filling whole rounds of the stage ring and not; N with partial tiles) in every
    tiling and the heuristic's. Ragged rows: the raw GEMM, and the fp8 forward with a bias (its fused one-launch form
    up to 2^23 values of x, the two-launch form past them). Ragged reduction: bf16 and fp32 written, fp32 accumulated.
+   bf16: fprop, dgrad, and wgrad written in bf16 and fp32 and accumulated into fp32.
 2. Timing: the GEMM table's problems (bench/gemm/ragged_rows.py or ragged_reduction.py), each form and tiling
    interleaved per problem (median over rounds of back-to-back calls), TFLOP/s on real tokens (the ragged reduction
-   accumulating into fp32, as in training), and each form's geometric mean over the first.
+   accumulating into fp32, as in training; bf16: the ragged-row table's problems in its three directions), and each
+   form's geometric mean over the first.
 
-    python -m bench.gemm.ab --env MOEGEMM_AB_X --values 0,1 [--gemm rows|reduction] [--tilings -1,4,1] [--quick]
+    python -m bench.gemm.ab --env MOEGEMM_AB_X --values 0,1 [--gemm rows|reduction|bf16] [--tilings -1,4,1] [--quick]
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ PROG = "python -m bench.gemm.ab"
 def parse_args():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_switch_arguments(ap)
-    ap.add_argument("--gemm", choices=("rows", "reduction"), default="rows",
-                    help="the ragged-row GEMM (fprop, dgrad; default) or the ragged reduction (wgrad)")
+    ap.add_argument("--gemm", choices=("rows", "reduction", "bf16"), default="rows",
+                    help="the FP8 ragged-row GEMM (fprop, dgrad; default), the FP8 ragged reduction (wgrad), or the bf16 "
+                         "GEMMs (fprop, dgrad, wgrad; no tilings)")
     ap.add_argument("--tilings", default="-1",
                     help="the tilings timed, comma-separated indices of heuristics.h's table (-1: the heuristic's)")
     ap.add_argument("--quick", action="store_true", help="the table's quick problems (model shapes with Zipf splits)")
@@ -63,14 +66,25 @@ def main() -> int:
     from moegemm.layout import FP8_BLOCKWISE, GEMM_SM90, SM90_RAGGED_REDUCTION_TILINGS, SM90_RAGGED_ROWS_TILINGS
 
     values, use = switch_values(args), switch_setter(args)
-    tilings = [int(t) for t in args.tilings.split(",")]
-    rows_gemm = args.gemm == "rows"
-    every_tiling = range(-1, SM90_RAGGED_ROWS_TILINGS if rows_gemm else SM90_RAGGED_REDUCTION_TILINGS)
+    bf16_gemms = args.gemm == "bf16"
+    tilings = [-1] if bf16_gemms else [int(t) for t in args.tilings.split(",")]
+    rows_gemm = args.gemm in ("rows", "bf16")  # the bf16 GEMMs are timed on the ragged-row table
+    every_tiling = [-1] if bf16_gemms else range(-1, SM90_RAGGED_ROWS_TILINGS if rows_gemm else SM90_RAGGED_REDUCTION_TILINGS)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def gemm(operands, plan, tiling, mode, out=None):
-        """One call of the GEMM under test (mode: rows; bf16 / f32 written or f32_accumulate into `out`)."""
+        """One call of the GEMM under test (mode: rows; bf16 / f32 written or f32_accumulate into `out`; for the bf16
+        GEMMs fprop, dgrad or wgrad <bf16 | f32 | f32_accumulate>)."""
+        if bf16_gemms:
+            x, w, dy = operands
+            if mode == "fprop":
+                return ops.gemm_bf16_fprop(x, w, plan)
+            if mode == "dgrad":
+                return ops.gemm_bf16_dgrad(dy, w, plan)
+            if mode == "wgrad f32_accumulate":
+                return ops.gemm_bf16_wgrad(dy, x, plan, out=out)
+            return ops.gemm_bf16_wgrad(dy, x, plan, out_dtype=torch.bfloat16 if mode == "wgrad bf16" else torch.float32)
         if rows_gemm:
             return torch.ops.moegemm.gemm_fp8_ragged_rows(*operands, plan, tiling)
         if mode == "f32_accumulate":
@@ -81,6 +95,11 @@ def main() -> int:
     def operands_of(splits, N, K):
         E, T = len(splits), sum(splits)
         plan = ops.make_plan(torch.tensor(splits, device=dev), T)
+        if bf16_gemms:
+            x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+            w = (torch.randn(E, N, K, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
+            dy = torch.randn(T, N, device=dev, generator=gen).to(torch.bfloat16)
+            return (x, w, dy), plan, None
         if rows_gemm:
             x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
             w = (torch.randn(E, N, K, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
@@ -93,7 +112,8 @@ def main() -> int:
         _, _, qbT, sbT = ops.quantize_act(x, plan, rows=False)
         return (qaT, saT, qbT, sbT), plan, None
 
-    modes = ["rows"] if rows_gemm else ["bf16", "f32", "f32_accumulate"]
+    bf16_modes = ["fprop", "dgrad", "wgrad bf16", "wgrad f32", "wgrad f32_accumulate"]
+    modes = bf16_modes if bf16_gemms else ["rows"] if rows_gemm else ["bf16", "f32", "f32_accumulate"]
     if not args.no_bitwise:
         t0, compared, bad = time.time(), 0, []
         for splits, N, K in edge_problems(random.Random(1)):
@@ -105,14 +125,14 @@ def main() -> int:
                     for v in values:
                         use(v)
                         acc = None  # main_grad, the same random values for every form
-                        if mode == "f32_accumulate":
+                        if mode.endswith("f32_accumulate"):
                             acc = torch.randn(E, N, K, device=dev, generator=torch.Generator(device=dev).manual_seed(E + N + K))
                         res = gemm(operands, plan, tiling, mode, acc)
                         outs.append((acc if res is None else res).clone())
                     compared += len(values) - 1
                     bad += [(E, sum(splits), N, K, tiling, mode, v) for v, o in zip(values[1:], outs[1:])
                             if not torch.equal(outs[0].view(torch.int16), o.view(torch.int16))]
-            if rows_gemm and sum(splits) > 0:  # the fp8 forward with a bias: fused up to 2^23 values of x
+            if args.gemm == "rows" and sum(splits) > 0:  # the fp8 forward with a bias: fused up to 2^23 values of x
                 x, w = bf16
                 bias = torch.randn(E, N, device=dev, generator=gen)
                 given = list(ops.quantize_weight(w))
@@ -144,28 +164,33 @@ def main() -> int:
     info = ceilings()
     print(f"{torch.cuda.get_device_name()}; dense FP8 ceiling {info['fp8_tflops']:.0f} TFLOP/s ({info['fp8_how']}); "
           f"{args.env} in {values}; TFLOP/s on real tokens, median over {args.rounds} rounds of {args.iters}", flush=True)
-    mode = "rows" if rows_gemm else "f32_accumulate"
+    timed = ["fprop", "dgrad", "wgrad f32_accumulate"] if bf16_gemms else ["rows"] if rows_gemm else ["f32_accumulate"]
     cols = [(t, v) for t in tilings for v in values]
     print(f"{'problem':44s}" + "".join(f" {f't{t}/{v}':>9s}" for t, v in cols), flush=True)
-    ratios = {(t, v): [] for t, v in cols if v != values[0]}
+    ratios = {(mode, t, v): [] for mode in timed for t, v in cols if v != values[0]}
     for label, splits, N, K in table:
         operands, plan, _ = operands_of(splits, N, K)
         E, T = len(splits), sum(splits)
-        acc = torch.zeros(E, N, K, device=dev) if mode == "f32_accumulate" else None
-        calls = {}
-        for t, v in cols:
-            def call(t=t, v=v):
-                use(v)
-                gemm(operands, plan, t, mode, acc)
-            calls[(t, v)] = call
-        tflops = {c: 2.0 * T * N * K / ms / 1e9 for c, ms in time_interleaved(calls, args.rounds, args.iters).items()}
-        for t, v in ratios:
-            ratios[(t, v)].append(tflops[(t, v)] / tflops[(t, values[0])])
-        print(f"{label:44s}" + "".join(f" {tflops[c]:9.0f}" for c in cols), flush=True)
-        del operands, plan, acc, calls
+        for mode in timed:
+            acc = torch.zeros(E, N, K, device=dev) if mode.endswith("f32_accumulate") else None
+            calls = {}
+            for t, v in cols:
+                def call(t=t, v=v, mode=mode, acc=acc):
+                    use(v)
+                    gemm(operands, plan, t, mode, acc)
+                calls[(t, v)] = call
+            tflops = {c: 2.0 * T * N * K / ms / 1e9 for c, ms in time_interleaved(calls, args.rounds, args.iters).items()}
+            for m, t, v in ratios:
+                if m == mode:
+                    ratios[(m, t, v)].append(tflops[(t, v)] / tflops[(t, values[0])])
+            name = f"{label} {mode}" if bf16_gemms else label
+            print(f"{name:44s}" + "".join(f" {tflops[c]:9.0f}" for c in cols), flush=True)
+            del acc, calls
+        del operands, plan
         torch.cuda.empty_cache()
-    for (t, v), r in ratios.items():
-        print(f"tiling {t}: {args.env}={v} over {values[0]}: geometric mean {math.exp(sum(map(math.log, r)) / len(r)):.4f}, "
+    for (mode, t, v), r in ratios.items():
+        what = mode if bf16_gemms else f"tiling {t}"
+        print(f"{what}: {args.env}={v} over {values[0]}: geometric mean {math.exp(sum(map(math.log, r)) / len(r)):.4f}, "
               f"faster on {sum(x > 1 for x in r)} of {len(r)}")
     return 0
 

@@ -169,7 +169,7 @@ def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False) ->
         fn = lambda: ops.linear_fwd(x, w, m, None, FP8_BLOCKWISE, True, False, None, given)  # noqa: E731
         for _ in range(3):
             fn()
-        line = f"fc1 forward {E} x {H} x {F} x {T}:"
+        line, per_kernel = f"fc1 forward {E} x {H} x {F} x {T}:", []
         for k in held:
             t = median_ms(fn, reps, before=lambda: holder.hold(k, seconds=0.004), after=holder.release)
             row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "gpu": torch.cuda.get_device_name()}
@@ -177,11 +177,9 @@ def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False) ->
             if kernels:
                 row["kernels_us"] = kernel_medians_us(fn, reps, before=lambda: holder.hold(k, seconds=0.004),
                                                       after=holder.release)
+                per_kernel.append(f"  k={k}: " + "; ".join(f"{n[:60]} {us:.1f} us" for n, us in row["kernels_us"].items()))
             rows.append(row)
-        print(line, flush=True)
-        for row in rows[-len(held):] if kernels else []:
-            print(f"  k={row['held']}: " + "; ".join(f"{n[:60]} {us:.1f} us" for n, us in row["kernels_us"].items()),
-                  flush=True)
+        print("\n".join([line, *per_kernel]), flush=True)
     return rows
 
 

@@ -3,10 +3,8 @@
 // they compile in parallel.
 #pragma once
 
-#include <algorithm>
 #include <type_traits>
 
-#include "env_flag.h"
 #include "moegemm.h"
 #include "kernels/gemm/variants.h"
 #include "kernels/gemm/cutlass/configs.cuh"
@@ -70,48 +68,22 @@ void run(const int32_t* plan, int E, int64_t T, int Mg, int Ng, int Kg, const vo
   Runner::run(a, E, 1.f, beta, workspace, stream, name);
 }
 
-// A/B switch for measuring the tile walks (configs.cuh), read on each launch: MOEGEMM_AB_BF16_WALK=static
-// (the default) | static1x1 | dynamic. Config<kWalk> is the GEMM's configuration with that walk.
-inline int walk_from_env() {
-  return std::max(0, env_choice("MOEGEMM_AB_BF16_WALK", {"static", "static1x1", "dynamic"}));
-}
-
-template <template <int> class Config>
-size_t walk_workspace_size(int E) {
-  return std::max({Config<grouped::kWalkStatic>::Runner::workspace_size(E),
-                   Config<grouped::kWalkStatic1x1>::Runner::workspace_size(E),
-                   Config<grouped::kWalkDynamic>::Runner::workspace_size(E)});
-}
-
-template <template <int> class Config, Ragged kRagged, class... Args>
-void run_walk(Args... args) {
-  switch (walk_from_env()) {
-    case grouped::kWalkStatic1x1: return run<Config<grouped::kWalkStatic1x1>, kRagged>(args...);
-    case grouped::kWalkDynamic: return run<Config<grouped::kWalkDynamic>, kRagged>(args...);
-    default: return run<Config<grouped::kWalkStatic>, kRagged>(args...);
-  }
-}
-
 // wgrad: dy_e read as a column-major A, x_e as a row-major B; fp32 output reads C so it can accumulate.
 template <class ElementD>
-struct Wgrad {
-  template <int kWalk>
-  using Config = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
-                                   std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD, kWalk>;
-};
+using WgradConfig = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
+                                      std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
 
 template <class ElementD>
 size_t wgrad_workspace_size(int E) {
-  return walk_workspace_size<Wgrad<ElementD>::template Config>(E);
+  return WgradConfig<ElementD>::Runner::workspace_size(E);
 }
 
 template <class ElementD>
 void wgrad(const RaggedReduction& p, const void* dy, const void* x, void* workspace, cudaStream_t stream, const char* name) {
   const bool accumulate = p.out_kind == WgradOut::kF32Accumulate;
   if (!accumulate) zero_empty_experts(p.plan, p.E, token_limit(p.T), p.N * p.K * int64_t(sizeof(ElementD)), p.out, stream);
-  run_walk<Wgrad<ElementD>::template Config, Ragged::kReduction>(p.plan, p.E, p.T, int(p.N), int(p.K), 0, dy, p.N, x,
-                                                                p.K, p.out, p.K, accumulate ? 1.f : 0.f, workspace,
-                                                                stream, name);
+  run<WgradConfig<ElementD>, Ragged::kReduction>(p.plan, p.E, p.T, int(p.N), int(p.K), 0, dy, p.N, x, p.K, p.out, p.K,
+                                                 accumulate ? 1.f : 0.f, workspace, stream, name);
 }
 
 }  // namespace moegemm::bf16

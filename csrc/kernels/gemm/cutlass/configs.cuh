@@ -3,7 +3,7 @@
 //                     scale promotion (docs/design.md, the fp8_blockwise recipe); CTA tile, cluster and
 //                     schedule from a Tiling (below).
 //   Bf16Gemm:         bf16 A x bf16 B in any major-ness, fp32 accumulation, cooperative 128x256x64
-//                     tiles; tile walk and cluster from kWalk (below).
+//                     tiles, 1x1 clusters, the dynamic tile walk (dynamic_scheduler.cuh).
 // ElementC = void means out = acc; float C allows out = acc + beta * out (wgrad accumulation).
 #pragma once
 
@@ -58,17 +58,13 @@ struct Fp8BlockwiseGemm {
   using Runner = GroupedGemm<Gemm, /*kBlockwise=*/true>;
 };
 
-// The bf16 GEMMs' tile walks: CUTLASS's static one (CTA c takes tiles c, c + grid, ...) with 2x1 or 1x1
-// clusters, or the dynamic one (dynamic_scheduler.cuh: tiles claimed from a counter), 1x1 clusters.
-constexpr int kWalkStatic = 0, kWalkStatic1x1 = 1, kWalkDynamic = 2;
-
-template <class LayoutA, class LayoutB, class ElementC, class ElementD, int kWalk>
+// The bf16 GEMMs: CTAs claim tiles off a counter (dynamic_scheduler.cuh), so a CTA that starts late or never
+// costs only its own share when another stream holds SMs; single-CTA clusters, so that any free SM can run one.
+template <class LayoutA, class LayoutB, class ElementC, class ElementD>
 struct Bf16Gemm {
-  static_assert(kWalk == kWalkStatic || kWalk == kWalkStatic1x1 || kWalk == kWalkDynamic);
   using Element = cutlass::bfloat16_t;
   using TileShape = Shape<_128, _256, _64>;
-  using ClusterShape = std::conditional_t<kWalk == kWalkStatic, Shape<_2, _1, _1>, Shape<_1, _1, _1>>;
-  using WalkShape = std::conditional_t<kWalk == kWalkDynamic, DynamicWalkShape, ProblemShape>;
+  using ClusterShape = Shape<_1, _1, _1>;
   using Epilogue = RowMajorEpilogue<ElementC, ElementD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
                                     TileShape, ClusterShape>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -76,7 +72,7 @@ struct Bf16Gemm {
       Element, LayoutA*, 8, Element, LayoutB*, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<WalkShape, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<DynamicWalkShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Runner = GroupedGemm<Gemm, /*kBlockwise=*/false>;
 };

@@ -8,6 +8,7 @@ weight cache) with `--step-held` SMs held for the whole step, over its time alon
 
     python -m bench.gemm.contention [--shapes DeepSeek-V3-EP8,Mixtral-8x7B] [--held 0,8,16,24,33] [--json PATH]
     python -m bench.gemm.contention --only fc1 --fc1-kernels   # the fc1 forward's kernels one by one
+    python -m bench.gemm.contention --only fc1 --fc1-queued    # the fc1 forward's GPU span, no host gaps
 
 Needs a Hopper GPU. Writes nothing unless --json names a file.
 """
@@ -155,9 +156,15 @@ def kernel_medians_us(fn, reps: int, before=None, after=None) -> dict:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False) -> list:
+# Spin queued ahead of each timed call by --fc1-queued: long enough (~1 ms) for the host to launch the whole forward
+# behind it, so that the timed span holds no wait for the host.
+QUEUE_SPIN_CYCLES = 2_000_000
+
+
+def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False, queued: bool = False) -> list:
     """The fc1 forward with cached FP8 weights (E x hidden x columns x tokens) alone and with a 4 ms kernel holding
-    k SMs launched just before each call, in ms (median); with `kernels`, each kernel's time too."""
+    k SMs launched just before each call, in ms (median); with `kernels`, each kernel's time too; with `queued`, each
+    call queued behind a spin on its stream (the GPU's span of the forward, without the host's launch gaps)."""
     from moegemm.backends import cuda as ops
     from moegemm.layout import FP8_BLOCKWISE
     rows = []
@@ -171,8 +178,12 @@ def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False) ->
             fn()
         line, per_kernel = f"fc1 forward {E} x {H} x {F} x {T}:", []
         for k in held:
-            t = median_ms(fn, reps, before=lambda: holder.hold(k, seconds=0.004), after=holder.release)
-            row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "gpu": torch.cuda.get_device_name()}
+            def before(k=k):
+                holder.hold(k, seconds=0.004)
+                if queued:
+                    torch.cuda._sleep(QUEUE_SPIN_CYCLES)
+            t = median_ms(fn, reps, before=before, after=holder.release)
+            row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "queued": queued, "gpu": torch.cuda.get_device_name()}
             line += f" k={k} {t:.3f} ms"
             if kernels:
                 row["kernels_us"] = kernel_medians_us(fn, reps, before=lambda: holder.hold(k, seconds=0.004),
@@ -219,6 +230,8 @@ def main(argv=None) -> None:
     ap.add_argument("--step-held", type=int, default=24, help="SMs held during the MLP step (0: skip it)")
     ap.add_argument("--step-shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
     ap.add_argument("--fc1-kernels", action="store_true", help="the fc1 forward's time per kernel too (torch.profiler)")
+    ap.add_argument("--fc1-queued", action="store_true",
+                    help="queue each fc1 call behind a ~1 ms spin on its stream: the GPU's span, no host launch gaps")
     ap.add_argument("--only", choices=["gemms", "fc1", "step"], help="one part only")
     ap.add_argument("--json", help="write the rows to this file (default: none)")
     args = ap.parse_args(argv)
@@ -252,7 +265,7 @@ def main(argv=None) -> None:
                     line += f" k={k}{'b' if budget else ''} {ratio:.2f}"
             print(line, flush=True)
     if args.fc1_held and args.only in (None, "fc1"):
-        rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps, args.fc1_kernels)
+        rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps, args.fc1_kernels, args.fc1_queued)
     if args.step_held and args.only in (None, "step"):
         for name in [s.strip() for s in args.step_shapes.split(",") if s.strip()]:
             rows.append(mlp_step(holder, name, args.step_held, args.reps))

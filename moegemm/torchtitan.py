@@ -26,7 +26,8 @@ up rows (``w3``) second. torchtitan keeps ``w1`` and ``w3`` apart, so:
   quantized from ``(w1, w3)`` once per change of the weights (an optimizer step, a checkpoint load, an in-place
   write), and fc2's, in one call; the op gets a stand-in fc1 tensor of the right shape (no memory) and the
   copies. Under ``torch.compile``, inside a CUDA-graph capture or with ``fp8_weight_cache=False`` the weights
-  are concatenated and quantized inside every call instead. ``bf16``: ``torch.cat([w1, w3], 1)`` every call;
+  are concatenated and quantized inside every call instead (the concatenation freed when the call returns: the
+  backward reads only the FP8 copies). ``bf16``: ``torch.cat([w1, w3], 1)`` every call, kept for the backward's dgrad;
 * backward: the op's weight gradients are split off (``defer_wgrad``) and each of ``w1``, ``w3``, ``w2`` gets
   its own wgrad GEMM written straight into its gradient: ``w1``'s from the gate half of fc1's gradient operand,
   ``w3``'s from the up half (the FP8 column copy's rows ``[:hidden]`` and ``[hidden:]``, contiguous slices; bf16:
@@ -78,8 +79,11 @@ class _SwigluExperts(torch.autograd.Function):
         need_dw2 = ctx.needs_input_grad[3]
         y, plan, saved = backends.select(x.device).mlp_fwd(x, fc1, w2, m_splits, None, None, probs, _SWIGLU, recipe,
                                                            fp8, True, need_dw13, need_dw2, None)
-        # through save_for_backward, so that activation checkpointing drops these and recomputes them
-        ctx.save_for_backward(plan, x if recipe == BF16 else None, fc1, w1, w3, w2, probs, *fp8, *saved)
+        # through save_for_backward, so that activation checkpointing drops these and recomputes them. FP8's
+        # backward reads fc1's transposed FP8 copies (in `saved` or `fp8`), never fc1: a stand-in is kept instead of
+        # the concatenation, which would otherwise live until the backward (as large as w1 and w3 together).
+        kept_fc1 = fc1 if recipe == BF16 else _stand_in(w1)
+        ctx.save_for_backward(plan, x if recipe == BF16 else None, kept_fc1, w1, w3, w2, probs, *fp8, *saved)
         ctx.recipe, ctx.num_fp8 = recipe, len(fp8)
         return y
 

@@ -235,6 +235,41 @@ def test_experts_against_float64_and_torchtitan(device, recipe):
 @requires_torchtitan
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_concatenated_fc1_kept_for_backward_only_by_bf16(device, recipe):
+    """Without the FP8 weight cache the forward concatenates w1 and w3; FP8's backward reads only the FP8 copies, so
+    no tensor holding that concatenation is saved for it (bf16's dgrad needs it: saved). Gradients still match a run
+    with the cache (bitwise on the reference path, where both quantize the same concatenation)."""
+    torch.manual_seed(0)
+    ours = make_experts(recipe, device, cache=False)
+    x, counts = experts_batch(device, T=64)
+    big = E * 2 * HIDDEN * DIM * 2  # bytes of cat([w1, w3], 1) in bf16
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        xx = x.clone().requires_grad_()
+        y = ours(xx, counts)
+    held = [shape for shape, nbytes in saved if shape == (E, 2 * HIDDEN, DIM) and nbytes >= big]
+    assert len(held) == (1 if recipe == "bf16" else 0), saved
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    cached = make_experts(recipe, device, cache=True)
+    cached.load_state_dict(ours.state_dict())
+    xc = x.clone().requires_grad_()
+    cached(xc, counts).backward(dy)
+    for a, b in zip([xx.grad] + [w.grad for w in expert_weights(ours)], [xc.grad] + [w.grad for w in expert_weights(cached)]):
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:
+            assert rel(a, b) < TOL[recipe]
+
+
+@requires_torchtitan
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("hidden", [256, 144])
 def test_experts_equal_grouped_mlp_on_the_fused_fc1(device, recipe, hidden):
     """Bitwise (on the reference path) what ``moegemm.grouped_mlp`` gives on ``cat([w1, w3], 1)``: the cached

@@ -12,6 +12,7 @@ import torch
 import moegemm
 from moegemm import reference as ref
 from conftest import capture_step, rel, requires_cuda
+from training_step import assert_bitwise
 
 # (splits, N, K): empty experts, one expert, 257 experts, fewer tiles than SMs and many more
 PROBLEMS = [
@@ -69,10 +70,7 @@ def test_every_output_matches_the_reference_under_every_budget(problem):
         assert rel(got.cpu(), want) <= (5e-3 if name == "wgrad bf16" else 8e-3), name
     for budget in (None, 1, 7):
         moegemm.set_num_sms(budget)
-        for name, a, b in zip(NAMES, first, every_output(*args)):
-            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
-                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32)), \
-                f"{name}: budget {budget} differs from the first call without one"
+        assert_bitwise(every_output(*args), first, f"{', '.join(NAMES)} with budget {budget} against the first call")
 
 
 @requires_cuda
@@ -87,4 +85,4 @@ def test_walk_restarts_in_every_graph_replay():
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+        assert_bitwise([out], [expected], "a graph replay")

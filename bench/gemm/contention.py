@@ -178,16 +178,17 @@ def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False, qu
             fn()
         line, per_kernel = f"fc1 forward {E} x {H} x {F} x {T}:", []
         for k in held:
-            def before(k=k):
+            def hold(k=k):
                 holder.hold(k, seconds=0.004)
-                if queued:
-                    torch.cuda._sleep(QUEUE_SPIN_CYCLES)
-            t = median_ms(fn, reps, before=before, after=holder.release)
+
+            def hold_then_spin(k=k):
+                hold(k)
+                torch.cuda._sleep(QUEUE_SPIN_CYCLES)
+            t = median_ms(fn, reps, before=hold_then_spin if queued else hold, after=holder.release)
             row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "queued": queued, "gpu": torch.cuda.get_device_name()}
             line += f" k={k} {t:.3f} ms"
             if kernels:
-                row["kernels_us"] = kernel_medians_us(fn, reps, before=lambda: holder.hold(k, seconds=0.004),
-                                                      after=holder.release)
+                row["kernels_us"] = kernel_medians_us(fn, reps, before=hold, after=holder.release)
                 per_kernel.append(f"  k={k}: " + "; ".join(f"{n[:60]} {us:.1f} us" for n, us in row["kernels_us"].items()))
             rows.append(row)
         print("\n".join([line, *per_kernel]), flush=True)

@@ -74,11 +74,6 @@ using WgradConfig = grouped::Bf16Gemm<cutlass::layout::ColumnMajor, cutlass::lay
                                       std::conditional_t<std::is_same_v<ElementD, float>, float, void>, ElementD>;
 
 template <class ElementD>
-size_t wgrad_workspace_size(int E) {
-  return WgradConfig<ElementD>::Runner::workspace_size(E);
-}
-
-template <class ElementD>
 void wgrad(const RaggedReduction& p, const void* dy, const void* x, void* workspace, cudaStream_t stream, const char* name) {
   const bool accumulate = p.out_kind == WgradOut::kF32Accumulate;
   if (!accumulate) zero_empty_experts(p.plan, p.E, token_limit(p.T), p.N * p.K * int64_t(sizeof(ElementD)), p.out, stream);

@@ -4,7 +4,7 @@
 namespace moegemm::gemm {
 
 size_t cutlass_bf16_ragged_reduction_bf16_workspace_size(int E) {
-  return bf16::wgrad_workspace_size<cutlass::bfloat16_t>(E);
+  return bf16::WgradConfig<cutlass::bfloat16_t>::Runner::workspace_size(E);
 }
 
 void cutlass_bf16_ragged_reduction_bf16(const RaggedReduction& p, const void* dy, const void* x, void* workspace, cudaStream_t stream) {

@@ -5,7 +5,7 @@
 
 namespace moegemm::gemm {
 
-size_t cutlass_bf16_ragged_reduction_f32_workspace_size(int E) { return bf16::wgrad_workspace_size<float>(E); }
+size_t cutlass_bf16_ragged_reduction_f32_workspace_size(int E) { return bf16::WgradConfig<float>::Runner::workspace_size(E); }
 
 void cutlass_bf16_ragged_reduction_f32(const RaggedReduction& p, const void* dy, const void* x, void* workspace, cudaStream_t stream) {
   bf16::wgrad<float>(p, dy, x, workspace, stream, "gemm_bf16_ragged_reduction_f32 (CUTLASS)");

@@ -10,8 +10,8 @@ using Config = grouped::Bf16Gemm<cutlass::layout::RowMajor, cutlass::layout::Row
 size_t cutlass_bf16_ragged_rows_dgrad_workspace_size(int E) { return Config::Runner::workspace_size(E); }
 
 void cutlass_bf16_ragged_rows_dgrad(const RaggedRows& p, const void* dy, const void* w, void* workspace, cudaStream_t stream) {
-  bf16::run<Config, bf16::Ragged::kRows>(p.plan, p.E, p.T, 0, int(p.N), int(p.K), dy, p.K, w, p.N, p.out, p.N,
-                                         0.f, workspace, stream, "gemm_bf16_ragged_rows dgrad (CUTLASS)");
+  bf16::run<Config, bf16::Ragged::kRows>(p.plan, p.E, p.T, 0, int(p.N), int(p.K), dy, p.K, w, p.N, p.out, p.N, 0.f, workspace,
+                                         stream, "gemm_bf16_ragged_rows dgrad (CUTLASS)");
 }
 
 }  // namespace moegemm::gemm

@@ -9,8 +9,8 @@ using Config = grouped::Bf16Gemm<cutlass::layout::RowMajor, cutlass::layout::Col
 size_t cutlass_bf16_ragged_rows_fprop_workspace_size(int E) { return Config::Runner::workspace_size(E); }
 
 void cutlass_bf16_ragged_rows_fprop(const RaggedRows& p, const void* x, const void* w, void* workspace, cudaStream_t stream) {
-  bf16::run<Config, bf16::Ragged::kRows>(p.plan, p.E, p.T, 0, int(p.N), int(p.K), x, p.K, w, p.K, p.out, p.N, 0.f,
-                                         workspace, stream, "gemm_bf16_ragged_rows fprop (CUTLASS)");
+  bf16::run<Config, bf16::Ragged::kRows>(p.plan, p.E, p.T, 0, int(p.N), int(p.K), x, p.K, w, p.K, p.out, p.N, 0.f, workspace,
+                                         stream, "gemm_bf16_ragged_rows fprop (CUTLASS)");
 }
 
 }  // namespace moegemm::gemm

@@ -27,11 +27,14 @@ up rows (``w3``) second. torchtitan keeps ``w1`` and ``w3`` apart, so:
   write), and fc2's, in one call; the op gets a stand-in fc1 tensor of the right shape (no memory) and the
   copies. Under ``torch.compile``, inside a CUDA-graph capture or with ``fp8_weight_cache=False`` the weights
   are concatenated and quantized inside every call instead (the concatenation freed when the call returns: the
-  backward reads only the FP8 copies). ``bf16``: ``torch.cat([w1, w3], 1)`` every call, kept for the backward's dgrad;
+  backward reads only the FP8 copies). ``bf16``: ``torch.cat([w1, w3], 1)`` every call, freed when the call
+  returns as well;
 * backward: the op's weight gradients are split off (``defer_wgrad``) and each of ``w1``, ``w3``, ``w2`` gets
   its own wgrad GEMM written straight into its gradient: ``w1``'s from the gate half of fc1's gradient operand,
   ``w3``'s from the up half (the FP8 column copy's rows ``[:hidden]`` and ``[hidden:]``, contiguous slices; bf16:
-  the two halves of ``dh`` are copied out, ``T·hidden`` values each, not the weights).
+  the two halves of ``dh`` are copied out, ``T·hidden`` values each, not the weights). bf16's ``dx`` is two dgrad
+  GEMMs, the gate half with ``w1`` and the up half with ``w3``, added (as torchtitan's autograd sums them), so that
+  no concatenation of the weights lives until the backward.
 
 DTensor parameters (FSDP2, expert parallelism): the op runs on ``to_local()`` as torchtitan's experts do; the
 cache is keyed on the local tensors. Activation checkpointing: the op saves what backward needs through
@@ -71,7 +74,8 @@ _SAVED = {r: C.MLP_FWD.saved[r] for r in (BF16, FP8_BLOCKWISE)}
 class _SwigluExperts(torch.autograd.Function):
     """``w2 · (silu(w1 · x) * (w3 · x) * probs)`` per expert, on moegemm's expert-MLP op with the fused fc1
     ``fc1`` (``cat([w1, w3], 1)``, or a stand-in when ``fp8`` holds the FP8 copies of both weights); the
-    gradients of ``w1``, ``w3`` and ``w2`` come from one wgrad GEMM each."""
+    gradients of ``w1``, ``w3`` and ``w2`` come from one wgrad GEMM each, bf16's ``dx`` from one dgrad GEMM per
+    weight."""
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, probs, m_splits, fc1, fp8: list, recipe: int):
@@ -79,11 +83,10 @@ class _SwigluExperts(torch.autograd.Function):
         need_dw2 = ctx.needs_input_grad[3]
         y, plan, saved = backends.select(x.device).mlp_fwd(x, fc1, w2, m_splits, None, None, probs, _SWIGLU, recipe,
                                                            fp8, True, need_dw13, need_dw2, None)
-        # through save_for_backward, so that activation checkpointing drops these and recomputes them. FP8's
-        # backward reads fc1's transposed FP8 copies (in `saved` or `fp8`), never fc1: a stand-in is kept instead of
-        # the concatenation, which would otherwise live until the backward (as large as w1 and w3 together).
-        kept_fc1 = fc1 if recipe == BF16 else _stand_in(w1)
-        ctx.save_for_backward(plan, x if recipe == BF16 else None, kept_fc1, w1, w3, w2, probs, *fp8, *saved)
+        # through save_for_backward, so that activation checkpointing drops these and recomputes them. The backward
+        # never reads fc1 (FP8: its transposed FP8 copies, in `saved` or `fp8`; bf16: w1 and w3): a stand-in is kept
+        # instead of the concatenation, which would otherwise live until the backward (as large as w1 and w3 together).
+        ctx.save_for_backward(plan, x if recipe == BF16 else None, _stand_in(w1), w1, w3, w2, probs, *fp8, *saved)
         ctx.recipe, ctx.num_fp8 = recipe, len(fp8)
         return y
 
@@ -96,10 +99,13 @@ class _SwigluExperts(torch.autograd.Function):
         recipe, need_dw13 = ctx.recipe, need_dw1 or need_dw3
         ops = backends.select(dy.device)
         need_dp = need_dp and probs is not None
-        # the weight gradients deferred: the op hands back their operands (the made outputs), each weight's GEMM below
+        # the weight gradients deferred: the op hands back their operands (the made outputs), each weight's GEMM below;
+        # bf16's dx as well, from the op's dh (handed back with need_dw1)
+        op_dx = need_dx and recipe != BF16
+        need_dh = need_dw13 or (need_dx and recipe == BF16)
         dx, _, _, _, _, dp, *made = ops.mlp_bwd(dy, plan, saved, x, fc1, w2, probs, fp8, None, None, _SWIGLU, recipe,
-                                                need_dx, need_dw13, need_dw2, False, False, need_dp, False,
-                                                need_dw13 or need_dw2, None)
+                                                op_dx, need_dh, need_dw2, False, False, need_dp, False,
+                                                need_dh or need_dw2, None)
         made, saved = C.by_name(_MADE[recipe], made), C.by_name(_SAVED[recipe], saved)
         F = w1.shape[1]
         if recipe == FP8_BLOCKWISE:  # fc1's operands: the gate / up rows of dh's column copy (contiguous slices)
@@ -108,10 +114,13 @@ class _SwigluExperts(torch.autograd.Function):
             gate = [rows[0][:F], rows[1][:, :F].contiguous()] if need_dw1 else rows
             up = [rows[0][F:], rows[1][:, F:].contiguous()] if need_dw3 else rows
             gate, up = gate + [made["qxT"], made["sxT"]], up + [made["qxT"], made["sxT"]]
-        else:  # bf16: the halves of dh [T, 2F] copied out
+        else:  # bf16: the halves of dh [T, 2F] copied out; dx = gate half · w1 + up half · w3
             fc2 = [dy.contiguous(), saved["a"]]
-            gate = [made["dh"][:, :F].contiguous(), x] if need_dw1 else [made["dh"], x]
-            up = [made["dh"][:, F:].contiguous(), x] if need_dw3 else [made["dh"], x]
+            dh = made["dh"]
+            gate = [dh[:, :F].contiguous(), x] if need_dw1 or need_dx else [dh, x]
+            up = [dh[:, F:].contiguous(), x] if need_dw3 or need_dx else [dh, x]
+            if need_dx:
+                dx = _bf16_dgrad(ops, gate[0], w1, plan).add_(_bf16_dgrad(ops, up[0], w3, plan))
         # one wgrad GEMM per weight, each into its own gradient: w1 with w2 (mlp_wgrad: fc1 = w1, fc2 = w2), then w3
         dw1 = dw2 = dw3 = None
         if need_dw1 or need_dw2:
@@ -122,6 +131,13 @@ class _SwigluExperts(torch.autograd.Function):
             dp = dp.to(probs.dtype)
         return (dx if need_dx else None, dw1 if need_dw1 else None, dw3, dw2 if need_dw2 else None,
                 dp if need_dp else None, None, None, None, None)
+
+
+def _bf16_dgrad(ops, dh: torch.Tensor, w: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """``dh [T, hidden]`` times ``w [E, hidden, dim]`` per expert in bf16: the linear layer's dgrad op (an op with a
+    fake on both backends, so that torch.compile traces it), the weight as its own bf16 copy."""
+    wb = w.to(torch.bfloat16)
+    return ops.linear_bwd(dh, plan, [wb], None, wb, None, BF16, True, False, False)[0]
 
 
 def _stand_in(w1: torch.Tensor) -> torch.Tensor:
@@ -154,7 +170,10 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     m = splits_to_device(m_splits, E, xb.shape[0], xb.device, check_splits)
     recipe_id = RECIPE_IDS[recipe]
     fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe_id == FP8_BLOCKWISE else []
+    # (bf16: in bf16, which the op computes in: fp32 weights' bf16 copy is then not saved for a dgrad that never reads it)
     fc1 = _stand_in(w1) if fp8 else torch.cat([w1.detach(), w3.detach()], 1)
+    if recipe_id == BF16:
+        fc1 = fc1.to(torch.bfloat16)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (xb, w1, w3, w2, probs)):
         y = backends.select(xb.device).mlp_fwd(xb, fc1, w2.detach(), m, None, None, probs, _SWIGLU, recipe_id, fp8,
                                                False, False, False, None)[0]

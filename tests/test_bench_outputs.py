@@ -164,3 +164,14 @@ def test_suite_out_defaults_outside(cache):
     assert parse_args(["--out", "bench/results"]).out == "bench/results"
     text = (REPO / "bench" / "suite" / "__main__.py").read_text()
     assert 'args.out = str(out_dir(args.out, "suite"))' in text
+
+
+def test_every_committed_result_is_described():
+    """bench/results/README.md names every file of bench/results (what it is, the GPU, commit and command), and
+    names no file that is not there."""
+    folder = REPO / "bench" / "results"
+    readme = (folder / "README.md").read_text()
+    files = {p.name for p in folder.iterdir() if p.is_file() and p.name != "README.md"}
+    named = set(re.findall(r"`([\w.]+\.(?:md|json|png|log))`", readme))
+    assert files - named == set(), "files not described in bench/results/README.md"
+    assert named - files == set(), "bench/results/README.md names files that are not there"

@@ -6,11 +6,11 @@ forward with cached FP8 weights (one launch up to 2^23 values of x; MOEGEMM_ONE_
 4 ms kernel holding k SMs launched just before it, in ms; and the expert MLP's training step (GA = 1, FP8 with the
 weight cache) with `--step-held` SMs held for the whole step, over its time alone x SMs / (SMs - k).
 
-    python -m bench.gemm.contention [--shapes DeepSeek-V3-EP8,Mixtral-8x7B] [--held 0,8,16,24,33] [--json PATH]
+    python -m bench.gemm.contention [--shapes DeepSeek-V3-EP8,Mixtral-8x7B] [--held 0,8,16,24,33] [--json PATH] [--md PATH]
     python -m bench.gemm.contention --only fc1 --fc1-kernels   # the fc1 forward's kernels one by one
     python -m bench.gemm.contention --only fc1 --fc1-queued    # the fc1 forward's GPU span, no host gaps
 
-Needs a Hopper GPU. Writes nothing unless --json names a file.
+Needs a Hopper GPU. Writes nothing unless --json or --md names a file (--md: the tables, GPU and commit named).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -134,6 +135,8 @@ def gemms(name: str, E: int, H: int, F: int, T: int):
     }
 
 
+# E x hidden x columns x tokens; x of at most 2^23 values each, which the one-launch forward takes (heuristics.h
+# quantize_a_in_gemm) unless MOEGEMM_ONE_LAUNCH_FORWARD=0
 FC1_SHAPES = [(8, 1024, 1024, 8192), (64, 1024, 1024, 8192), (64, 2048, 2816, 4096), (128, 2048, 1536, 2048)]
 
 
@@ -167,6 +170,8 @@ def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False, qu
     call queued behind a spin on its stream (the GPU's span of the forward, without the host's launch gaps)."""
     from moegemm.backends import cuda as ops
     from moegemm.layout import FP8_BLOCKWISE
+    from moegemm._env import env_flag
+    one_launch = env_flag("MOEGEMM_ONE_LAUNCH_FORWARD", True)  # every x of FC1_SHAPES is small enough for it
     rows = []
     for E, H, F, T in FC1_SHAPES:
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -185,7 +190,8 @@ def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False, qu
                 hold(k)
                 torch.cuda._sleep(QUEUE_SPIN_CYCLES)
             t = median_ms(fn, reps, before=hold_then_spin if queued else hold, after=holder.release)
-            row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "queued": queued, "gpu": torch.cuda.get_device_name()}
+            row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "queued": queued, "one_launch": one_launch,
+                   "gpu": torch.cuda.get_device_name()}
             line += f" k={k} {t:.3f} ms"
             if kernels:
                 row["kernels_us"] = kernel_medians_us(fn, reps, before=hold, after=holder.release)
@@ -222,6 +228,50 @@ def mlp_step(holder: Holder, name: str, held: int, reps: int) -> dict:
             "gpu": torch.cuda.get_device_name()}
 
 
+def markdown(rows: list, sms: int, heading: str) -> str:
+    """The rows as markdown tables: each GEMM's time over its ideal per k held ("b": the budget set to the free SMs),
+    the fc1 forward's times, the MLP step's; `heading` names the GPU and the commit."""
+    out = [heading, ""]
+    gemm_rows = [r for r in rows if "gemm" in r]
+    if gemm_rows:
+        cols = sorted({(r["held"], r["budget"] is not None) for r in gemm_rows})
+        out += [f"Time over ideal, alone x {sms} / ({sms} - k); b: the SM budget set to the free SMs.", "",
+                "| shape | GEMM | alone ms | " + " | ".join(f"k={k}{' b' if b else ''}" for k, b in cols if k) + " |",
+                "|---|---|---:|" + "---:|" * sum(1 for k, _ in cols if k)]
+        by_gemm = {}
+        for r in gemm_rows:
+            by_gemm.setdefault((r["shape"], r["gemm"]), {})[(r["held"], r["budget"] is not None)] = r
+        for (shape, gemm), got in by_gemm.items():
+            alone = next(iter(got.values()))["alone_ms"]
+            cells = [f"{got[c]['over_ideal']:.2f}" if c in got else "" for c in cols if c[0]]
+            out.append(f"| {shape} | {gemm} | {alone:.3f} | " + " | ".join(cells) + " |")
+        out.append("")
+    fc1_rows = [r for r in rows if "fc1_forward" in r]
+    if fc1_rows:
+        held = sorted({r["held"] for r in fc1_rows})
+        queued = " (queued behind a spin: the GPU's span)" if fc1_rows[0]["queued"] else ""
+        out += [f"fc1 forward with cached FP8 weights (E x hidden x columns x tokens), ms{queued}, a 4 ms kernel holding "
+                "k SMs launched before each call:", "",
+                "| shape | path | " + " | ".join("alone" if k == 0 else f"k={k}" for k in held) + " |",
+                "|---|---|" + "---:|" * len(held)]
+        by_shape = {}
+        for r in fc1_rows:
+            by_shape.setdefault((tuple(r["fc1_forward"]), r.get("one_launch")), {})[r["held"]] = r["ms"]
+        for (shape, one_launch), got in by_shape.items():
+            path = {True: "one launch", False: "two launches", None: ""}[one_launch]
+            out.append(f"| {' x '.join(map(str, shape))} | {path} | "
+                       + " | ".join(f"{got[k]:.3f}" if k in got else "" for k in held) + " |")
+        out.append("")
+    step_rows = [r for r in rows if "mlp_step" in r]
+    if step_rows:
+        out += ["The expert MLP's training step (GA = 1, FP8 with the weight cache) with SMs held for the whole step:", "",
+                "| shape | alone ms | SMs held | held ms | over ideal |", "|---|---:|---:|---:|---:|"]
+        out += [f"| {r['mlp_step']} | {r['alone_ms']:.3f} | {r['held']} | {r['ms']:.3f} | {r['over_ideal']:.2f} |"
+                for r in step_rows]
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
@@ -235,6 +285,7 @@ def main(argv=None) -> None:
                     help="queue each fc1 call behind a ~1 ms spin on its stream: the GPU's span, no host launch gaps")
     ap.add_argument("--only", choices=["gemms", "fc1", "step"], help="one part only")
     ap.add_argument("--json", help="write the rows to this file (default: none)")
+    ap.add_argument("--md", help="write the tables to this markdown file (default: none)")
     args = ap.parse_args(argv)
     require_cuda_gpu(PROG, hopper=True)
     if importlib.util.find_spec("cupy") is None:  # the SM-holding kernel is then built as a torch extension
@@ -273,6 +324,12 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.md:
+        from bench.suite.meta import collect_meta
+        heading = (f"{torch.cuda.get_device_name()} ({sms} SMs), commit {collect_meta(args)['git_commit']}, "
+                   f"torch {torch.__version__}: `{PROG} {' '.join(argv if argv is not None else sys.argv[1:])}`")
+        with open(args.md, "w") as f:
+            f.write(markdown(rows, sms, heading))
 
 
 if __name__ == "__main__":

@@ -141,8 +141,11 @@ def make_experts(recipe, device, cache=True, hidden=HIDDEN, dtype=torch.bfloat16
 def _deepseek_v3():
     """torchtitan's DeepSeek-V3 package (its debug model), or a skip where it does not import (torch 2.11 lacks
     ``torch.distributed.fsdp.DataParallelMeshDims``, which it imports; the MoE layer itself does not need it)."""
-    return pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan's deepseek_v3 does not import "
-                               "with this torch")
+    try:  # (an ImportError of a name, not a missing module: pytest.importorskip would not skip it on every pytest)
+        import torchtitan.models.deepseek_v3 as deepseek_v3
+    except ImportError as e:
+        pytest.skip(f"torchtitan's deepseek_v3 does not import with torch {torch.__version__}: {e}")
+    return deepseek_v3
 
 
 @pytest.fixture
@@ -557,8 +560,10 @@ def test_activation_checkpointing(quant):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_torch_compile_fullgraph(recipe):
     """torch.compile(fullgraph=True) of the MoE layers as torchtitan compiles its blocks (inductor; bf16 on
-    aot_eager to keep the suite short): the experts' gradients bitwise eager's, the rest within inductor's
-    reordering."""
+    aot_eager to keep the suite short). Under aot_eager the experts' gradients are bitwise eager's. Under inductor
+    what it compiles around the experts' op (router, scores, combine) may differ from eager's in the last bits, and
+    an FP8 rounding that flips with them moves an expert gradient (torch 2.11 on the CPU: one w2 gradient 2e-5 off,
+    the others bitwise): 1e-3 there. The rest within inductor's reordering."""
     torch._dynamo.reset()
     torch._dynamo.config.capture_scalar_outputs = True
     torch.manual_seed(0)
@@ -571,10 +576,10 @@ def test_torch_compile_fullgraph(recipe):
     want, got = fwd_bwd(ours, x, dy), fwd_bwd(compiled, x, dy)
     names = ["y", "dx"] + [n for n, _ in ours.named_parameters()]
     for name, g, w in zip(names, got, want):
-        if "inner_experts" in name:
+        if "inner_experts" in name and recipe == "bf16":
             assert torch.equal(g, w), name
         else:
-            assert rel(g, w) < 1e-5, name
+            assert rel(g, w) < (1e-3 if "inner_experts" in name else 1e-5), name
     torch._dynamo.reset()
 
 

@@ -36,8 +36,7 @@ def test_gemm_table_places_each_ratio_under_its_k_and_budget():
     for r in rows:
         if r["held"] == 0:
             continue
-        line = next(ln for ln in md.splitlines() if ln.startswith(f"| {r['shape']} | {r['gemm']} |"))
-        cells = [c.strip() for c in line.strip("|").split("|")]
+        cells = _cells(md, f"{r['shape']} | {r['gemm']}")
         assert cells[2] == f"{r['alone_ms']:.3f}"
         col = header.index(f"k={r['held']}{' b' if r['budget'] else ''}")
         assert cells[col] == f"{r['over_ideal']:.2f}"

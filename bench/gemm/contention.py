@@ -234,16 +234,16 @@ def markdown(rows: list, sms: int, heading: str) -> str:
     out = [heading, ""]
     gemm_rows = [r for r in rows if "gemm" in r]
     if gemm_rows:
-        cols = sorted({(r["held"], r["budget"] is not None) for r in gemm_rows})
+        cols = sorted({(r["held"], r["budget"] is not None) for r in gemm_rows if r["held"]})  # (k, budget set)
         out += [f"Time over ideal, alone x {sms} / ({sms} - k); b: the SM budget set to the free SMs.", "",
-                "| shape | GEMM | alone ms | " + " | ".join(f"k={k}{' b' if b else ''}" for k, b in cols if k) + " |",
-                "|---|---|---:|" + "---:|" * sum(1 for k, _ in cols if k)]
+                "| shape | GEMM | alone ms | " + " | ".join(f"k={k}{' b' if b else ''}" for k, b in cols) + " |",
+                "|---|---|---:|" + "---:|" * len(cols)]
         by_gemm = {}
         for r in gemm_rows:
             by_gemm.setdefault((r["shape"], r["gemm"]), {})[(r["held"], r["budget"] is not None)] = r
         for (shape, gemm), got in by_gemm.items():
             alone = next(iter(got.values()))["alone_ms"]
-            cells = [f"{got[c]['over_ideal']:.2f}" if c in got else "" for c in cols if c[0]]
+            cells = [f"{got[c]['over_ideal']:.2f}" if c in got else "" for c in cols]
             out.append(f"| {shape} | {gemm} | {alone:.3f} | " + " | ".join(cells) + " |")
         out.append("")
     fc1_rows = [r for r in rows if "fc1_forward" in r]
@@ -256,10 +256,9 @@ def markdown(rows: list, sms: int, heading: str) -> str:
                 "|---|---|" + "---:|" * len(held)]
         by_shape = {}
         for r in fc1_rows:
-            by_shape.setdefault((tuple(r["fc1_forward"]), r.get("one_launch")), {})[r["held"]] = r["ms"]
+            by_shape.setdefault((tuple(r["fc1_forward"]), r["one_launch"]), {})[r["held"]] = r["ms"]
         for (shape, one_launch), got in by_shape.items():
-            path = {True: "one launch", False: "two launches", None: ""}[one_launch]
-            out.append(f"| {' x '.join(map(str, shape))} | {path} | "
+            out.append(f"| {' x '.join(map(str, shape))} | {'one launch' if one_launch else 'two launches'} | "
                        + " | ".join(f"{got[k]:.3f}" if k in got else "" for k in held) + " |")
         out.append("")
     step_rows = [r for r in rows if "mlp_step" in r]

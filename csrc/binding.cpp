@@ -36,6 +36,7 @@ TORCH_LIBRARY(moegemm, m) {
   m.def("requantize_cols(Tensor x, Tensor x_scales, Tensor plan) -> (Tensor, Tensor)");
   m.def("quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("quantize_weights(Tensor[] weights) -> Tensor[]");
+  m.def("quantize_weights_into(Tensor[] parts, int[] counts, Tensor(a!)[] out) -> ()");
   m.def("act_quantize(Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("act_bf16(Tensor h, Tensor? probs, int activation) -> Tensor");
@@ -73,6 +74,7 @@ TORCH_LIBRARY_IMPL(moegemm, CUDA, m) {
   m.impl("requantize_cols", &requantize_cols_op);
   m.impl("quantize_weight", &quantize_weight_op);
   m.impl("quantize_weights", &quantize_weights_op);
+  m.impl("quantize_weights_into", &quantize_weights_into_op);
   m.impl("act_quantize", &act_quantize_op);
   m.impl("act_backward_quantize", &act_backward_quantize_op);
   m.impl("act_bf16", &act_bf16_op);

@@ -114,7 +114,10 @@ void act_backward_bf16(const void* da_bf16, const void* h_bf16, const float* pro
 constexpr int kActBf16Cols = 256;  // columns per dprobs partial sum (one warp, 8 per lane)
 
 // 128x128-block weight quantization of w [E, N, K]: q [E,N,K], s [E,Nb,Kb], qT [E,K,N], sT [E,Kb,Nb]
-// (qT and sT both null: no transposed copy, for a forward without dgrad).
+// (qT and sT both null: no transposed copy, for a forward without dgrad). A part of a larger weight (rows > 0):
+// w holds rows [row0, row0 + N) of a weight of `rows` rows per expert, whose four copies the outputs are, so
+// that weights kept apart (a gate and an up projection) are quantized as their concatenation without making
+// it; row0 is a multiple of kBlock.
 struct WeightQuant {
   const void* w;
   int64_t E, N, K;
@@ -122,10 +125,12 @@ struct WeightQuant {
   float* s;
   uint8_t* qT;
   float* sT;
+  int64_t rows = 0, row0 = 0;  // rows 0: the whole weight (N)
 };
-// Up to kMaxWeightsPerLaunch weights of one dtype quantized in one launch (a layer's weights), and the plan
-// built by one more CTA when plan.plan is set (a forward's first launch then needs no make_plan).
-constexpr int kMaxWeightsPerLaunch = 2;
+// Up to kMaxWeightsPerLaunch weights (or parts) of one dtype quantized in one launch (a layer's weights, or an
+// expert MLP's gate, up and down projections), and the plan built by one more CTA when plan.plan is set (a
+// forward's first launch then needs no make_plan).
+constexpr int kMaxWeightsPerLaunch = 3;
 void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream);
 
 // Per-expert bias over the plan's covered tokens (rows past them are left alone), by 128-token blocks:

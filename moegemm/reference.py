@@ -151,6 +151,25 @@ def quantize_weights(weights):
     return [quantize_weight(w) for w in weights]
 
 
+def quantize_weights_into(parts, counts, out) -> None:
+    """``quantize_weight`` of each weight given as ``counts[i]`` consecutive ``parts`` (its rows, in order: the
+    quantization of their concatenation along dim 1; every part but a weight's last a multiple of 128 rows, as the
+    CUDA op requires), written into ``out``: four tensors per weight (q, s, qT, sT)."""
+    if len(out) != 4 * len(counts) or sum(counts) != len(parts) or min(counts, default=1) < 1:
+        raise ValueError(f"quantize_weights_into: {len(parts)} parts in counts {list(counts)} and {len(out)} outputs "
+                         "(four per weight) disagree")
+    start = 0
+    for i, n in enumerate(counts):
+        for j in range(start, start + n - 1):
+            if parts[j].shape[1] % BLOCK:
+                raise ValueError(f"quantize_weights_into: parts[{j}] has {parts[j].shape[1]} rows: every part but a "
+                                 f"weight's last must have a multiple of {BLOCK}")
+        w = torch.cat(list(parts[start:start + n]), 1) if n > 1 else parts[start]
+        for dst, src in zip(out[4 * i: 4 * i + 4], quantize_weight(w)):
+            dst.copy_(src)
+        start += n
+
+
 # --------------------------------------------------------------------------------------- dequantizers
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     K = q.shape[-1]

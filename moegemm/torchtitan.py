@@ -22,13 +22,13 @@
 fc1 without copies. moegemm's expert MLP takes fc1 as one ``[E, 2·hidden, dim]`` weight, gate rows (``w1``) first,
 up rows (``w3``) second. torchtitan keeps ``w1`` and ``w3`` apart, so:
 
-* forward (``fp8_blockwise``): the FP8 weight cache (``moegemm/weight_cache.py``) keeps the fused fc1 copies,
-  quantized from ``(w1, w3)`` once per change of the weights (an optimizer step, a checkpoint load, an in-place
-  write), and fc2's, in one call; the op gets a stand-in fc1 tensor of the right shape (no memory) and the
-  copies. Under ``torch.compile``, inside a CUDA-graph capture or with ``fp8_weight_cache=False`` the weights
-  are concatenated and quantized inside every call instead (the concatenation freed when the call returns: the
-  backward reads only the FP8 copies). ``bf16``: ``torch.cat([w1, w3], 1)`` every call, freed when the call
-  returns as well;
+* forward (``fp8_blockwise``): the module keeps the fused fc1 FP8 copies and fc2's in buffers of its own
+  (``moegemm/weight_buffers.py``), re-quantized in place from ``(w1, w3)`` and ``w2`` (one launch, ``w1`` and
+  ``w3`` straight into the fused copies' rows) only when the weights changed (an optimizer step, a checkpoint
+  load, an in-place write), eager and under ``torch.compile`` alike; the op gets a stand-in fc1 tensor of the
+  right shape (no memory) and the copies. With ``fp8_weight_cache=False`` the weights are concatenated and
+  quantized inside every call instead (the concatenation freed when the call returns: the backward reads only
+  the FP8 copies). ``bf16``: ``torch.cat([w1, w3], 1)`` every call, freed when the call returns as well;
 * backward: the op's weight gradients are split off (``defer_wgrad``) and each of ``w1``, ``w3``, ``w2`` gets
   its own wgrad GEMM written straight into its gradient: ``w1``'s from the gate half of fc1's gradient operand,
   ``w3``'s from the up half (the FP8 column copy's rows ``[:hidden]`` and ``[hidden:]``, contiguous slices; bf16:
@@ -37,8 +37,9 @@ up rows (``w3``) second. torchtitan keeps ``w1`` and ``w3`` apart, so:
   no concatenation of the weights lives until the backward.
 
 DTensor parameters (FSDP2, expert parallelism): the op runs on ``to_local()`` as torchtitan's experts do; the
-cache is keyed on the local tensors. Activation checkpointing: the op saves what backward needs through
-``save_for_backward`` (so checkpointing drops and recomputes it; the recompute finds the cached copies).
+cache is keyed on the local tensors, its buffers have their shapes. Activation checkpointing: the op saves what
+backward needs through ``save_for_backward`` (so checkpointing drops and recomputes it; the recompute finds the
+cached copies).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
-from . import backends, weight_cache
+from . import backends, weight_buffers
 from ._validate import (check_bool_arg, check_mlp_dims, check_probs, check_recipe, check_x, check_x_tensor,
                         splits_to_device)
 from .backends import contract as C
@@ -183,6 +184,14 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
 
 
 # ----------------------------------------------------------------------------------------- the module
+_COPIES = "_fp8_copy"  # the FP8 copy buffers' prefix (moegemm/weight_buffers.py)
+
+
+def _invalidate_after_load(module, incompatible_keys) -> None:
+    """load_state_dict post-hook: the loaded weights are quantized at their next use."""
+    weight_buffers.invalidate(module, _COPIES)
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The tensor the op runs on: ``to_local()`` of a DTensor (differentiable, a new view every call), else ``p``."""
     return p.to_local() if isinstance(p, DTensor) else p
@@ -197,10 +206,10 @@ class MoegemmGroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` on moegemm (this module's docstring; ``docs/torchtitan.md``).
 
     Config (``GroupedExperts.Config`` plus): ``recipe`` ``"fp8_blockwise"`` (default) or ``"bf16"``;
-    ``fp8_weight_cache`` (default True): keep the FP8 copies of the weights (fc1's fused) between calls and
-    re-quantize them only when the weights changed (``moegemm/weight_cache.py``; after writes no check can see,
-    e.g. through ``.data``, call ``refresh_fp8_weights()`` or ``moegemm.weights_changed()``). The copies take as
-    much memory as the bf16 weights.
+    ``fp8_weight_cache`` (default True): keep the FP8 copies of the weights (fc1's fused) in non-persistent
+    buffers between calls and re-quantize them in place only when the weights changed (``moegemm/weight_buffers.py``;
+    after writes no check can see, e.g. through ``.data``, call ``refresh_fp8_weights()`` or
+    ``moegemm.weights_changed()``). The copies take as much memory as the bf16 weights.
 
     ``forward(x_RD, num_tokens_per_expert_E, scores_R=None)``: ``scores_R`` (optional, ``[R]``) scales each
     token's activation before ``w2`` (router probabilities fused into the op; torchtitan's dispatchers apply
@@ -218,24 +227,71 @@ class MoegemmGroupedExperts(GroupedExperts):
                        names=("w1_EFD/w3_EFD (fc1)", "w2_EDF (fc2)"))
         super().__init__(config)
         self.recipe = config.recipe
-        weight_cache.attach(self, config.fp8_weight_cache)
+        self._cache_on = config.fp8_weight_cache and self.recipe == "fp8_blockwise"
+        self._allocate_fp8_copies()
+        self.register_load_state_dict_post_hook(_invalidate_after_load)
 
-    fp8_weight_cache = weight_cache.switch
+    @property
+    def fp8_weight_cache(self) -> bool:
+        """Whether the FP8 copies of the weights are kept (in buffers) between calls; setting it to False frees them
+        (every call then quantizes), True allocates them again."""
+        return self._cache_on
+
+    @fp8_weight_cache.setter
+    def fp8_weight_cache(self, on: bool) -> None:
+        check_bool_arg("fp8_weight_cache", on)
+        self._cache_on = on and self.recipe == "fp8_blockwise"
+        if self._cache_on:
+            self._allocate_fp8_copies()
+        else:
+            weight_buffers.release(self, _COPIES, 2)
 
     def _cache_sources(self) -> list:
+        """The weights the FP8 copies are of: (w1, w3) fused, and w2; a DTensor's stored local tensor (the same object
+        every call, also as torch.compile hands it to the refresh op)."""
         return [(_stored(self.w1_EFD), _stored(self.w3_EFD)), _stored(self.w2_EDF)]
 
+    def _allocate_fp8_copies(self) -> None:
+        """Give the module FP8 copy buffers for its weights' current (local) shapes, unless it has them or its weights
+        are on the meta device (``to_empty`` would make them at the unsharded shapes; ``_init_self_buffers`` does)."""
+        sources = self._cache_sources()
+        if (self._cache_on and sources[1].device.type != "meta"
+                and weight_buffers.matching(self, _COPIES, sources) is None):
+            weight_buffers.allocate(self, _COPIES, sources)
+
+    def _apply(self, fn, recurse=True):
+        """``module.to`` / ``to_empty`` / ``.bfloat16()``: the copies are dropped rather than converted (a dtype
+        conversion would widen them) and made anew for the converted weights."""
+        weight_buffers.release(self, _COPIES, 2)
+        out = super()._apply(fn, recurse)
+        self._allocate_fp8_copies()
+        return out
+
+    def _init_self_buffers(self, *, buffer_device: Optional[torch.device] = None) -> None:
+        """torchtitan's hook after its parallelization and ``to_empty``: the copies for the local shapes, so that a
+        compiled forward finds them."""
+        super()._init_self_buffers(buffer_device=buffer_device)
+        self._allocate_fp8_copies()
+
     def fp8_weights(self):
-        """The FP8 copies (fused fc1, fc2) for this call, or None: quantize inside the call (bf16, the cache off,
-        torch.compile, a CUDA-graph capture)."""
-        if self.recipe != "fp8_blockwise":
+        """The FP8 copies (fused fc1, fc2) for this call, refreshed if the weights changed, or None: quantize inside
+        the call (bf16, the cache off, a compiled graph traced without copy buffers for these shapes)."""
+        if not self._cache_on:
             return None
-        return self._fp8_cache.get(self._cache_sources())
+        sources = self._cache_sources()
+        copies = weight_buffers.matching(self, _COPIES, sources)
+        if copies is None:
+            if torch.compiler.is_compiling():
+                return None
+            weight_buffers.allocate(self, _COPIES, sources)
+            copies = weight_buffers.matching(self, _COPIES, sources)
+        weight_buffers.refresh(sources, copies, getattr(self, _COPIES + "stamp"))
+        return copies[:4], copies[4:]
 
     def refresh_fp8_weights(self) -> None:
-        """Quantize the current weights into the FP8 cache now (after writes no check can see)."""
-        if self.recipe == "fp8_blockwise":
-            self._fp8_cache.refresh(self._cache_sources())
+        """Quantize the current weights into the FP8 copies now (after writes no check can see)."""
+        weight_buffers.invalidate(self, _COPIES)
+        self.fp8_weights()
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor,
                 scores_R: Optional[torch.Tensor] = None) -> torch.Tensor:

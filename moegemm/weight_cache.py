@@ -1,7 +1,9 @@
 """The FP8 weight cache: the FP8 copies of expert weights (``quantize_weight``: ``W`` and ``Wᵀ`` with their
 scales), made once per change of the weights (a layer's weights together: one launch on the GPU) and reused by
 every call in between (the micro-batches of a gradient-accumulation step, evaluation, activation recomputation).
-Used by ``GroupedLinear``, ``GroupedMLP``, ``moegemm.megatron.MoegemmExperts`` and ``moegemm.torchtitan``.
+Used by ``GroupedLinear``, ``GroupedMLP`` and ``moegemm.megatron.MoegemmExperts``; ``moegemm.torchtitan``'s experts
+keep their copies in buffers instead (``moegemm/weight_buffers.py``, which torch.compile can trace), with the
+validity rules below.
 
 A weight may also be given as a tuple of tensors (its *parts*, e.g. ``(w1, w3)``): the copy is then the
 quantization of their concatenation along dim 1, made without keeping that concatenation, and it is valid only

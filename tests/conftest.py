@@ -84,9 +84,9 @@ def zipf():
 
 @pytest.fixture
 def quant(monkeypatch):
-    """Counts weight quantizations: ``cache`` (the weights the FP8 weight cache quantized, through the backend's
-    quantize_weights), ``cache_calls`` (its calls of it: one per layer refresh) and ``op`` (inside the reference
-    op; the CUDA op quantizes in C++, not counted)."""
+    """Counts weight quantizations: ``cache`` (the weights the FP8 weight caches quantized, through the backend's
+    quantize_weights or quantize_weights_into), ``cache_calls`` (their calls of them: one per layer refresh) and
+    ``op`` (inside the reference op; the CUDA op quantizes in C++, not counted)."""
     from moegemm import reference
     from moegemm.backends import reference as reference_backend
 
@@ -105,13 +105,24 @@ def quant(monkeypatch):
             return fn(w)
         return wrapped
 
+    def counting_into(fn):
+        def wrapped(parts, counts, out):
+            calls["cache"] += len(counts)
+            calls["cache_calls"] += 1
+            with monkeypatch.context() as m:  # (the reference's calls quantize_weight: not the op's)
+                m.setattr(reference, "quantize_weight", plain)
+                return fn(parts, counts, out)
+        return wrapped
+
     plain = reference.quantize_weight  # (reference.quantize_weights calls the module's, counted as the op's below)
     monkeypatch.setattr(reference_backend, "quantize_weights", counting_many(lambda weights: [plain(w) for w in weights]))
+    monkeypatch.setattr(reference_backend, "quantize_weights_into", counting_into(reference.quantize_weights_into))
     monkeypatch.setattr(reference, "quantize_weight", counting(reference.quantize_weight))
     if HAS_HOPPER:
         from moegemm.backends import cuda as cuda_ops
 
         monkeypatch.setattr(cuda_ops, "quantize_weights", counting_many(cuda_ops.quantize_weights))
+        monkeypatch.setattr(cuda_ops, "quantize_weights_into", counting_into(cuda_ops.quantize_weights_into))
     return calls
 
 

@@ -135,6 +135,44 @@ def test_quantize_weights_one_launch_per_layer():
         cuda_ops.quantize_weights([])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_weights_into_parts(dtype):
+    """quantize_weights_into: a weight given as parts (an expert MLP's gate and up projections, 256 + 144 rows, the
+    second not whole 128-row blocks) is bitwise quantize_weight of their concatenation, written into the given
+    copies; with a third weight (w2) one launch; the reference op gives the same bits; bad arguments named."""
+    def as_bytes(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    def copies_of(E, N, K):
+        nb, kb = -(-N // 128), -(-K // 128)
+        return [torch.full((E, N, K), 7, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn),
+                torch.full((E, nb, kb), -1.0, device=DEV), torch.full((E, K, N), 7, dtype=torch.uint8,
+                                                                       device=DEV).view(torch.float8_e4m3fn),
+                torch.full((E, kb, nb), -1.0, device=DEV)]
+
+    E, K = 6, 320
+    w1, w3 = (torch.randn(E, F, K, device=DEV, dtype=dtype) * 0.05 for F in (256, 144))
+    w2 = torch.randn(E, K, 400, device=DEV, dtype=dtype) * 0.05
+    out = copies_of(E, 400, K) + copies_of(E, K, 400)
+    _, names = cuda_kernels(lambda: torch.ops.moegemm.quantize_weights_into([w1, w3, w2], [2, 1], out))
+    assert len(names) == 1, names
+    want = list(ref.quantize_weight(torch.cat([w1, w3], 1))) + list(ref.quantize_weight(w2))
+    for got, w in zip(out, want):
+        assert torch.equal(as_bytes(got), as_bytes(w.to(DEV)))
+    ref_out = [torch.empty_like(t) for t in out]
+    ref.quantize_weights_into([w1, w3, w2], [2, 1], ref_out)
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(out, ref_out))
+    into = torch.ops.moegemm.quantize_weights_into
+    with pytest.raises(RuntimeError, match=r"parts\[0\] has 144 rows"):
+        into([w3, w1], [2], copies_of(E, 400, K))
+    with pytest.raises(RuntimeError, match=r"out\[2\] must have shape"):
+        into([w1, w3], [2], copies_of(E, 400, K)[:2] + copies_of(E, 401, K)[2:])
+    with pytest.raises(RuntimeError, match="four tensors"):
+        into([w1, w3], [2], out)
+    with pytest.raises(RuntimeError, match=r"parts\[1\]"):
+        into([w1, w3[:, :, :160].contiguous()], [2], copies_of(E, 400, K))
+
+
 # ------------------------------------------------------------------------------------------ quantizers
 def assert_cols_equal(a, b, plan, T):
     """Compare transposed copies on the experts' padded columns and their scale-block rows."""

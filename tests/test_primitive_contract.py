@@ -153,12 +153,19 @@ def _examples():
     qaT, saT, qbT, sbT = (torch.empty(N, C, dtype=f8), torch.empty(B, N), torch.empty(K, C, dtype=f8),
                           torch.empty(B, K))
     dy = torch.empty(T, N, dtype=bf)
+
+    def weight_copies(rows):  # quantize_weight's four outputs for a weight [E, rows, K]
+        nb, kb = ceil_div(rows, BLOCK), ceil_div(K, BLOCK)
+        return [torch.empty(E, rows, K, dtype=f8), torch.empty(E, nb, kb), torch.empty(E, K, rows, dtype=f8),
+                torch.empty(E, kb, nb)]
+
     return {
         "make_plan": (torch.empty(E, dtype=torch.int64), T),
         "quantize_act": (x, plan, True, True),
         "requantize_cols": (qa, sa, plan),
         "quantize_weight": (w,),
         "quantize_weights": ([w, w],),
+        "quantize_weights_into": ([w, w, w], [2, 1], weight_copies(2 * N) + weight_copies(N)),
         "act_quantize": (h, probs, SWIGLU, plan, True, True),
         "act_backward_quantize": (da, h, probs, SWIGLU, plan, True, True),
         "act_bf16": (h, probs, SWIGLU),
@@ -198,7 +205,8 @@ def test_fake_runs_on_its_schema(op, scratch_ops):
     schema = torch._C.parse_schema(op.schema)
     with FakeTensorMode() as mode:
         args = [mode.from_tensor(a) if isinstance(a, torch.Tensor)
-                else [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in _examples()[op.name]]
+                else [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in a] if isinstance(a, list)
+                else a for a in _examples()[op.name]]
         out = getattr(scratch_ops, op.name)(*args)
     returns = [r.type for r in schema.returns]
     if not returns:

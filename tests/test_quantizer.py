@@ -419,3 +419,21 @@ def test_quantize_weight_zero_and_nonfinite_blocks():
     w_clean[1, 5, 5] = 0
     deq0 = R.dequantize_weight(*R.quantize_weight(w_clean)[:2])
     assert torch.equal(deq[mask], deq0[mask])
+
+
+def test_quantize_weights_into_is_the_quantization_of_the_concatenation():
+    """The reference quantize_weights_into: each weight's parts quantized as their concatenation along dim 1 into the
+    given copies; a part before a weight's last must be whole 128-row blocks, and the counts must fit."""
+    torch.manual_seed(0)
+    w1, w3 = torch.randn(3, 128, 192), torch.randn(3, 80, 192)
+    w2 = torch.randn(3, 192, 208)
+    out = [torch.empty_like(t) for t in R.quantize_weight(torch.cat([w1, w3], 1)) + R.quantize_weight(w2)]
+    R.quantize_weights_into([w1, w3, w2], [2, 1], out)
+    want = R.quantize_weight(torch.cat([w1, w3], 1)) + R.quantize_weight(w2)
+    for got, w in zip(out, want):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+    with pytest.raises(ValueError, match=r"parts\[0\] has 80 rows"):
+        R.quantize_weights_into([w3, w1], [2], out[:4])
+    with pytest.raises(ValueError, match="disagree"):
+        R.quantize_weights_into([w1, w3, w2], [2], out)

@@ -5,9 +5,9 @@ Against torchtitan 0.3.0's own ``GroupedExperts`` and float64: forward and backw
 from torchtitan's config helpers (bf16 within bf16's error, FP8 within its error), bitwise equal to
 ``moegemm.grouped_mlp`` on the concatenated fc1 (the cached fused copies, the per-weight wgrad GEMMs); the
 converter and the override on DeepSeek-V3's debug model config; parameter names, shapes and initialization;
-distributed checkpoints both ways; the cache under optimizer steps, gradient accumulation, activation
-checkpointing, a checkpoint load, DTensor parameters and FSDP2 (a one-rank gloo group on the CPU); torch.compile
-(fullgraph). CPU cases run the reference path; ``cuda`` cases need a Hopper GPU. Without torchtitan (``pip install
+distributed checkpoints both ways; the cache (the experts' FP8 copy buffers) under optimizer steps, gradient
+accumulation, activation checkpointing, a checkpoint load, DTensor parameters and FSDP2 (a one-rank gloo group on
+the CPU), and under torch.compile (fullgraph). CPU cases run the reference path; ``cuda`` cases need a Hopper GPU. Without torchtitan (``pip install
 --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser triton==3.9.0``) its tests skip.
 """
 
@@ -584,18 +584,114 @@ def test_torch_compile_fullgraph(recipe):
 
 
 @requires_torchtitan
-def test_dtensor_parameters(process_group, quant):
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_torch_compile_keeps_the_fp8_copies(backend, checkpointed, quant):
+    """Compiled (fullgraph), the FP8 copies live in the experts' buffers and are re-quantized in place only when the
+    weights changed: two micro-batches per optimizer step quantize each layer once per step (also when activation
+    checkpointing recomputes the forward in the backward), with outputs and gradients bitwise those of the same
+    compiled model without the cache."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return checkpoint(self.layer, x, use_reentrant=False)
+
+    torch._dynamo.reset()
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch.manual_seed(0)
+    _, ours = twins("fp8_blockwise", "cpu")
+    plain = TinyMoEModel("fp8_blockwise", cache=False)
+    plain.load_state_dict(ours.state_dict())
+    for model in (ours, plain):
+        if checkpointed:
+            model.layers = torch.nn.ModuleList(Checkpointed(layer) for layer in model.layers)
+        for layer in model.layers:
+            layer.compile(backend=backend, fullgraph=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, plain)]
+    for step in range(3):
+        before = quant["cache_calls"]
+        for micro in range(2):
+            x, dy = torch.randn(2, 32, DIM), torch.randn(2, 32, DIM)
+            want, got = fwd_bwd(plain, x, dy), fwd_bwd(ours, x, dy)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (step, micro)
+        assert quant["cache_calls"] - before == 2, step  # two layers, once each per step
+        for opt in opts:
+            opt.step()
+    torch._dynamo.reset()
+
+
+@requires_torchtitan
+def test_fp8_copies_are_buffers_outside_the_state_dict(quant):
+    """The FP8 copies are non-persistent buffers: not in the state_dict (checkpoints unchanged), re-quantized after
+    a load; ``fp8_weight_cache = False`` frees them, True makes them again; ``module.to(dtype)`` makes them anew
+    rather than converting them; built on the meta device, none exist until ``to_empty``."""
+    torch.manual_seed(0)
+    m = make_experts("fp8_blockwise", "cpu")
+    x, counts = experts_batch("cpu")
+    assert set(m.state_dict()) == {"w1_EFD", "w2_EDF", "w3_EFD"}
+    copies = [n for n, _ in m.named_buffers() if n.startswith("_fp8_copy")]
+    assert len(copies) == 8
+    y = m(x, counts)
+    assert quant["cache_calls"] == 1
+    m(x, counts)
+    assert quant["cache_calls"] == 1
+    other = make_experts("fp8_blockwise", "cpu")
+    m.load_state_dict(other.state_dict())
+    assert torch.equal(m(x, counts), other(x, counts)) and not torch.equal(y, other(x, counts))
+    assert quant["cache_calls"] == 3  # m after the load, and other
+    m.fp8_weight_cache = False
+    assert not any(n.startswith("_fp8_copy") for n, _ in m.named_buffers())
+    m(x, counts)
+    assert quant["cache_calls"] == 3  # quantized inside the call
+    m.fp8_weight_cache = True
+    assert torch.equal(m(x, counts), other(x, counts)) and quant["cache_calls"] == 4
+    m.to(torch.float32)
+    dtypes = {n: b.dtype for n, b in m.named_buffers() if n.startswith("_fp8_copy")}
+    assert set(dtypes.values()) == {torch.float8_e4m3fn, torch.float32} and len(dtypes) == 8
+    with torch.device("meta"):
+        lazy = moe_config("fp8_blockwise").routed_experts.inner_experts.build()
+    assert not any(n.startswith("_fp8_copy") for n, _ in lazy.named_buffers())
+    lazy.to_empty(device="cpu")
+    assert len([n for n, _ in lazy.named_buffers() if n.startswith("_fp8_copy")]) == 8
+
+
+@requires_torchtitan
+def test_pending_backward_refuses_requantized_copies():
+    """A forward, then weights declared changed and another forward (the copies re-quantized in place), then the
+    first forward's backward: autograd refuses it (a saved FP8 copy was modified in place) rather than computing
+    the gradients from the new copies."""
+    torch.manual_seed(0)
+    m = make_experts("fp8_blockwise", "cpu")
+    x, counts = experts_batch("cpu")
+    y = m(x.requires_grad_(), counts)
+    moegemm.weights_changed()
+    m(x, counts)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+
+
+@requires_torchtitan
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_dtensor_parameters(process_group, quant, compiled):
     """Expert weights as DTensors (as under expert parallelism; a one-rank mesh): the op runs on the local
     tensors, the gradients are DTensors equal to the plain module's, and the cache keys on the local tensors
-    (``to_local()`` is a new view every call)."""
+    (``to_local()`` is a new view every call), also compiled (inductor, fullgraph)."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+    torch._dynamo.reset()
     torch.manual_seed(0)
     plain = make_experts("fp8_blockwise", "cpu")
     dist_mod = copy.deepcopy(plain)
     for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
         setattr(dist_mod, name, torch.nn.Parameter(distribute_tensor(getattr(plain, name).detach(), process_group,
                                                                      [Shard(0)])))
+    if compiled:
+        dist_mod.compile(backend="inductor", fullgraph=True)
     x, counts = experts_batch("cpu")
     for _ in range(2):
         for m in (plain, dist_mod):
@@ -604,6 +700,7 @@ def test_dtensor_parameters(process_group, quant):
         for a, b in zip(expert_weights(plain), expert_weights(dist_mod)):
             assert isinstance(b.grad, DTensor) and torch.equal(a.grad, b.grad.to_local())
     assert quant["cache_calls"] == 2  # once per module
+    torch._dynamo.reset()
 
 
 @requires_torchtitan

@@ -21,7 +21,7 @@ dispatcher, no shared experts) with bf16 weights (what FSDP2's mixed precision h
   token dispatcher), when torchao imports and the GPU has FP8.
 
 Modes (``--modes``): ``eager``, and ``compile`` (``layer.compile(fullgraph=True)``, inductor, as torchtitan compiles
-its blocks; moegemm's FP8 weights are then quantized inside every call: the cache works in eager mode only).
+its blocks; the FP8 weight cache works in both).
 Timed (CUDA events, median of ``--iters`` after ``--warmup``): the forward, and forward + backward (the input's
 and every parameter's gradient; gradients set to None between steps, outside the timed region). Peak memory: the
 most allocated during a step beyond what was allocated before it. Errors (eager, once per variant): the layer's

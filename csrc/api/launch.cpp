@@ -91,7 +91,7 @@ Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed) {
 
 std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weights, bool transposed, const PlanOut& plan) {
   MOEGEMM_RANGE("moegemm::run_quantize_weights");
-  TORCH_CHECK(weights.size() >= 1 && weights.size() <= kMaxWeightsPerLaunch, "moegemm: run_quantize_weights: 1 or 2 weights");
+  TORCH_CHECK(weights.size() >= 1 && weights.size() <= 2, "moegemm: run_quantize_weights: 1 or 2 weights");
   std::vector<Quantized> out;
   std::array<WeightQuant, kMaxWeightsPerLaunch> jobs;
   for (const WeightIn& in : weights) {
@@ -113,6 +113,27 @@ std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weig
     quantize_weights(&jobs[1], 1, in[1].dtype, PlanBuild{}, stream);
   }
   return out;
+}
+
+void run_quantize_weight_parts(const std::vector<WeightPart>& parts) {
+  MOEGEMM_RANGE("moegemm::run_quantize_weight_parts");
+  if (parts.empty()) return;
+  const cudaStream_t stream = current_stream(parts.front().in.w);
+  std::array<WeightQuant, kMaxWeightsPerLaunch> jobs;
+  int count = 0;
+  DType dtype = parts.front().in.dtype;
+  for (const WeightPart& part : parts) {
+    if (count == kMaxWeightsPerLaunch || (count > 0 && part.in.dtype != dtype)) {
+      quantize_weights(jobs.data(), count, dtype, PlanBuild{}, stream);
+      count = 0;
+    }
+    WeightQuant job = weight_job(part.in.w, part.out, true);
+    job.rows = part.rows;
+    job.row0 = part.row0;
+    jobs[count++] = job;
+    dtype = part.in.dtype;
+  }
+  quantize_weights(jobs.data(), count, dtype, PlanBuild{}, stream);
 }
 
 Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, const Tensor& zero) {

@@ -41,6 +41,15 @@ struct WeightIn {
   DType dtype;
 };
 std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weights, bool transposed, const PlanOut& plan);
+// Into existing copies: weights given as parts (row ranges of a weight kept in separate tensors), each part
+// written into the copies (q, s, qT, sT) of its whole weight from row row0 (a multiple of 128) of `rows`; up to
+// kMaxWeightsPerLaunch parts of one dtype per launch.
+struct WeightPart {
+  WeightIn in;
+  int64_t rows, row0;
+  Quantized out;
+};
+void run_quantize_weight_parts(const std::vector<WeightPart>& parts);
 // The per-expert column copy of an FP8 row copy (q [T, K] e4m3 + s [T, ceil(K/128)], quantize_act's row layout: an
 // FP8 x as a dispatcher delivers it, or the one a forward saved of a bf16 x), made from the rows (dequantize,
 // re-quantize in 128x1 blocks): {[undefined], [undefined], qT, sT}.

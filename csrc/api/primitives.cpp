@@ -199,13 +199,63 @@ std::vector<Tensor> quantize_weights_op(at::TensorList ws) {
     in.push_back(weight_input(ws[i], ("weights[" + std::to_string(i) + "]").c_str(), ws[0]));
   c10::DeviceGuard guard(ws[0].device());
   std::vector<Tensor> out;
-  static_assert(kMaxWeightsPerLaunch == 2, "a layer's weights (one or two) per launch");
-  for (size_t i = 0; i < in.size(); i += kMaxWeightsPerLaunch) {
+  for (size_t i = 0; i < in.size(); i += 2) {  // a layer's weights (one or two) per launch
     const std::vector<Quantized> q = i + 1 < in.size() ? run_quantize_weights({in[i], in[i + 1]}, true, {})
                                                        : run_quantize_weights({in[i]}, true, {});
     for (const Quantized& w : q) out.insert(out.end(), {w.q, w.s, w.qT, w.sT});
   }
   return out;
+}
+
+void quantize_weights_into_op(at::TensorList parts, at::IntArrayRef counts, at::TensorList out) {
+  TORCH_CHECK(!parts.empty(), "moegemm: quantize_weights_into: parts is empty");
+  TORCH_CHECK(out.size() == 4 * counts.size(), "moegemm: quantize_weights_into: out must hold four tensors (q, s, qT, sT) "
+              "per weight, ", num(4 * counts.size()), " for counts ", counts, ", got ", num(out.size()));
+  int64_t total = 0;
+  for (const int64_t c : counts) {
+    TORCH_CHECK(c >= 1, "moegemm: quantize_weights_into: counts must be positive, got ", counts);
+    total += c;
+  }
+  TORCH_CHECK(total == static_cast<int64_t>(parts.size()), "moegemm: quantize_weights_into: counts ", counts,
+              " must add up to the number of parts, ", num(parts.size()));
+  c10::DeviceGuard guard(parts[0].device());
+  std::vector<WeightPart> jobs;
+  size_t p = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const size_t first = p;
+    int64_t rows = 0;
+    for (int64_t j = 0; j < counts[i]; ++j, ++p) {
+      const std::string name = "parts[" + std::to_string(p) + "]";
+      const WeightIn in = weight_input(parts[p], name.c_str(), parts[0]);
+      const Tensor& w0 = p == first ? in.w : jobs[first].in.w;
+      TORCH_CHECK(in.w.size(0) == w0.size(0) && in.w.size(2) == w0.size(2) && in.w.scalar_type() == w0.scalar_type(),
+                  "moegemm: quantize_weights_into: ", name, " ", shape(in.w), " ", in.w.scalar_type(), " must match the first "
+                  "part of its weight in experts, K and dtype: ", shape(w0), " ", w0.scalar_type());
+      TORCH_CHECK(j + 1 == counts[i] || in.w.size(1) % kBlock == 0, "moegemm: quantize_weights_into: ", name, " has ",
+                  num(in.w.size(1)), " rows: every part but a weight's last must have a multiple of ", num(kBlock));
+      jobs.push_back({in, 0, rows, {}});
+      rows += in.w.size(1);
+    }
+    const int64_t E = jobs[first].in.w.size(0), K = jobs[first].in.w.size(2);
+    const int64_t Rb = ceil_div(rows, kBlock), Kb = ceil_div(K, kBlock);
+    const std::vector<std::vector<int64_t>> want = {{E, rows, K}, {E, Rb, Kb}, {E, K, rows}, {E, Kb, Rb}};
+    Quantized copies;
+    Tensor* slots[4] = {&copies.q, &copies.s, &copies.qT, &copies.sT};
+    for (int c = 0; c < 4; ++c) {
+      const Tensor& t = out[4 * i + c];
+      const std::string name = "out[" + std::to_string(4 * i + c) + "]";
+      check(t, name.c_str(), c % 2 == 0 ? at::kFloat8_e4m3fn : at::kFloat, 3, parts[0]);
+      TORCH_CHECK(t.sizes() == at::IntArrayRef(want[c]), "moegemm: quantize_weights_into: ", name, " must have shape ",
+                  at::IntArrayRef(want[c]), " for a weight of ", num(rows), " rows, got ", shape(t));
+      TORCH_CHECK(is_aligned(t), "moegemm: quantize_weights_into: ", name, " must be 16-byte aligned");
+      *slots[c] = t;
+    }
+    for (size_t j = first; j < p; ++j) {
+      jobs[j].rows = rows;
+      jobs[j].out = copies;
+    }
+  }
+  run_quantize_weight_parts(jobs);
 }
 
 Tensor gemm_fp8_ragged_rows_op(const Tensor& qa_in, const Tensor& sa_in, const Tensor& qb_in, const Tensor& sb_in,

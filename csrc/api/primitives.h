@@ -22,6 +22,9 @@ Quad quantize_weight_op(const Tensor& w);
 // quantize_weight of each weight (on one device), flattened: four tensors per weight; a layer's two weights in
 // one launch (the FP8 weight cache's refresh).
 std::vector<Tensor> quantize_weights_op(at::TensorList ws);
+// The same into existing copies (out: q, s, qT, sT per weight), each weight given as counts[i] parts, its row
+// ranges in order (all but the last a multiple of 128 rows): quantized as their concatenation without making it.
+void quantize_weights_into_op(at::TensorList parts, at::IntArrayRef counts, at::TensorList out);
 Quad act_quantize_op(const Tensor& h, const std::optional<Tensor>& probs, int64_t activation, const Tensor& plan, bool rows,
                      bool cols);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> act_backward_quantize_op(const Tensor& da, const Tensor& h,

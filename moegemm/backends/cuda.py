@@ -61,6 +61,10 @@ def quantize_weights(weights):
     return [tuple(flat[i: i + 4]) for i in range(0, len(flat), 4)]
 
 
+def quantize_weights_into(parts, counts, out):
+    _ops.quantize_weights_into(list(parts), list(counts), list(out))
+
+
 def gemm_fp8_ragged_rows(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):
     if out_dtype != torch.bfloat16:
         raise ValueError(f"the CUDA FP8 GEMM writes bfloat16 output, got out_dtype={out_dtype}")

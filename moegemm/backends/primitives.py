@@ -68,6 +68,10 @@ def _quantize_weights(weights):
     return [t for w in weights for t in _quantize_weight(w)]
 
 
+def _quantize_weights_into(parts, counts, out):
+    return None
+
+
 def _act_quantize(h, probs, activation, plan, rows, cols):
     return _multicast_like(h, act_width(h.shape[1], activation), plan, rows, cols)
 
@@ -131,6 +135,7 @@ OPS = (
     PrimitiveOp("requantize_cols(Tensor x, Tensor x_scales, Tensor plan) -> (Tensor, Tensor)", _requantize_cols),
     PrimitiveOp("quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor, Tensor)", _quantize_weight),
     PrimitiveOp("quantize_weights(Tensor[] weights) -> Tensor[]", _quantize_weights),
+    PrimitiveOp("quantize_weights_into(Tensor[] parts, int[] counts, Tensor(a!)[] out) -> ()", _quantize_weights_into),
     PrimitiveOp("act_quantize(Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, bool cols) -> "
                 "(Tensor, Tensor, Tensor, Tensor)", _act_quantize),
     PrimitiveOp("act_backward_quantize(Tensor da, Tensor h, Tensor? probs, int activation, Tensor plan, bool rows, "

@@ -18,7 +18,8 @@ from .. import reference as R
 from ..layout import ACTIVATION_NAMES, FP8_BLOCKWISE, wgrad_dtype
 from ..reference import (act_backward_bf16, act_backward_quantize, act_bf16, act_quantize,  # noqa: F401
                          gemm_bf16_dgrad, gemm_bf16_fprop, gemm_bf16_wgrad, gemm_fp8_ragged_reduction, gemm_fp8_ragged_rows,
-                         make_plan, quantize_act, quantize_weight, quantize_weights, requantize_cols)
+                         make_plan, quantize_act, quantize_weight, quantize_weights, quantize_weights_into,
+                         requantize_cols)
 from . import contract as C
 from . import fakes
 

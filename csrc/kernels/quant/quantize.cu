@@ -61,7 +61,7 @@ constexpr int kWeightSmemBytes = kBlock * kBlock * int(sizeof(T)) + kBlock * kBl
 
 // One launch's weights (csrc/moegemm.h quantize_weights) and the plan built on the side: CTA 0 builds the plan
 // when there is one; every other CTA quantizes one 128x128 block, the first weight's blocks (column block
-// fastest, then row block, then expert) before the second's.
+// fastest, then row block, then expert) before the second's, the second's before the third's.
 struct WeightLaunch {
   WeightQuant weight[kMaxWeightsPerLaunch];
   int64_t blocks[kMaxWeightsPerLaunch];  // E * Nb * Kb of each weight
@@ -69,10 +69,12 @@ struct WeightLaunch {
   PlanBuild plan;
 };
 
-// The launch's weight `second ? 1 : 0`, field by field (no dynamic index into the parameter space).
-__device__ __forceinline__ WeightQuant weight_of(const WeightLaunch& launch, bool second) {
+// The launch's weight `index`, field by field (no dynamic index into the parameter space).
+__device__ __forceinline__ WeightQuant weight_of(const WeightLaunch& launch, int index) {
+  static_assert(kMaxWeightsPerLaunch == 3, "one select per weight");
   WeightQuant w = launch.weight[0];
-  if (second) w = launch.weight[1];
+  if (index == 1) w = launch.weight[1];
+  if (index == 2) w = launch.weight[2];
   return w;
 }
 
@@ -85,15 +87,25 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
     if (block == 0) return build_plan<kThreads>(launch.plan);
     --block;
   }
-  const bool second = launch.count > 1 && block >= launch.blocks[0];
-  if (second) block -= launch.blocks[0];
-  const WeightQuant job = weight_of(launch, second);
+  int index = 0;
+  if (launch.count > 1 && block >= launch.blocks[0]) {
+    block -= launch.blocks[0];
+    index = 1;
+    if (launch.count > 2 && block >= launch.blocks[1]) {
+      block -= launch.blocks[1];
+      index = 2;
+    }
+  }
+  const WeightQuant job = weight_of(launch, index);
   const int64_t N = job.N, K = job.K;
+  // the copies' rows per expert, and this weight's first row among them (a part of a larger weight)
+  const int64_t R = job.rows > 0 ? job.rows : N, row0 = job.row0;
   uint8_t* __restrict__ q = job.q;
   float* __restrict__ s = job.s;
   uint8_t* __restrict__ qT = job.qT;
   float* __restrict__ sT = job.sT;
   const int64_t Nb = (N + kBlock - 1) / kBlock, Kb = (K + kBlock - 1) / kBlock;
+  const int64_t Rb = (R + kBlock - 1) / kBlock, rb0 = row0 / kBlock;
   const int64_t kb = block % Kb, nb = block / Kb % Nb, e = block / (Kb * Nb);
 
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -138,8 +150,8 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
   const BlockQuant quant(a);
   const float scale = quant.scale;
   if (threadIdx.x == 0) {
-    s[(e * Nb + nb) * Kb + kb] = scale;
-    if (qT != nullptr) sT[(e * Kb + kb) * Nb + nb] = scale;
+    s[(e * Rb + rb0 + nb) * Kb + kb] = scale;
+    if (qT != nullptr) sT[(e * Kb + kb) * Rb + rb0 + nb] = scale;
   }
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
@@ -149,13 +161,13 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
       reinterpret_cast<const Raw4<T>*>(tile + r * kBlock)[lane].get(v);
       const uint32_t packed = quant.pack4(v);
       if (qT != nullptr) tileq[tile_word(r, lane)] = packed;
-      *reinterpret_cast<uint32_t*>(q + e * N * K + (n0 + r) * K + k0 + 4 * lane) = packed;
+      *reinterpret_cast<uint32_t*>(q + (e * R + row0 + n0 + r) * K + k0 + 4 * lane) = packed;
     }
   }
   if (qT == nullptr) return;  // (the same for every thread) no transposed copy
   __syncthreads();
   // Transposed copy: thread = (4 columns kq, 16 rows rc) of the tile, 16 bytes of each column's row of Wᵀ; the 8
-  // threads of one kq write those 4 rows' 128 contiguous bytes (whole lines when N is a multiple of 128; nn and nk
+  // threads of one kq write those 4 rows' 128 contiguous bytes (whole lines when R is a multiple of 128; nn and nk
   // are multiples of 16).
   static_assert(kThreads == (kBlock / 4) * (kBlock / 16), "one thread per 4 columns x 16 rows");
   const int kq = threadIdx.x / 8, rc = threadIdx.x % 8;
@@ -169,9 +181,9 @@ __global__ void __launch_bounds__(kThreads, kWeightCtasPerSm<T>) quantize_weight
 #pragma unroll
     for (int c = 0; c < 4; ++c) cols[c][g] = t[c];
   }
-  uint8_t* dst = qT + e * N * K + (k0 + 4 * kq) * N + n0 + 16 * rc;
+  uint8_t* dst = qT + e * R * K + (k0 + 4 * kq) * R + row0 + n0 + 16 * rc;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) *reinterpret_cast<uint4*>(dst + c * N) = make_uint4(cols[c][0], cols[c][1], cols[c][2], cols[c][3]);
+  for (int c = 0; c < 4; ++c) *reinterpret_cast<uint4*>(dst + c * R) = make_uint4(cols[c][0], cols[c][1], cols[c][2], cols[c][3]);
 }
 
 template <typename T>
@@ -213,7 +225,7 @@ void requantize_cols(const uint8_t* q, const float* s, int64_t T, int64_t K, int
 }
 
 void quantize_weights(const WeightQuant* weights, int count, DType dtype, const PlanBuild& plan, cudaStream_t stream) {
-  if (count < 1 || count > kMaxWeightsPerLaunch) throw std::runtime_error("moegemm: quantize_weights: 1 or 2 weights per launch");
+  if (count < 1 || count > kMaxWeightsPerLaunch) throw std::runtime_error("moegemm: quantize_weights: 1 to 3 weights per launch");
   WeightLaunch launch{};
   launch.plan = plan.m_splits != nullptr ? plan : PlanBuild{};  // no counts: nothing to build
   int64_t grid = launch.plan.plan != nullptr ? 1 : 0;

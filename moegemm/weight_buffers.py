@@ -22,9 +22,10 @@ with no device sync:
 - ``invalidate`` (a ``load_state_dict``, ``refresh_fp8_weights()``) clears the stamp.
 
 A weight given as a tuple of parts (``(w1, w3)``) is quantized as their concatenation along dim 1, as in the
-weight cache. Under CUDA-graph capture the copies are re-quantized inside the graph on every replay (never
-stale) and the stamp is cleared. A tensor the check cannot identify (no version counter, a view made anew
-every call such as a DTensor's ``to_local()`` inside a compiled graph) is re-quantized at every use.
+weight cache: straight into the copies' rows when every part but the last is whole 128-row blocks (the backend's
+``quantize_weights_into``, all weights in one launch), else concatenated first. Under CUDA-graph capture the
+copies are re-quantized inside the graph on every replay (never stale) and the stamp is cleared. A tensor the
+check cannot identify (no version counter, a view made anew every call) is re-quantized at every use.
 
 In place means: a backward still pending from a forward before the weights changed would read the new copies;
 eager autograd refuses that (the copies it saved were modified in place), and the re-quantization happens only

@@ -165,7 +165,10 @@ def quantize_weights_into(parts, counts, out) -> None:
                 raise ValueError(f"quantize_weights_into: parts[{j}] has {parts[j].shape[1]} rows: every part but a "
                                  f"weight's last must have a multiple of {BLOCK}")
         w = torch.cat(list(parts[start:start + n]), 1) if n > 1 else parts[start]
-        for dst, src in zip(out[4 * i: 4 * i + 4], quantize_weight(w)):
+        for j, (dst, src) in enumerate(zip(out[4 * i: 4 * i + 4], quantize_weight(w))):
+            if dst.shape != src.shape or dst.dtype != src.dtype or dst.device != src.device:
+                raise ValueError(f"quantize_weights_into: out[{4 * i + j}] must be {src.dtype} of shape "
+                                 f"{tuple(src.shape)} on {src.device}, got {dst.dtype} {tuple(dst.shape)} on {dst.device}")
             dst.copy_(src)
         start += n
 

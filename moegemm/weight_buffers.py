@@ -16,16 +16,19 @@ with no device sync:
   part its identity token, address and version counter, read before quantizing;
 - the copies are fresh while all of these are unchanged: the rules of ``moegemm/weight_cache.py`` (in-place
   writes bump the version, optimizer steps the generation; writes through ``.data`` or another tensor need
-  ``moegemm.weights_changed()``). ``module.to`` and ``deepcopy`` carry the copies' values with them, and move
-  the weights (a new address: stale); a compiled graph that hands the op a copy of the buffers (a recompute
-  under activation checkpointing) hands it their values, and so their freshness;
+  ``moegemm.weights_changed()``). ``deepcopy`` carries the copies' values with them and moves the weights (a new
+  address: stale; ``moegemm.torchtitan``'s experts make their copies anew on ``module.to``); a compiled graph
+  that hands the op a copy of the buffers (a recompute under activation checkpointing) hands it their values,
+  and so their freshness;
 - ``invalidate`` (a ``load_state_dict``, ``refresh_fp8_weights()``) clears the stamp.
 
 A weight given as a tuple of parts (``(w1, w3)``) is quantized as their concatenation along dim 1, as in the
 weight cache: straight into the copies' rows when every part but the last is whole 128-row blocks (the backend's
 ``quantize_weights_into``, all weights in one launch), else concatenated first. Under CUDA-graph capture the
-copies are re-quantized inside the graph on every replay (never stale) and the stamp is cleared. A tensor the
-check cannot identify (no version counter, a view made anew every call) is re-quantized at every use.
+copies are re-quantized inside the graph, so at every replay; since a replay may also change the weights
+without moving any counter (a captured optimizer step), copies a capture wrote are re-quantized at every eager
+use from then on. A tensor the check cannot identify (no version counter, a view made anew every call) is
+re-quantized at every use.
 
 In place means: a backward still pending from a forward before the weights changed would read the new copies;
 eager autograd refuses that (the copies it saved were modified in place), and the re-quantization happens only
@@ -44,7 +47,8 @@ from .layout import BLOCK, ceil_div
 __all__ = ["allocate", "release", "matching", "refresh", "invalidate"]
 
 _NAMES = ("q", "s", "qT", "sT")
-_HEAD = 2  # stamp words before the parts': valid, generation
+_HEAD = 2  # stamp words before the parts': state, generation
+_STALE, _HELD, _CAPTURED = 0, 1, -1  # stamp[0]: to be quantized; holds the weights below; written by a graph capture
 _PART = 3  # per part: token, address, version
 
 
@@ -68,12 +72,13 @@ def allocate(module: torch.nn.Module, prefix: str, weights: Sequence) -> None:
     """Register (or replace) ``module``'s FP8 copy buffers for ``weights`` (tensors or tuples of parts, all on one
     device), named ``{prefix}{i}_{q,s,qT,sT}``, and their stamp ``{prefix}stamp`` (cleared: not yet quantized)."""
     device = weight_cache._parts(weights[0])[0].device
-    for i, w in enumerate(weights):
-        for name, (shape, dtype) in zip(_NAMES, _shapes(*_combined_shape(w))):
-            module.register_buffer(f"{prefix}{i}_{name}", torch.empty(shape, dtype=dtype, device=device),
-                                   persistent=False)
-    parts = sum(len(weight_cache._parts(w)) for w in weights)
-    setattr(module, f"{prefix}stamp", torch.zeros(_HEAD + _PART * parts, dtype=torch.int64))
+    with torch.inference_mode(False):  # (made in an inference-mode call they must still take training's writes)
+        for i, w in enumerate(weights):
+            for name, (shape, dtype) in zip(_NAMES, _shapes(*_combined_shape(w))):
+                module.register_buffer(f"{prefix}{i}_{name}", torch.empty(shape, dtype=dtype, device=device),
+                                       persistent=False)
+        parts = sum(len(weight_cache._parts(w)) for w in weights)
+        setattr(module, f"{prefix}stamp", torch.zeros(_HEAD + _PART * parts, dtype=torch.int64))
     weight_cache.install_optimizer_hook()
 
 
@@ -104,8 +109,8 @@ def matching(module: torch.nn.Module, prefix: str, weights: Sequence) -> Optiona
 def invalidate(module: torch.nn.Module, prefix: str) -> None:
     """The copies are re-quantized at their next use."""
     stamp = getattr(module, f"{prefix}stamp", None)
-    if stamp is not None:
-        stamp[0] = 0
+    if stamp is not None and int(stamp[0]) == _HELD:
+        stamp[0] = _STALE
 
 
 def refresh(weights: Sequence, copies: List[torch.Tensor], stamp: torch.Tensor) -> None:
@@ -127,7 +132,7 @@ def _identity(p: torch.Tensor) -> list:
 
 def _fresh(flat, copies, stamp) -> bool:
     held = stamp.tolist()
-    if held[0] != 1 or held[1] != weight_cache.generation():
+    if held[0] != _HELD or held[1] != weight_cache.generation():
         return False
     now = [v for p in flat for v in _identity(p)]
     return -1 not in now[2::_PART] and held[_HEAD:] == now
@@ -137,9 +142,13 @@ def _refresh(flat: List[torch.Tensor], counts: List[int], copies: List[torch.Ten
     capture = weight_cache.capturing(copies[0].device)
     if not capture and _fresh(flat, copies, stamp):
         return
-    head = [1, weight_cache.generation()]
+    # A captured graph re-quantizes the copies at every replay, and a replay that also changes the weights (a
+    # captured optimizer step) moves no counter: copies a capture wrote are never trusted again.
+    captured = capture or int(stamp[0]) == _CAPTURED
+    head = [_CAPTURED if captured else _HELD, weight_cache.generation()]
     now = [v for p in flat for v in _identity(p)]  # before quantizing: a write racing with it is not taken as seen
-    stamp[0] = 0  # (cleared while the copies are being overwritten: a failure leaves them stale)
+    if not captured:
+        stamp[0] = _STALE  # (while the copies are being overwritten: a failure leaves them stale)
     parts, sizes, start = [], [], 0
     for n in counts:  # a weight's parts as they are where each but the last is whole 128-row blocks, else concatenated
         mine = flat[start:start + n]
@@ -149,8 +158,9 @@ def _refresh(flat: List[torch.Tensor], counts: List[int], copies: List[torch.Ten
         start += n
     with torch.no_grad():
         backends.select(copies[0].device).quantize_weights_into([p.detach().contiguous() for p in parts], sizes, copies)
-    if not capture:  # a captured quantization runs again at every replay: nothing to record
-        stamp.copy_(torch.tensor(head + now, dtype=torch.int64))
+    for t in copies:  # (a kernel's writes move no version counter: a backward that saved the old copies must see it)
+        torch.autograd.graph.increment_version(t)
+    stamp.copy_(torch.tensor(head + now, dtype=torch.int64))
 
 
 @torch.library.custom_op("moegemm_cache::refresh_fp8_copies_", mutates_args=("copies", "stamp"))

@@ -171,6 +171,20 @@ def test_quantize_weights_into_parts(dtype):
         into([w1, w3], [2], out)
     with pytest.raises(RuntimeError, match=r"parts\[1\]"):
         into([w1, w3[:, :, :160].contiguous()], [2], copies_of(E, 400, K))
+    # four parts: two launches (three at most per launch); a part of another dtype: a launch of its own
+    w4 = torch.randn(E, 128, K, device=DEV, dtype=dtype) * 0.05
+    out = copies_of(E, 400, K) + copies_of(E, K, 400) + copies_of(E, 128, K)
+    _, names = cuda_kernels(lambda: into([w1, w3, w2, w4], [2, 1, 1], out))
+    assert len(names) == 2, names
+    want = want + list(ref.quantize_weight(w4))
+    for got, w in zip(out, want):
+        assert torch.equal(as_bytes(got), as_bytes(w.to(DEV)))
+    w2h = w2.half()
+    out = copies_of(E, 400, K) + copies_of(E, K, 400)
+    _, names = cuda_kernels(lambda: into([w1, w3, w2h], [2, 1], out))
+    assert len(names) == 2, names
+    for got, w in zip(out, list(ref.quantize_weight(torch.cat([w1, w3], 1))) + list(ref.quantize_weight(w2h))):
+        assert torch.equal(as_bytes(got), as_bytes(w.to(DEV)))
 
 
 # ------------------------------------------------------------------------------------------ quantizers

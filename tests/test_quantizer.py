@@ -437,3 +437,5 @@ def test_quantize_weights_into_is_the_quantization_of_the_concatenation():
         R.quantize_weights_into([w3, w1], [2], out[:4])
     with pytest.raises(ValueError, match="disagree"):
         R.quantize_weights_into([w1, w3, w2], [2], out)
+    with pytest.raises(ValueError, match=r"out\[0\] must be torch.float8_e4m3fn"):
+        R.quantize_weights_into([w1, w3], [2], [out[0].float()] + out[1:4])

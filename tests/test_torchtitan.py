@@ -642,6 +642,7 @@ def test_fp8_copies_are_buffers_outside_the_state_dict(quant):
     assert quant["cache_calls"] == 1
     other = make_experts("fp8_blockwise", "cpu")
     m.load_state_dict(other.state_dict())
+    assert int(m._fp8_copystamp[0]) == 0  # the load's hook: re-quantize at the next use
     assert torch.equal(m(x, counts), other(x, counts)) and not torch.equal(y, other(x, counts))
     assert quant["cache_calls"] == 3  # m after the load, and other
     m.fp8_weight_cache = False
@@ -661,18 +662,48 @@ def test_fp8_copies_are_buffers_outside_the_state_dict(quant):
 
 
 @requires_torchtitan
-def test_pending_backward_refuses_requantized_copies():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pending_backward_refuses_requantized_copies(device):
     """A forward, then weights declared changed and another forward (the copies re-quantized in place), then the
     first forward's backward: autograd refuses it (a saved FP8 copy was modified in place) rather than computing
     the gradients from the new copies."""
     torch.manual_seed(0)
-    m = make_experts("fp8_blockwise", "cpu")
-    x, counts = experts_batch("cpu")
+    m = make_experts("fp8_blockwise", device)
+    x, counts = experts_batch(device)
     y = m(x.requires_grad_(), counts)
     moegemm.weights_changed()
     m(x, counts)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.float().sum().backward()
+
+
+@requires_torchtitan
+def test_copies_made_in_inference_mode_take_training():
+    """Copy buffers made inside ``torch.inference_mode()`` (the cache switched on there, then an evaluation call)
+    are ordinary tensors: training afterwards re-quantizes into them and gives the fresh module's results."""
+    torch.manual_seed(0)
+    m = make_experts("fp8_blockwise", "cpu")
+    fresh = copy.deepcopy(m)
+    x, counts = experts_batch("cpu")
+    m.fp8_weight_cache = False
+    with torch.inference_mode():
+        m.fp8_weight_cache = True
+        m(x, counts)
+    with torch.no_grad():
+        for w in (m.w1_EFD, fresh.w1_EFD):
+            w.mul_(0.5)
+    got = fwd_bwd_experts(m, x, counts)
+    want = fwd_bwd_experts(fresh, x, counts)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def fwd_bwd_experts(m, x, counts):
+    """(y, dx, dw1, dw3, dw2) of an experts module."""
+    x = x.detach().clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    y = m(x, counts)
+    y.float().square().mean().backward()
+    return [y.detach(), x.grad] + [w.grad for w in expert_weights(m)]
 
 
 @requires_torchtitan
@@ -778,6 +809,38 @@ def test_cuda_debug_model_training_step(recipe):
     for got, want in zip(outs[1], outs[0]):
         if want is not None and want.norm() > 0:
             assert rel(got, want) < tol
+
+
+@requires_torchtitan
+@requires_cuda
+def test_cuda_graph_capture_requantizes_at_every_replay():
+    """A forward captured in a CUDA graph re-quantizes the weights inside the graph: replays after a write no
+    counter sees (through ``.data``) give the new weights' output, and so do eager calls after the capture (copies a
+    capture wrote are never trusted again)."""
+    torch.manual_seed(0)
+    m = make_experts("fp8_blockwise", "cuda")
+    x, counts = experts_batch("cuda")
+    m(x, counts)  # builds the extension, fills the copies
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.no_grad():
+        m(x, counts)  # warm-up on the side stream
+        with torch.cuda.graph(graph):
+            y = m(x, counts)
+    torch.cuda.current_stream().wait_stream(stream)
+    for scale in (0.5, 3.0):
+        with torch.no_grad():
+            for w in expert_weights(m):
+                w.data.mul_(scale)  # no counter moves
+        graph.replay()
+        fresh = make_experts("fp8_blockwise", "cuda")
+        fresh.load_state_dict(m.state_dict())
+        with torch.no_grad():
+            want = fresh(x, counts)
+            assert torch.equal(y, want)
+            assert torch.equal(m(x, counts), want)
 
 
 # ------------------------------------------------------------------------------------------- benchmark

@@ -13,11 +13,13 @@ Recipe to_recipe(int64_t recipe) {
 
 std::string num(int64_t v) { return std::to_string(v); }
 
-std::string shape(const Tensor& t) {
+std::string nums(at::IntArrayRef v) {
   std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
   return out + "]";
 }
+
+std::string shape(const Tensor& t) { return nums(t.sizes()); }
 
 std::string strides(const Tensor& t) {
   std::string out = "[";

@@ -23,7 +23,10 @@ using at::Tensor;
 enum class Recipe : int { kBf16 = 0, kFp8Blockwise = 1 };
 Recipe to_recipe(int64_t recipe);
 
+// Numbers reach error messages as strings: streaming an at::IntArrayRef into a TORCH_CHECK message crashed the
+// extension (segfault) on the GPU machine's torch 2.11.
 std::string num(int64_t v);
+std::string nums(at::IntArrayRef v);  // "[a, b, ...]"
 std::string shape(const Tensor& t);
 std::string strides(const Tensor& t);
 

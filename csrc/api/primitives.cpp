@@ -208,15 +208,16 @@ std::vector<Tensor> quantize_weights_op(at::TensorList ws) {
 }
 
 void quantize_weights_into_op(at::TensorList parts, at::IntArrayRef counts, at::TensorList out) {
+  const std::string listed = nums(counts);
   TORCH_CHECK(!parts.empty(), "moegemm: quantize_weights_into: parts is empty");
   TORCH_CHECK(out.size() == 4 * counts.size(), "moegemm: quantize_weights_into: out must hold four tensors (q, s, qT, sT) "
-              "per weight, ", num(4 * counts.size()), " for counts ", counts, ", got ", num(out.size()));
+              "per weight, ", num(4 * counts.size()), " for counts ", listed, ", got ", num(out.size()));
   int64_t total = 0;
   for (const int64_t c : counts) {
-    TORCH_CHECK(c >= 1, "moegemm: quantize_weights_into: counts must be positive, got ", counts);
+    TORCH_CHECK(c >= 1, "moegemm: quantize_weights_into: counts must be positive, got ", listed);
     total += c;
   }
-  TORCH_CHECK(total == static_cast<int64_t>(parts.size()), "moegemm: quantize_weights_into: counts ", counts,
+  TORCH_CHECK(total == static_cast<int64_t>(parts.size()), "moegemm: quantize_weights_into: counts ", listed,
               " must add up to the number of parts, ", num(parts.size()));
   c10::DeviceGuard guard(parts[0].device());
   std::vector<WeightPart> jobs;
@@ -227,7 +228,7 @@ void quantize_weights_into_op(at::TensorList parts, at::IntArrayRef counts, at::
     for (int64_t j = 0; j < counts[i]; ++j, ++p) {
       const std::string name = "parts[" + std::to_string(p) + "]";
       const WeightIn in = weight_input(parts[p], name.c_str(), parts[0]);
-      const Tensor& w0 = p == first ? in.w : jobs[first].in.w;
+      const Tensor w0 = p == first ? in.w : jobs[first].in.w;
       TORCH_CHECK(in.w.size(0) == w0.size(0) && in.w.size(2) == w0.size(2) && in.w.scalar_type() == w0.scalar_type(),
                   "moegemm: quantize_weights_into: ", name, " ", shape(in.w), " ", in.w.scalar_type(), " must match the first "
                   "part of its weight in experts, K and dtype: ", shape(w0), " ", w0.scalar_type());
@@ -238,18 +239,17 @@ void quantize_weights_into_op(at::TensorList parts, at::IntArrayRef counts, at::
     }
     const int64_t E = jobs[first].in.w.size(0), K = jobs[first].in.w.size(2);
     const int64_t Rb = ceil_div(rows, kBlock), Kb = ceil_div(K, kBlock);
-    const std::vector<std::vector<int64_t>> want = {{E, rows, K}, {E, Rb, Kb}, {E, K, rows}, {E, Kb, Rb}};
-    Quantized copies;
-    Tensor* slots[4] = {&copies.q, &copies.s, &copies.qT, &copies.sT};
+    const int64_t want[4][3] = {{E, rows, K}, {E, Rb, Kb}, {E, K, rows}, {E, Kb, Rb}};  // q, s, qT, sT
     for (int c = 0; c < 4; ++c) {
       const Tensor& t = out[4 * i + c];
       const std::string name = "out[" + std::to_string(4 * i + c) + "]";
       check(t, name.c_str(), c % 2 == 0 ? at::kFloat8_e4m3fn : at::kFloat, 3, parts[0]);
-      TORCH_CHECK(t.sizes() == at::IntArrayRef(want[c]), "moegemm: quantize_weights_into: ", name, " must have shape ",
-                  at::IntArrayRef(want[c]), " for a weight of ", num(rows), " rows, got ", shape(t));
+      const bool fits = t.size(0) == want[c][0] && t.size(1) == want[c][1] && t.size(2) == want[c][2];
+      TORCH_CHECK(fits, "moegemm: quantize_weights_into: ", name, " must have shape [", num(want[c][0]), ", ",
+                  num(want[c][1]), ", ", num(want[c][2]), "] for a weight of ", num(rows), " rows, got ", shape(t));
       TORCH_CHECK(is_aligned(t), "moegemm: quantize_weights_into: ", name, " must be 16-byte aligned");
-      *slots[c] = t;
     }
+    const Quantized copies{out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]};
     for (size_t j = first; j < p; ++j) {
       jobs[j].rows = rows;
       jobs[j].out = copies;

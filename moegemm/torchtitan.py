@@ -244,7 +244,7 @@ class MoegemmGroupedExperts(GroupedExperts):
         if self._cache_on:
             self._allocate_fp8_copies()
         else:
-            weight_buffers.release(self, _COPIES, 2)
+            weight_buffers.release(self, _COPIES, len(self._cache_sources()))
 
     def _cache_sources(self) -> list:
         """The weights the FP8 copies are of: (w1, w3) fused, and w2; a DTensor's stored local tensor (the same object
@@ -262,7 +262,7 @@ class MoegemmGroupedExperts(GroupedExperts):
     def _apply(self, fn, recurse=True):
         """``module.to`` / ``to_empty`` / ``.bfloat16()``: the copies are dropped rather than converted (a dtype
         conversion would widen them) and made anew for the converted weights."""
-        weight_buffers.release(self, _COPIES, 2)
+        weight_buffers.release(self, _COPIES, len(self._cache_sources()))
         out = super()._apply(fn, recurse)
         self._allocate_fp8_copies()
         return out

@@ -130,37 +130,28 @@ def _identity(p: torch.Tensor) -> list:
     return [weight_cache._token(p), p.data_ptr(), -1 if version is None else version]
 
 
-def _fresh(flat, copies, stamp) -> bool:
-    held = stamp.tolist()
-    if held[0] != _HELD or held[1] != weight_cache.generation():
-        return False
-    now = [v for p in flat for v in _identity(p)]
-    return -1 not in now[2::_PART] and held[_HEAD:] == now
-
-
 def _refresh(flat: List[torch.Tensor], counts: List[int], copies: List[torch.Tensor], stamp: torch.Tensor) -> None:
     capture = weight_cache.capturing(copies[0].device)
-    if not capture and _fresh(flat, copies, stamp):
+    held = stamp.tolist()  # (a host tensor: no sync)
+    now = [v for p in flat for v in _identity(p)]  # before quantizing: a write racing with it is not taken as seen
+    if (not capture and held[0] == _HELD and held[1] == weight_cache.generation() and -1 not in now[2::_PART]
+            and held[_HEAD:] == now):
         return
     # A captured graph re-quantizes the copies at every replay, and a replay that also changes the weights (a
     # captured optimizer step) moves no counter: copies a capture wrote are never trusted again.
-    captured = capture or int(stamp[0]) == _CAPTURED
-    head = [_CAPTURED if captured else _HELD, weight_cache.generation()]
-    now = [v for p in flat for v in _identity(p)]  # before quantizing: a write racing with it is not taken as seen
+    captured = capture or held[0] == _CAPTURED
     if not captured:
         stamp[0] = _STALE  # (while the copies are being overwritten: a failure leaves them stale)
     parts, sizes, start = [], [], 0
     for n in counts:  # a weight's parts as they are where each but the last is whole 128-row blocks, else concatenated
         mine = flat[start:start + n]
         whole = all(p.shape[1] % BLOCK == 0 for p in mine[:-1])
-        parts += mine if whole else [torch.cat([p.detach() for p in mine], 1)]
+        parts += [p.detach().contiguous() for p in mine] if whole else [weight_cache._combined(tuple(mine))]
         sizes.append(n if whole else 1)
         start += n
     with torch.no_grad():
-        backends.select(copies[0].device).quantize_weights_into([p.detach().contiguous() for p in parts], sizes, copies)
-    for t in copies:  # (a kernel's writes move no version counter: a backward that saved the old copies must see it)
-        torch.autograd.graph.increment_version(t)
-    stamp.copy_(torch.tensor(head + now, dtype=torch.int64))
+        backends.select(copies[0].device).quantize_weights_into(parts, sizes, copies)
+    stamp.copy_(torch.tensor([_CAPTURED if captured else _HELD, weight_cache.generation()] + now, dtype=torch.int64))
 
 
 @torch.library.custom_op("moegemm_cache::refresh_fp8_copies_", mutates_args=("copies", "stamp"))

@@ -63,6 +63,8 @@ def quantize_weights(weights):
 
 def quantize_weights_into(parts, counts, out):
     _ops.quantize_weights_into(list(parts), list(counts), list(out))
+    for t in out:  # (the kernel's writes move no version counter, the reference's copy_ does: a saved copy is stale)
+        torch.autograd.graph.increment_version(t)
 
 
 def gemm_fp8_ragged_rows(qa, sa, qb, sb, plan, out_dtype=torch.bfloat16):

@@ -83,6 +83,17 @@ WeightQuant weight_job(const Tensor& w, const Quantized& out, bool transposed) {
   return {w.data_ptr(), w.size(0), w.size(1), w.size(2), bytes(out.q), out.s.data_ptr<float>(),
           transposed ? bytes(out.qT) : nullptr, transposed ? out.sT.data_ptr<float>() : nullptr};
 }
+
+// Launches n jobs in order, consecutive jobs of one input dtype together (kMaxWeightsPerLaunch at most); the plan,
+// when one is asked for, is built by the first launch.
+void launch_weight_jobs(const WeightQuant* jobs, const DType* dtypes, int n, const PlanBuild& build, cudaStream_t stream) {
+  int start = 0;
+  for (int i = 1; i <= n; ++i) {
+    if (i < n && i - start < kMaxWeightsPerLaunch && dtypes[i] == dtypes[start]) continue;
+    quantize_weights(jobs + start, i - start, dtypes[start], start == 0 ? build : PlanBuild{}, stream);
+    start = i;
+  }
+}
 }  // namespace
 
 Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed) {
@@ -91,49 +102,40 @@ Quantized run_quantize_weight(const Tensor& w, DType dtype, bool transposed) {
 
 std::vector<Quantized> run_quantize_weights(std::initializer_list<WeightIn> weights, bool transposed, const PlanOut& plan) {
   MOEGEMM_RANGE("moegemm::run_quantize_weights");
-  TORCH_CHECK(weights.size() >= 1 && weights.size() <= 2, "moegemm: run_quantize_weights: 1 or 2 weights");
+  TORCH_CHECK(weights.size() >= 1 && weights.size() <= kMaxWeightsPerLaunch, "moegemm: run_quantize_weights: 1 to ",
+              kMaxWeightsPerLaunch, " weights");
   std::vector<Quantized> out;
   std::array<WeightQuant, kMaxWeightsPerLaunch> jobs;
+  std::array<DType, kMaxWeightsPerLaunch> dtypes;
   for (const WeightIn& in : weights) {
     out.push_back(weight_outputs(in.w, transposed));
     jobs[out.size() - 1] = weight_job(in.w, out.back(), transposed);
+    dtypes[out.size() - 1] = in.dtype;
   }
   PlanBuild build;
   if (plan.m_splits.defined()) {
     const DeviceSplits from = device_splits(plan.m_splits);
     build = {from.m_splits, from.m_is_int64, num_experts(plan.plan), plan.T, plan_ptr(plan.plan)};
   }
-  const WeightIn* in = weights.begin();
-  const cudaStream_t stream = current_stream(in->w);
-  const int count = static_cast<int>(weights.size());
-  if (count == 1 || in[1].dtype == in[0].dtype) {
-    quantize_weights(jobs.data(), count, in->dtype, build, stream);
-  } else {
-    quantize_weights(&jobs[0], 1, in[0].dtype, build, stream);
-    quantize_weights(&jobs[1], 1, in[1].dtype, PlanBuild{}, stream);
-  }
+  launch_weight_jobs(jobs.data(), dtypes.data(), static_cast<int>(weights.size()), build,
+                     current_stream(weights.begin()->w));
   return out;
 }
 
 void run_quantize_weight_parts(const std::vector<WeightPart>& parts) {
   MOEGEMM_RANGE("moegemm::run_quantize_weight_parts");
   if (parts.empty()) return;
-  const cudaStream_t stream = current_stream(parts.front().in.w);
-  std::array<WeightQuant, kMaxWeightsPerLaunch> jobs;
-  int count = 0;
-  DType dtype = parts.front().in.dtype;
+  std::vector<WeightQuant> jobs;
+  std::vector<DType> dtypes;
   for (const WeightPart& part : parts) {
-    if (count == kMaxWeightsPerLaunch || (count > 0 && part.in.dtype != dtype)) {
-      quantize_weights(jobs.data(), count, dtype, PlanBuild{}, stream);
-      count = 0;
-    }
     WeightQuant job = weight_job(part.in.w, part.out, true);
     job.rows = part.rows;
     job.row0 = part.row0;
-    jobs[count++] = job;
-    dtype = part.in.dtype;
+    jobs.push_back(job);
+    dtypes.push_back(part.in.dtype);
   }
-  quantize_weights(jobs.data(), count, dtype, PlanBuild{}, stream);
+  launch_weight_jobs(jobs.data(), dtypes.data(), static_cast<int>(jobs.size()), PlanBuild{},
+                     current_stream(parts.front().in.w));
 }
 
 Quantized run_requantize_cols(const Tensor& q, const Tensor& s, const Tensor& plan, const Tensor& zero) {

@@ -59,6 +59,16 @@ for w1_dtype, w2_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, tor
     ym = moegemm.grouped_mlp(xm, w1, w2, m, torch.rand(T, device="cuda"))
     ym.backward(torch.randn_like(ym))
     assert torch.isfinite(xm.grad).all() and torch.isfinite(w1.grad).all()
+# A weight given as parts written into the whole weight's copies (torchtitan's w1 and w3 into the fused fc1 rows, a
+# part of 144 rows: not whole 128-row blocks) with w2 in the same launch; checked bitwise against the concatenation's
+parts = [(torch.randn(E, F, K, device="cuda") * 0.05).to(torch.bfloat16) for F in (256, 144)]
+w2p = (torch.randn(E, K, 400, device="cuda") * 0.05).to(torch.bfloat16)
+copies = [torch.empty_like(t) for t in list(cuda_ops.quantize_weight(torch.cat(parts, 1))) + list(
+    cuda_ops.quantize_weight(w2p))]
+torch.ops.moegemm.quantize_weights_into(parts + [w2p], [2, 1], copies)
+for got, want in zip(copies, list(ref.quantize_weight(torch.cat(parts, 1))) + list(ref.quantize_weight(w2p))):
+    assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                       want.to("cuda").view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want.to("cuda"))
 # Given FP8 weights: x's quantizer derives the plan in each CTA (CTA 0 writing it)
 wq = (torch.randn(E, N, K, device="cuda") * 0.05).to(torch.bfloat16)
 yq, plan_q, _ = cuda_ops.linear_fwd(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), wq, m, None, 1, True, True,

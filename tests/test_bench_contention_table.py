@@ -53,3 +53,16 @@ def test_fc1_and_step_tables():
     assert _cells(md, "8 x 1024 x 1024 x 8192") == ["8 x 1024 x 1024 x 8192", "two launches", "0.066", "0.071", "0.081"]
     assert _cells(md, "Mixtral-8x7B") == ["Mixtral-8x7B", "21.188", "24", "23.342", "0.90"]
     assert "alone x 132" not in md  # no GEMM rows: no GEMM table
+
+
+def test_md_heading_names_gpu_commit_and_command(monkeypatch):
+    """The --md heading from the tool's own arguments (which have no --quick): the GPU, its SMs, the commit measured
+    (MOEGEMM_COMMIT, as on the GPU machine) and the command."""
+    import argparse
+
+    from bench.gemm.contention import PROG, md_heading
+    monkeypatch.setenv("MOEGEMM_COMMIT", "abc1234")
+    args = argparse.Namespace(only="fc1", md="out.md", reps=15)
+    heading = md_heading("GPU X", 124, args, ["--only", "fc1", "--reps", "15"])
+    assert heading.startswith("GPU X (124 SMs), commit abc1234, torch ")
+    assert heading.endswith(f"`{PROG} --only fc1 --reps 15`")

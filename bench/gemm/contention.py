@@ -271,6 +271,13 @@ def markdown(rows: list, sms: int, heading: str) -> str:
     return "\n".join(out)
 
 
+def md_heading(device: str, sms: int, args: argparse.Namespace, argv: list) -> str:
+    """The markdown tables' first line: the GPU, its SMs, the commit measured and the command."""
+    from bench.suite.meta import collect_meta
+    return (f"{device} ({sms} SMs), commit {collect_meta(args)['git_commit']}, torch {torch.__version__}: "
+            f"`{PROG} {' '.join(argv)}`")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
@@ -324,9 +331,7 @@ def main(argv=None) -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.md:
-        from bench.suite.meta import collect_meta
-        heading = (f"{torch.cuda.get_device_name()} ({sms} SMs), commit {collect_meta(args)['git_commit']}, "
-                   f"torch {torch.__version__}: `{PROG} {' '.join(argv if argv is not None else sys.argv[1:])}`")
+        heading = md_heading(torch.cuda.get_device_name(), sms, args, argv if argv is not None else sys.argv[1:])
         with open(args.md, "w") as f:
             f.write(markdown(rows, sms, heading))
 

@@ -37,7 +37,7 @@ def collect_meta(args) -> dict:
         "git_dirty": bool(dirty) if dirty is not None else None,
         "git_dirty_files": dirty.splitlines() if dirty else [],
         "argv": sys.argv[1:],
-        "quick": bool(args.quick),
+        "quick": bool(getattr(args, "quick", False)),  # (tools without --quick)
         "python": platform.python_version(),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
     }

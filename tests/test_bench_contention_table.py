@@ -44,13 +44,14 @@ def test_gemm_table_places_each_ratio_under_its_k_and_budget():
 
 
 def test_fc1_and_step_tables():
-    rows = [{"fc1_forward": [8, 1024, 1024, 8192], "held": k, "ms": ms, "queued": True, "one_launch": False}
-            for k, ms in ((0, 0.066), (8, 0.0712), (33, 0.0805))]
+    rows = [{"fc1_forward": [8, 1024, 1024, 8192], "held": k, "ms": ms, "queued_ms": q, "one_launch": False}
+            for k, ms, q in ((0, 0.066, 0.045), (8, 0.0712, 0.0452), (33, 0.0805, 0.0461))]
     rows.append({"mlp_step": "Mixtral-8x7B", "held": 24, "ms": 23.342, "alone_ms": 21.188, "over_ideal": 0.9})
     md = markdown(rows, 132, "GPU Y")
-    assert "(queued behind a spin: the GPU's span)" in md
-    assert _cells(md, "shape")[:5] == ["shape", "path", "alone", "k=8", "k=33"]
-    assert _cells(md, "8 x 1024 x 1024 x 8192") == ["8 x 1024 x 1024 x 8192", "two launches", "0.066", "0.071", "0.081"]
+    assert "queued behind a spin" in md
+    assert _cells(md, "shape")[:8] == ["shape", "path", "alone", "k=8", "k=33", "alone q", "k=8 q", "k=33 q"]
+    assert _cells(md, "8 x 1024 x 1024 x 8192") == ["8 x 1024 x 1024 x 8192", "two launches", "0.066", "0.071", "0.081",
+                                                    "0.045", "0.045", "0.046"]
     assert _cells(md, "Mixtral-8x7B") == ["Mixtral-8x7B", "21.188", "24", "23.342", "0.90"]
     assert "alone x 132" not in md  # no GEMM rows: no GEMM table
 

@@ -3,12 +3,12 @@ memory each, spinning for longer than the GEMMs run) while the GEMM runs on the 
 all-to-all does. Each GEMM's time is reported over its ideal, its time alone x SMs / (SMs - k) (1.0: it uses the free
 SMs perfectly), without an SM budget and with the budget set to the free SMs (moegemm.set_num_sms). Then the fc1
 forward with cached FP8 weights (one launch up to 2^23 values of x; MOEGEMM_ONE_LAUNCH_FORWARD=0 for two) with a
-4 ms kernel holding k SMs launched just before it, in ms; and the expert MLP's training step (GA = 1, FP8 with the
+4 ms kernel holding k SMs launched just before it, in ms, timed as issued and queued behind a spin (the GPU's span
+without the host's launch gaps); and the expert MLP's training step (GA = 1, FP8 with the
 weight cache) with `--step-held` SMs held for the whole step, over its time alone x SMs / (SMs - k).
 
     python -m bench.gemm.contention [--shapes DeepSeek-V3-EP8,Mixtral-8x7B] [--held 0,8,16,24,33] [--json PATH] [--md PATH]
     python -m bench.gemm.contention --only fc1 --fc1-kernels   # the fc1 forward's kernels one by one
-    python -m bench.gemm.contention --only fc1 --fc1-queued    # the fc1 forward's GPU span, no host gaps
 
 Needs a Hopper GPU. Writes nothing unless --json or --md names a file (--md: the tables, GPU and commit named).
 """
@@ -159,15 +159,16 @@ def kernel_medians_us(fn, reps: int, before=None, after=None) -> dict:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-# Spin queued ahead of each timed call by --fc1-queued: long enough (~1 ms) for the host to launch the whole forward
+# Spin queued ahead of each queued call of the fc1 forward: long enough (~1 ms) for the host to launch the whole forward
 # behind it, so that the timed span holds no wait for the host.
 QUEUE_SPIN_CYCLES = 2_000_000
 
 
-def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False, queued: bool = False) -> list:
+def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False) -> list:
     """The fc1 forward with cached FP8 weights (E x hidden x columns x tokens) alone and with a 4 ms kernel holding
-    k SMs launched just before each call, in ms (median); with `kernels`, each kernel's time too; with `queued`, each
-    call queued behind a spin on its stream (the GPU's span of the forward, without the host's launch gaps)."""
+    k SMs launched just before each call, in ms (median), timed as issued ("ms") and queued behind a spin on its
+    stream ("queued_ms": the GPU's span of the forward, without the host's launch gaps); with `kernels`, each
+    kernel's time too."""
     from moegemm.backends import cuda as ops
     from moegemm.layout import FP8_BLOCKWISE
     from moegemm._env import env_flag
@@ -189,10 +190,11 @@ def fc1_forward(holder: Holder, held: list, reps: int, kernels: bool = False, qu
             def hold_then_spin(k=k):
                 hold(k)
                 torch.cuda._sleep(QUEUE_SPIN_CYCLES)
-            t = median_ms(fn, reps, before=hold_then_spin if queued else hold, after=holder.release)
-            row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "queued": queued, "one_launch": one_launch,
+            t = median_ms(fn, reps, before=hold, after=holder.release)
+            tq = median_ms(fn, reps, before=hold_then_spin, after=holder.release)
+            row = {"fc1_forward": [E, H, F, T], "held": k, "ms": t, "queued_ms": tq, "one_launch": one_launch,
                    "gpu": torch.cuda.get_device_name()}
-            line += f" k={k} {t:.3f} ms"
+            line += f" k={k} {t:.3f} ms (queued {tq:.3f})"
             if kernels:
                 row["kernels_us"] = kernel_medians_us(fn, reps, before=hold, after=holder.release)
                 per_kernel.append(f"  k={k}: " + "; ".join(f"{n[:60]} {us:.1f} us" for n, us in row["kernels_us"].items()))
@@ -249,17 +251,19 @@ def markdown(rows: list, sms: int, heading: str) -> str:
     fc1_rows = [r for r in rows if "fc1_forward" in r]
     if fc1_rows:
         held = sorted({r["held"] for r in fc1_rows})
-        queued = " (queued behind a spin: the GPU's span)" if fc1_rows[0]["queued"] else ""
-        out += [f"fc1 forward with cached FP8 weights (E x hidden x columns x tokens), ms{queued}, a 4 ms kernel holding "
-                "k SMs launched before each call:", "",
-                "| shape | path | " + " | ".join("alone" if k == 0 else f"k={k}" for k in held) + " |",
-                "|---|---|" + "---:|" * len(held)]
+        names = ["alone" if k == 0 else f"k={k}" for k in held]
+        out += ["fc1 forward with cached FP8 weights (E x hidden x columns x tokens), ms, a 4 ms kernel holding k SMs "
+                "launched before each call; timed as issued, and queued behind a spin on its stream (q: the GPU's "
+                "span, without the host's launch gaps):", "",
+                "| shape | path | " + " | ".join(names + [f"{n} q" for n in names]) + " |",
+                "|---|---|" + "---:|" * (2 * len(held))]
         by_shape = {}
         for r in fc1_rows:
-            by_shape.setdefault((tuple(r["fc1_forward"]), r["one_launch"]), {})[r["held"]] = r["ms"]
+            by_shape.setdefault((tuple(r["fc1_forward"]), r["one_launch"]), {})[r["held"]] = r
         for (shape, one_launch), got in by_shape.items():
+            cells = [f"{got[k][key]:.3f}" if k in got else "" for key in ("ms", "queued_ms") for k in held]
             out.append(f"| {' x '.join(map(str, shape))} | {'one launch' if one_launch else 'two launches'} | "
-                       + " | ".join(f"{got[k]:.3f}" if k in got else "" for k in held) + " |")
+                       + " | ".join(cells) + " |")
         out.append("")
     step_rows = [r for r in rows if "mlp_step" in r]
     if step_rows:
@@ -287,8 +291,6 @@ def main(argv=None) -> None:
     ap.add_argument("--step-held", type=int, default=24, help="SMs held during the MLP step (0: skip it)")
     ap.add_argument("--step-shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
     ap.add_argument("--fc1-kernels", action="store_true", help="the fc1 forward's time per kernel too (torch.profiler)")
-    ap.add_argument("--fc1-queued", action="store_true",
-                    help="queue each fc1 call behind a ~1 ms spin on its stream: the GPU's span, no host launch gaps")
     ap.add_argument("--only", choices=["gemms", "fc1", "step"], help="one part only")
     ap.add_argument("--json", help="write the rows to this file (default: none)")
     ap.add_argument("--md", help="write the tables to this markdown file (default: none)")
@@ -323,7 +325,7 @@ def main(argv=None) -> None:
                     line += f" k={k}{'b' if budget else ''} {ratio:.2f}"
             print(line, flush=True)
     if args.fc1_held and args.only in (None, "fc1"):
-        rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps, args.fc1_kernels, args.fc1_queued)
+        rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps, args.fc1_kernels)
     if args.step_held and args.only in (None, "step"):
         for name in [s.strip() for s in args.step_shapes.split(",") if s.strip()]:
             rows.append(mlp_step(holder, name, args.step_held, args.reps))

@@ -4,7 +4,9 @@
 # table last. From the repository root:
 #   bash bench/gpu_run.sh [pytest args...]
 # TRAIN_LM=1 adds the small LM example, TITAN=1 torchtitan's MoE layer (eager; needs torchtitan 0.3.0),
-# SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/), SKIP_BENCH=1 leaves the benchmark out.
+# SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/), SKIP_BENCH=1 leaves the benchmark out, SKIP_TESTS=1 the
+# tests; GEMM_TABLES=1 the FP8 GEMM tables with every tiling and DeepGEMM (its source in .peers/DeepGEMM), CONTENTION=1
+# the contention tables, both written as bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT.
 set -uo pipefail
 OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/moegemm-bench/gpu_run}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."  # the repository root: the bench scripts run as modules from there
@@ -18,7 +20,18 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 start=$(date +%s)
 python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
-python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+${SKIP_TESTS:+true} python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h100|h200' | tr 'A-Z' 'a-z')
+gpu=${gpu:-gpu}
+if [ -n "${GEMM_TABLES:-}" ]; then  # DeepGEMM's JIT needs the system libstdc++ preloaded (bench/peers/deepgemm.py)
+  preload=$(g++ -print-file-name=libstdc++.so.6)
+  LD_PRELOAD=$preload python3 -m bench.gemm.ragged_rows --quick --tilings 6 --deepgemm --md "$OUT/ragged_rows_$gpu.md" \
+    --json "$OUT/ragged_rows_$gpu.json" 2>&1 | tee "$OUT/ragged_rows.log" | tail -12
+  LD_PRELOAD=$preload python3 -m bench.gemm.ragged_reduction --quick --tilings --deepgemm \
+    --md "$OUT/ragged_reduction_$gpu.md" --json "$OUT/ragged_reduction_$gpu.json" 2>&1 | tee "$OUT/ragged_reduction.log" | tail -12
+fi
+[ -n "${CONTENTION:-}" ] && python3 -m bench.gemm.contention --reps 10 --md "$OUT/contention_$gpu.md" \
+  --json "$OUT/contention_$gpu.json" 2>&1 | tee "$OUT/contention.log" | tail -12
 [ -n "${TRAIN_LM:-}" ] && python3 -m bench.examples.train_lm --out "$OUT" 2>&1 | tee "$OUT/train_lm.log" | tail -12
 [ -n "${TITAN:-}" ] && python3 -m bench.examples.torchtitan_layer --modes eager --out "$OUT" 2>&1 | tee "$OUT/torchtitan_layer.log" | tail -16
 ${SKIP_BENCH:+true} python3 -m bench.suite --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -20

@@ -283,8 +283,7 @@ class MoegemmGroupedExperts(GroupedExperts):
         if copies is None:
             if torch.compiler.is_compiling():
                 return None
-            weight_buffers.allocate(self, _COPIES, sources)
-            copies = weight_buffers.matching(self, _COPIES, sources)
+            copies = weight_buffers.allocate(self, _COPIES, sources)
         weight_buffers.refresh(sources, copies, getattr(self, _COPIES + "stamp"))
         return copies[:4], copies[4:]
 

@@ -37,6 +37,7 @@ when the weights changed, which in training is after every backward of the step.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence
 
 import torch
@@ -64,46 +65,50 @@ def _combined_shape(w) -> tuple:
     return E, sum(p.shape[1] for p in parts), K
 
 
-def _buffer_names(prefix: str, count: int) -> list:
-    return [f"{prefix}{i}_{n}" for i in range(count) for n in _NAMES]
+def _key(weights: Sequence) -> tuple:
+    """What the copy buffers are made for: the weights' device and each weight's combined shape."""
+    return (weight_cache._parts(weights[0])[0].device, *(_combined_shape(w) for w in weights))
 
 
-def allocate(module: torch.nn.Module, prefix: str, weights: Sequence) -> None:
+@functools.lru_cache(maxsize=None)
+def _buffer_names(prefix: str, count: int) -> tuple:
+    return tuple(f"{prefix}{i}_{n}" for i in range(count) for n in _NAMES)
+
+
+def allocate(module: torch.nn.Module, prefix: str, weights: Sequence) -> List[torch.Tensor]:
     """Register (or replace) ``module``'s FP8 copy buffers for ``weights`` (tensors or tuples of parts, all on one
-    device), named ``{prefix}{i}_{q,s,qT,sT}``, and their stamp ``{prefix}stamp`` (cleared: not yet quantized)."""
-    device = weight_cache._parts(weights[0])[0].device
+    device), named ``{prefix}{i}_{q,s,qT,sT}``, their stamp ``{prefix}stamp`` (cleared: not yet quantized) and what
+    they are made for ``{prefix}key``; returns them as ``matching`` does."""
+    key = _key(weights)
     with torch.inference_mode(False):  # (made in an inference-mode call they must still take training's writes)
         for i, w in enumerate(weights):
-            for name, (shape, dtype) in zip(_NAMES, _shapes(*_combined_shape(w))):
-                module.register_buffer(f"{prefix}{i}_{name}", torch.empty(shape, dtype=dtype, device=device),
+            for name, (shape, dtype) in zip(_NAMES, _shapes(*key[1 + i])):
+                module.register_buffer(f"{prefix}{i}_{name}", torch.empty(shape, dtype=dtype, device=key[0]),
                                        persistent=False)
         parts = sum(len(weight_cache._parts(w)) for w in weights)
         setattr(module, f"{prefix}stamp", torch.zeros(_HEAD + _PART * parts, dtype=torch.int64))
+    setattr(module, f"{prefix}key", key)
     weight_cache.install_optimizer_hook()
+    return [module._buffers[n] for n in _buffer_names(prefix, len(weights))]
 
 
 def release(module: torch.nn.Module, prefix: str, count: int) -> None:
     """Drop the copy buffers (their memory is freed once no pending backward holds them)."""
     for name in _buffer_names(prefix, count):
         module._buffers.pop(name, None)
-    if hasattr(module, f"{prefix}stamp"):
-        delattr(module, f"{prefix}stamp")
+    for name in ("stamp", "key"):
+        if hasattr(module, prefix + name):
+            delattr(module, prefix + name)
 
 
 def matching(module: torch.nn.Module, prefix: str, weights: Sequence) -> Optional[List[torch.Tensor]]:
     """The copy buffers (flat, four per weight) if ``module`` has them for these weights' shapes and device,
-    else None."""
-    names = _buffer_names(prefix, len(weights))
-    copies = [module._buffers.get(n) for n in names]
-    if any(c is None for c in copies) or getattr(module, f"{prefix}stamp", None) is None:
+    else None. (Only ``allocate`` and ``release`` make and drop them, ``module.to`` through ``release``: the key
+    they record stands for the buffers' shapes, so no buffer is inspected on this per-call path.)"""
+    if getattr(module, f"{prefix}key", None) != _key(weights):
         return None
-    device = weight_cache._parts(weights[0])[0].device
-    for i, w in enumerate(weights):
-        want = _shapes(*_combined_shape(w))
-        for c, (shape, dtype) in zip(copies[4 * i: 4 * i + 4], want):
-            if tuple(c.shape) != shape or c.dtype != dtype or c.device != device:
-                return None
-    return copies
+    copies = [module._buffers.get(n) for n in _buffer_names(prefix, len(weights))]
+    return None if any(c is None for c in copies) else copies
 
 
 def invalidate(module: torch.nn.Module, prefix: str) -> None:
@@ -117,8 +122,9 @@ def refresh(weights: Sequence, copies: List[torch.Tensor], stamp: torch.Tensor) 
     """Re-quantize ``copies`` in place unless they hold ``weights`` (this module's docstring). Eager: a plain call
     (copies untouched, so no version counter moves, when fresh); under torch.compile: the op, which the graph
     orders before the copies' readers."""
-    flat = [p for w in weights for p in weight_cache._parts(w)]
-    counts = [len(weight_cache._parts(w)) for w in weights]
+    parts = [weight_cache._parts(w) for w in weights]
+    flat = [p for ps in parts for p in ps]
+    counts = [len(ps) for ps in parts]
     if torch.compiler.is_compiling():
         torch.ops.moegemm_cache.refresh_fp8_copies_(flat, counts, copies, stamp)
     else:

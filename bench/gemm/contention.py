@@ -291,6 +291,9 @@ def main(argv=None) -> None:
     ap.add_argument("--step-held", type=int, default=24, help="SMs held during the MLP step (0: skip it)")
     ap.add_argument("--step-shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
     ap.add_argument("--fc1-kernels", action="store_true", help="the fc1 forward's time per kernel too (torch.profiler)")
+    ap.add_argument("--fc1-path", choices=["both", "current"], default="both",
+                    help="both: the fc1 forward on the path MOEGEMM_ONE_LAUNCH_FORWARD gives and, in a child process, "
+                         "the other; current: the given path only")
     ap.add_argument("--only", choices=["gemms", "fc1", "step"], help="one part only")
     ap.add_argument("--json", help="write the rows to this file (default: none)")
     ap.add_argument("--md", help="write the tables to this markdown file (default: none)")
@@ -324,11 +327,40 @@ def main(argv=None) -> None:
                                  "over_ideal": ratio, "gpu": torch.cuda.get_device_name()})
                     line += f" k={k}{'b' if budget else ''} {ratio:.2f}"
             print(line, flush=True)
+    write(rows, sms, args, argv)
     if args.fc1_held and args.only in (None, "fc1"):
         rows += fc1_forward(holder, [int(v) for v in args.fc1_held.split(",")], args.reps, args.fc1_kernels)
+        if args.fc1_path == "both":
+            rows += fc1_forward_other_path(args)
+        write(rows, sms, args, argv)
     if args.step_held and args.only in (None, "step"):
         for name in [s.strip() for s in args.step_shapes.split(",") if s.strip()]:
             rows.append(mlp_step(holder, name, args.step_held, args.reps))
+    write(rows, sms, args, argv)
+
+
+def fc1_forward_other_path(args: argparse.Namespace) -> list:
+    """The fc1 forward's rows on the path MOEGEMM_ONE_LAUNCH_FORWARD does not give (it is read once per process): run
+    in a child process; none, with the reason printed, if it fails."""
+    import os
+    import subprocess
+    import tempfile
+    from moegemm._env import env_flag
+    env = {**os.environ, "MOEGEMM_ONE_LAUNCH_FORWARD": "0" if env_flag("MOEGEMM_ONE_LAUNCH_FORWARD", True) else "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "fc1.json")
+        cmd = [sys.executable, "-m", "bench.gemm.contention", "--only", "fc1", "--fc1-path", "current", "--fc1-held",
+               args.fc1_held, "--reps", str(args.reps), "--json", path] + (["--fc1-kernels"] if args.fc1_kernels else [])
+        done = subprocess.run(cmd, env=env)
+        if done.returncode != 0 or not os.path.exists(path):
+            print(f"the fc1 forward on the other path failed (exit {done.returncode})", flush=True)
+            return []
+        with open(path) as f:
+            return json.load(f)
+
+
+def write(rows: list, sms: int, args: argparse.Namespace, argv) -> None:
+    """The rows so far to --json and --md (after each part: a run cut short keeps what it measured)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -109,8 +109,8 @@ def median_ms(fn, reps: int, before=None, after=None) -> float:
 
 
 def gemms(name: str, E: int, H: int, F: int, T: int):
-    """name -> fn of the fc1 GEMMs of one shape: FP8 fprop, dgrad and wgrad (fp32 accumulated), bf16 fprop and
-    wgrad, and torch._grouped_mm's bf16 fprop."""
+    """name -> fn of the fc1 GEMMs of one shape: FP8 fprop, dgrad and wgrad (fp32 accumulated), bf16 fprop, dgrad
+    and wgrad (fp32 accumulated), and torch._grouped_mm's bf16 fprop, dgrad and wgrad (written in bf16)."""
     from moegemm.backends import cuda as ops
     splits = small_experts_splits(E, T) if name in SMALL_EXPERTS else zipf_splits(E, T)
     m = torch.tensor(splits, device="cuda")
@@ -132,6 +132,8 @@ def gemms(name: str, E: int, H: int, F: int, T: int):
         "bf16 dgrad": lambda: ops.gemm_bf16_dgrad(dy, w, plan),
         "bf16 wgrad": lambda: ops.gemm_bf16_wgrad(dy, x, plan, out=main_grad),
         "torch._grouped_mm bf16 fprop": lambda: torch._grouped_mm(x, wt, offs=offs),
+        "torch._grouped_mm bf16 dgrad": lambda: torch._grouped_mm(dy, w, offs=offs),
+        "torch._grouped_mm bf16 wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs),  # bf16 out, as torch's autograd
     }
 
 
@@ -287,6 +289,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
     ap.add_argument("--held", default="0,8,16,24,33", help="SMs held by the other stream, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gemms", default=None, help="only the GEMMs whose name contains one of these (comma-separated)")
     ap.add_argument("--fc1-held", default="0,8,33", help="SMs held during the fc1 forward ('': skip it)")
     ap.add_argument("--step-held", type=int, default=24, help="SMs held during the MLP step (0: skip it)")
     ap.add_argument("--step-shapes", default="DeepSeek-V3-EP8,Mixtral-8x7B,Small experts E=64")
@@ -310,6 +313,8 @@ def main(argv=None) -> None:
     for name in names:
         E, H, F, T = shapes[name]
         for gemm, fn in gemms(name, E, H, F, T).items():
+            if args.gemms and not any(g.strip() and g.strip() in gemm for g in args.gemms.split(",")):
+                continue
             for _ in range(3):
                 fn()
             alone = median_ms(fn, args.reps)

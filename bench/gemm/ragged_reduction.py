@@ -138,7 +138,7 @@ def main() -> int:
     md = [f"{torch.cuda.get_device_name()}, commit {meta['git_commit']}, torch {torch.__version__}; dense FP8 ceiling "
           f"({ceiling_info['fp8_how']}, same run) {fp8:.0f} TFLOP/s, copy {copy:.0f} GB/s. TFLOP/s on real tokens (% of the "
           f"roofline: that ceiling and the copy bandwidth over the operands and the gradient); back-to-back calls, the "
-          f"kernels interleaved, median over {rounds} rounds of {iters}.", "",
+          f"kernels interleaved, each timed batch after as many untimed calls of its own, median over {rounds} rounds of {iters}.", "",
           "| problem | T | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for r in rows:
         md.append(f"| {r['problem']} | {r['T']} | "

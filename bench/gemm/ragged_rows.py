@@ -5,8 +5,9 @@ with the benchmark's dense FP8 ceiling measured in the same run (bench/gemm/mlp_
 ceiling as the other GEMM tools and the suite).
 
 Timing: back-to-back calls, the kernels of one problem interleaved — in each of ``--rounds`` rounds every
-kernel runs ``--iters`` calls in a row between two CUDA events — and each kernel's median over the rounds,
-so that a drift of the GPU's clock (power, temperature) during the run falls on every kernel alike.
+kernel runs ``--iters`` untimed calls, then ``--iters`` calls in a row between two CUDA events — and each
+kernel's median over the rounds, so that a drift of the GPU's clock (power, temperature) during the run falls on
+every kernel alike and no kernel is timed in the power state its neighbour left (bench/suite/measure.py).
 
 Problems: DeepGEMM's six m-grouped shapes (groups x nominal rows, N, K; each group's rows uniform within
 ±30 % of the nominal) and the benchmark's model shapes (bench/workloads.py: fc1/fc2 fprop and dgrad, Zipf
@@ -42,6 +43,7 @@ def parse_args():
     ap.add_argument("--tilings", type=int, default=0,
                     help="also time the sm90 kernel's first N tilings (heuristics.h's table) one by one")
     ap.add_argument("--deepgemm", action="store_true", help="add DeepGEMM (built from .peers/DeepGEMM; needs the preload)")
+    ap.add_argument("--problems", default=None, help="only the problems whose label contains one of these (comma-separated)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--md", default=None, help="write the markdown table here")
     return ap.parse_args()
@@ -86,7 +88,10 @@ def main() -> int:
     cols = list(variants) + (["DeepGEMM"] if dg else [])
     rows = []
     print("TFLOP/s on real tokens\n" + f"{'problem':44s} {'T':>6s}" + "".join(f" {c:>9s}" for c in cols), flush=True)
+    wanted = [w.strip() for w in (args.problems or "").split(",") if w.strip()]
     for label, splits, N, K in problems(args.quick):
+        if wanted and not any(w in label for w in wanted):
+            continue
         E, T = len(splits), sum(splits)
         x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
         w = (torch.randn(E, N, K, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
@@ -118,7 +123,7 @@ def main() -> int:
 
     meta = collect_meta(args)
     md = [f"{torch.cuda.get_device_name()}, commit {meta['git_commit']}, torch {torch.__version__}; dense FP8 ceiling ({ceiling_info['fp8_how']}, same run): {ceiling:.0f} "
-          f"TFLOP/s. TFLOP/s on real tokens (% of that ceiling); back-to-back calls, the kernels interleaved, median over {rounds} rounds of {iters}.", "",
+          f"TFLOP/s. TFLOP/s on real tokens (% of that ceiling); back-to-back calls, the kernels interleaved, each timed batch after as many untimed calls of its own, median over {rounds} rounds of {iters}.", "",
           "| problem | T | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for r in rows:
         md.append(f"| {r['problem']} | {r['T']} | "

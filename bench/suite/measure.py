@@ -39,18 +39,23 @@ def time_op(fn, target_s, min_iters, max_iters, warmup) -> dict:
     return {"ms": statistics.median(ts), "ms_p10": _pct(ts, 0.1), "ms_p90": _pct(ts, 0.9), "iters": n}
 
 
-def time_interleaved(calls: dict, rounds: int, iters: int) -> dict:
-    """ms per call of each of ``calls``: in each round every call runs ``iters`` times back to back between
-    two CUDA events; the median over the rounds. The order reverses from one round to the next, so that every
-    call's average place in it is the same (with a fixed order an A/B's second form measured up to 4 % slower
-    than its first on power-capped GEMMs that the switch did not change; docs/performance.md, Reading the figures)."""
+def time_interleaved(calls: dict, rounds: int, iters: int, lead: int | None = None) -> dict:
+    """ms per call of each of ``calls``: in each round every call runs ``lead`` times untimed (default: ``iters``),
+    then ``iters`` times back to back between two CUDA events; the median over the rounds. The lead puts the GPU
+    in the call's own state (its clock under the power cap, its operands in L2) before the timed calls: without
+    it the same kernel, timed as two entries of one table, differed by up to 10 % on power-capped GEMMs (H100),
+    each taking over the clock its neighbour left. The order reverses from one round to the next, so that every
+    call's average place in it is the same (docs/performance.md, Reading the figures)."""
     for fn in calls.values():  # warm-up
         fn()
     times = {v: [] for v in calls}
     keys = list(calls)
+    lead = iters if lead is None else lead
     for r in range(rounds):
         for v in keys if r % 2 == 0 else keys[::-1]:
             fn = calls[v]
+            for _ in range(lead):
+                fn()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(iters):

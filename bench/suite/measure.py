@@ -43,8 +43,8 @@ def time_interleaved(calls: dict, rounds: int, iters: int, lead: int | None = No
     """ms per call of each of ``calls``: in each round every call runs ``lead`` times untimed (default: ``iters``),
     then ``iters`` times back to back between two CUDA events; the median over the rounds. The lead puts the GPU
     in the call's own state (its clock under the power cap, its operands in L2) before the timed calls: without
-    it the same kernel, timed as two entries of one table, differed by up to 10 % on power-capped GEMMs (H100),
-    each taking over the clock its neighbour left. The order reverses from one round to the next, so that every
+    it the same kernel, timed as two entries of one table, differed by up to 11 % on power-capped GEMMs (H100),
+    each timed in the state its neighbour left. The order reverses from one round to the next, so that every
     call's average place in it is the same (docs/performance.md, Reading the figures)."""
     for fn in calls.values():  # warm-up
         fn()

@@ -1,6 +1,7 @@
 // Launching moegemm's own FP8 ragged-row GEMM (fp8_ragged_rows.cuh) with the tiling heuristics.h chose.
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -15,8 +16,15 @@
 namespace moegemm::gemm {
 namespace {
 
-template <int kBlockN, int kCluster, bool kQuantizeA = false>
-using Config = sm90::Fp8RaggedRowsConfig<kBlockN, kCluster, kQuantizeA>;
+template <int kBlockN, int kCluster, bool kQuantizeA = false, bool kDeferLastPart = false>
+using Config = sm90::Fp8RaggedRowsConfig<kBlockN, kCluster, kQuantizeA, kDeferLastPart>;
+
+// A/B (temporary): MOEGEMM_AB_DEFER_LAST_PART=1 runs the single-CTA 256-column tilings with part 1's epilogue deferred
+// to the next tile (Fp8RaggedRowsConfig::kDeferLastPart; in 2-CTA clusters it spills); read at every launch
+bool defer_last_part() {
+  const char* v = std::getenv("MOEGEMM_AB_DEFER_LAST_PART");
+  return v != nullptr && v[0] == '1';
+}
 
 // Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device; for
 // single CTAs, the SMs of the budget (grid_sms).
@@ -114,6 +122,7 @@ void sm90_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, Exper
   // one instantiation per entry of heuristics.h's kRaggedRowsTilings
   const auto is = [&](int block_n, int cluster) { return tiling.block_n == block_n && tiling.cluster == cluster; };
   if (is(128, 1)) return launch<Config<128, 1>>(p, a, b, bias, tile_counter, stream);
+  if (is(256, 1) && defer_last_part()) return launch<Config<256, 1, false, true>>(p, a, b, bias, tile_counter, stream);
   if (is(256, 1)) return launch<Config<256, 1>>(p, a, b, bias, tile_counter, stream);
   if (is(128, 2)) return launch<Config<128, 2>>(p, a, b, bias, tile_counter, stream);
   if (is(256, 2)) return launch<Config<256, 2>>(p, a, b, bias, tile_counter, stream);
@@ -130,6 +139,8 @@ void sm90_fp8_ragged_rows_quantize_a(const RaggedRows& p, const RowsPrologue& pr
   uint32_t* words = static_cast<uint32_t*>(workspace);
   if (tiling.cluster == 1 && tiling.block_n == 128) return launch<Config<128, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
   if (tiling.cluster == 1 && tiling.block_n == 192) return launch<Config<192, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
+  if (tiling.cluster == 1 && tiling.block_n == 256 && defer_last_part())
+    return launch<Config<256, 1, true, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
   if (tiling.cluster == 1 && tiling.block_n == 256) return launch<Config<256, 1, true>>(p, a, b, bias, nullptr, stream, &prologue, words);
   throw std::runtime_error("moegemm: gemm_fp8_ragged_rows_quantize_a (sm90): no kernel built for this tiling");
 }

@@ -98,7 +98,7 @@ namespace moegemm::sm90 {
 // accumulator and its promoted copy would not fit in the registers). A 192-wide tile starts at a column
 // n0 with n0 % 128 in {0, 64}, so its part straddles two weight-scale blocks at column 128 or 64.
 // kStages: as many as fit beside the epilogue buffer.
-template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false>
+template <int kBlockN_, int kCluster_, bool kQuantizeA_ = false, bool kDeferLastPart_ = false>
 struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kCluster = kCluster_;  // 1, or 2 with TMA multicast of the shared operand
@@ -120,6 +120,11 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   // A tile's epilogue deferred until the next tile's first wgmma chain is issued, so that it runs while that chain
   // does: tiles of one part (with two, the 256-column tiling spills 144-160 bytes)
   static constexpr bool kDeferEpilogue = kParts == 1;
+  // A/B (temporary, MOEGEMM_AB_DEFER_LAST_PART): tiles of two parts store part 0 at their end and defer part 1 to the
+  // next tile's first chain, holding no more accumulators than the undeferred form
+  static constexpr bool kDeferLastPart = kParts == 2 && kDeferLastPart_;
+  // the tile's first chain issued before its K loop (while an epilogue runs)
+  static constexpr bool kFirstChainEarly = kDeferEpilogue || kDeferLastPart;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma
   static constexpr int kStoreCols = 64;  // a TMA store box: 64 bf16 = 128 bytes, the swizzle span
   static constexpr int kScalesB = 2;     // weight-scale blocks per stage: a tile's columns touch at most two
@@ -182,13 +187,14 @@ namespace detail {
 
 // out += scale · acc over a part's accumulator: a thread's values i of 8-column chunk i / 4, row + 8 when
 // i & 2; chunks below kLoChunks take the first weight-scale block's product (lo0 / lo1 for the two rows),
-// the others the second's.
-template <int kAccum, int kLoChunks>
+// the others the second's. kFirst: out = scale · acc + 0, the tile's first K block on an out not zeroed before (the
+// same bits as on a zeroed out).
+template <int kAccum, int kLoChunks, bool kFirst = false>
 __device__ __forceinline__ void promote(float* out, const float* acc, float lo0, float lo1, float hi0, float hi1) {
 #pragma unroll
   for (int i = 0; i < kAccum; ++i) {
     const float s = i / 4 < kLoChunks ? ((i & 2) ? lo1 : lo0) : ((i & 2) ? hi1 : hi0);
-    out[i] = fmaf(s, acc[i], out[i]);
+    out[i] = fmaf(s, acc[i], kFirst ? 0.f : out[i]);
   }
 }
 
@@ -588,10 +594,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       int stored, row0, n0, parts, expert;
     };
     Finished finished{0, 0, 0, 0, 0};
-    auto epilogue = [&](const Finished& f) {
+    using First = std::integral_constant<int, 0>;
+    using All = std::integral_constant<int, Cfg::kParts>;
+    // parts [kFirst, kEnd) of the tile, those inside N
+    auto epilogue_parts = [&](const Finished& f, auto first_c, auto end_c) {
+      constexpr int kFirst = decltype(first_c)::value, kEnd = decltype(end_c)::value;
       const int wg_row0 = f.row0 + warpgroup * Cfg::kWarpgroupRows;
 #pragma unroll
-      for (int h = 0; h < Cfg::kParts; ++h) {
+      for (int h = kFirst; h < kEnd; ++h) {
         if (h >= f.parts) break;
         const int col0 = f.n0 + h * Cfg::kPartN;
         if (tid == 0) cute::tma_store_wait<0>();  // the previous part's stores have read shared memory
@@ -628,6 +638,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         }
       }
     };
+    auto epilogue = [&](const Finished& f) { epilogue_parts(f, First{}, All{}); };
+    using Last = std::integral_constant<int, 1>;  // a kDeferLastPart tile's deferred part: [Last, All)
 
     // a dynamic walk: whether the next stage holds a tile (the walk's end: a stage whose tile has no expert)
     auto walk_goes_on = [&] {
@@ -660,7 +672,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
 #pragma unroll
           for (int i = 0; i < Cfg::kAccum; ++i) out[h][i] = 0.f;
       };
-      if constexpr (!Cfg::kDeferEpilogue) zero_out();
+      if constexpr (!Cfg::kFirstChainEarly) zero_out();
 
       if (rows > 0) {
         // What is fixed per tile is a compile-time constant of the K loop (one instantiation per case, chosen once
@@ -688,7 +700,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
             }
             // part h's columns start in weight-scale block h; only a 192-wide part reaches into the next
             constexpr int kHi = Cfg::kPartN == 128 ? 0 : 1;
-            detail::promote<Cfg::kAccum, kLo>(out[h], acc, a0 * b[h], a1 * b[h], a0 * b[h + kHi], a1 * b[h + kHi]);
+            if (Cfg::kDeferLastPart && first_issued)  // (out holds the previous tile's last part until its epilogue)
+              detail::promote<Cfg::kAccum, kLo, true>(out[h], acc, a0 * b[h], a1 * b[h], a0 * b[h + kHi], a1 * b[h + kHi]);
+            else
+              detail::promote<Cfg::kAccum, kLo>(out[h], acc, a0 * b[h], a1 * b[h], a0 * b[h + kHi], a1 * b[h + kHi]);
           }
         };
         // The tile's K blocks. When they fill whole rounds of the ring (whole_rounds), every tile starts on stage 0
@@ -700,7 +715,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           bool full_next = true;
           if (whole_rounds) {
             int kb = 0;
-            if constexpr (Cfg::kDeferEpilogue) {
+            if constexpr (Cfg::kFirstChainEarly) {
 #pragma unroll
               for (int s = 0; s < kStages; ++s) k_block(s, phase, full_next, lo_c, now_c, s == 0);
               phase ^= 1;
@@ -713,7 +728,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
             }
           } else {
             int kb = 0;
-            if constexpr (Cfg::kDeferEpilogue) {
+            if constexpr (Cfg::kFirstChainEarly) {
               k_block(stage, phase, full_next, lo_c, now_c, true);
               if (++stage == kStages) stage = 0, phase ^= 1;
               kb = 1;
@@ -728,6 +743,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
           issue_chain(stage, 0);
           epilogue(finished);
           zero_out();
+        } else if constexpr (Cfg::kDeferLastPart) {  // the same with the previous tile's last part (out not zeroed:
+          issue_chain(stage, 0);                      // the first K block's promotions overwrite it)
+          epilogue_parts(finished, Last{}, All{});
         }
         using C16 = std::integral_constant<int, 16>;
         using C8 = std::integral_constant<int, 8>;
@@ -743,6 +761,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
         }
       } else {  // all of this warpgroup's rows lie past its expert's end
         if constexpr (Cfg::kDeferEpilogue) epilogue(finished);
+        if constexpr (Cfg::kDeferLastPart) epilogue_parts(finished, Last{}, All{});
         for (int kb = 0; kb < Kb; ++kb) {
           Barrier::wait(&full[stage], phase);
           release(stage);
@@ -753,11 +772,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       // ---- this tile's epilogue: now, or deferred (at the next tile, once its first chain is issued or before a
       // warpgroup with no rows drains its stages; after the last tile, below)
       const Finished done{Cfg::kDynamicWalk || g * kCluster + rank < num_tiles ? rows : 0, row0, n0, parts, expert};
-      if constexpr (Cfg::kDeferEpilogue) finished = done;
-      else epilogue(done);
+      if constexpr (Cfg::kDeferEpilogue) {
+        finished = done;
+      } else if constexpr (Cfg::kDeferLastPart) {
+        epilogue_parts(done, First{}, Last{});
+        finished = done;
+      } else {
+        epilogue(done);
+      }
       if constexpr (Cfg::kDynamicWalk) more = walk_goes_on();
     }
     if constexpr (Cfg::kDeferEpilogue) epilogue(finished);
+    if constexpr (Cfg::kDeferLastPart) epilogue_parts(finished, Last{}, All{});
     if (tid == 0) cute::tma_store_wait<0>();
   }
   // No CTA of a cluster leaves while its peer may still arrive on its barriers.

@@ -1,7 +1,6 @@
 // Launching moegemm's own FP8 ragged-row GEMM (fp8_ragged_rows.cuh) with the tiling heuristics.h chose.
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -21,10 +20,7 @@ using Config = sm90::Fp8RaggedRowsConfig<kBlockN, kCluster, kQuantizeA, kDeferLa
 
 // A/B (temporary): MOEGEMM_AB_DEFER_LAST_PART=1 runs the single-CTA 256-column tilings with part 1's epilogue deferred
 // to the next tile (Fp8RaggedRowsConfig::kDeferLastPart; in 2-CTA clusters it spills); read at every launch
-bool defer_last_part() {
-  const char* v = std::getenv("MOEGEMM_AB_DEFER_LAST_PART");
-  return v != nullptr && v[0] == '1';
-}
+bool defer_last_part() { return env_flag("MOEGEMM_AB_DEFER_LAST_PART", false); }
 
 // Clusters of `Cfg` that fit on the device at once (a cluster's CTAs share a GPC), queried once per device; for
 // single CTAs, the SMs of the budget (grid_sms).

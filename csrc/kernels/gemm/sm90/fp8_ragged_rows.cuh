@@ -40,7 +40,8 @@
 //   pipeline stage. In tiles of one part (128, 192 columns) a tile's whole epilogue is deferred until the next
 //   tile's first wgmma chain is issued (or, for a warpgroup with no rows in that tile, before it drains its
 //   stages; after the last tile, at the end), so that the tensor cores work while it runs (docs/performance.md,
-//   Ragged-row GEMM). Nothing may touch the accumulator of that chain meanwhile: ptxas would
+//   Ragged-row GEMM); the A/B form kDeferLastPart defers only part 1 of single-CTA 256-column tiles the same way.
+//   Nothing may touch the accumulator of that chain meanwhile: ptxas would
 //   make the chain wait (C7517), which the compile check (moegemm/_build.py) refuses.
 // - Single CTAs walk the tiles dynamically: the TMA warp draws each next id from a tile counter (the launch's
 //   workspace, zero at launch) a tile ahead and hands it to the scale warp through a ring of shared-memory slots
@@ -123,6 +124,7 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   // A/B (temporary, MOEGEMM_AB_DEFER_LAST_PART): tiles of two parts store part 0 at their end and defer part 1 to the
   // next tile's first chain, holding no more accumulators than the undeferred form
   static constexpr bool kDeferLastPart = kParts == 2 && kDeferLastPart_;
+  static_assert(!kDeferLastPart_ || (kBlockN == 256 && kCluster == 1), "single-CTA 256-column tiles (2-CTA: spills)");
   // the tile's first chain issued before its K loop (while an epilogue runs)
   static constexpr bool kFirstChainEarly = kDeferEpilogue || kDeferLastPart;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma

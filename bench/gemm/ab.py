@@ -152,15 +152,9 @@ def main() -> int:
 
     if args.gemm != "reduction":  # the bf16 GEMMs too, on the ragged-row table
         from bench.gemm.ragged_rows import problems
-
-        table = problems(args.quick)
-        if args.shapes:
-            keys = [s.strip() for s in args.shapes.split(",")]
-            table = [p for p in table if any(k in p[0] for k in keys)]
     else:
         from bench.gemm.ragged_reduction import problems
-
-        table = problems(args.quick, args.shapes)
+    table = problems(args.quick, args.shapes)
     info = ceilings()
     print(f"{torch.cuda.get_device_name()}; dense FP8 ceiling {info['fp8_tflops']:.0f} TFLOP/s ({info['fp8_how']}); "
           f"{args.env} in {values}; TFLOP/s on real tokens, median over {args.rounds} rounds of {args.iters}", flush=True)

@@ -310,10 +310,11 @@ def main(argv=None) -> None:
     rows = []
     print(f"{torch.cuda.get_device_name()}: {sms} SMs; time over ideal (alone x {sms} / ({sms} - k))")
     names = [s.strip() for s in args.shapes.split(",") if s.strip()] if args.only in (None, "gemms") else []
+    picked = [g.strip() for g in (args.gemms or "").split(",") if g.strip()]
     for name in names:
         E, H, F, T = shapes[name]
         for gemm, fn in gemms(name, E, H, F, T).items():
-            if args.gemms and not any(g.strip() and g.strip() in gemm for g in args.gemms.split(",")):
+            if picked and not any(g in gemm for g in picked):
                 continue
             for _ in range(3):
                 fn()

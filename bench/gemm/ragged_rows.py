@@ -16,7 +16,7 @@ tokens only (DeepGEMM also computes the rows that pad each group to 128, as its 
 moegemm kernel's output is compared with the float64 reference (``moegemm/reference.py``) on the same
 quantized operands.
 
-    python -m bench.gemm.ragged_rows [--quick] [--tilings N] [--deepgemm] [--json PATH] [--md PATH]
+    python -m bench.gemm.ragged_rows [--quick] [--tilings N] [--deepgemm] [--shapes DG,...] [--json PATH] [--md PATH]
     (with --deepgemm: LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) python -m bench.gemm.ragged_rows ...)
 """
 
@@ -43,14 +43,14 @@ def parse_args():
     ap.add_argument("--tilings", type=int, default=0,
                     help="also time the sm90 kernel's first N tilings (heuristics.h's table) one by one")
     ap.add_argument("--deepgemm", action="store_true", help="add DeepGEMM (built from .peers/DeepGEMM; needs the preload)")
-    ap.add_argument("--problems", default=None, help="only the problems whose label contains one of these (comma-separated)")
+    ap.add_argument("--shapes", default=None, help="only problems whose label contains one of these (comma-separated)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--md", default=None, help="write the markdown table here")
     return ap.parse_args()
 
 
-def problems(quick: bool) -> list:
-    """(label, splits, N, K) of every row of the table."""
+def problems(quick: bool, shapes: str | None = None) -> list:
+    """(label, splits, N, K) of every row of the table (with `shapes`, those whose label contains one of them)."""
     from bench.workloads import jittered_splits, table_points
 
     rng = random.Random(0)
@@ -58,6 +58,9 @@ def problems(quick: bool) -> list:
     for label, E, H, F, splits in table_points(quick):
         for gemm, N, K in (("fc1 fprop", 2 * F, H), ("fc2 fprop", H, F), ("fc1 dgrad", H, 2 * F), ("fc2 dgrad", F, H)):
             out.append((f"{label} {gemm}", splits, N, K))
+    if shapes:
+        keys = [s.strip() for s in shapes.split(",")]
+        out = [p for p in out if any(k in p[0] for k in keys)]
     return out
 
 
@@ -88,10 +91,7 @@ def main() -> int:
     cols = list(variants) + (["DeepGEMM"] if dg else [])
     rows = []
     print("TFLOP/s on real tokens\n" + f"{'problem':44s} {'T':>6s}" + "".join(f" {c:>9s}" for c in cols), flush=True)
-    wanted = [w.strip() for w in (args.problems or "").split(",") if w.strip()]
-    for label, splits, N, K in problems(args.quick):
-        if wanted and not any(w in label for w in wanted):
-            continue
+    for label, splits, N, K in problems(args.quick, args.shapes):
         E, T = len(splits), sum(splits)
         x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
         w = (torch.randn(E, N, K, device=dev, generator=gen) * 0.05).to(torch.bfloat16)

@@ -123,8 +123,8 @@ struct Fp8RaggedRowsConfig : WarpSpecializedCta {
   static constexpr bool kDeferEpilogue = kParts == 1;
   // A/B (temporary, MOEGEMM_AB_DEFER_LAST_PART): tiles of two parts store part 0 at their end and defer part 1 to the
   // next tile's first chain, holding no more accumulators than the undeferred form
-  static constexpr bool kDeferLastPart = kParts == 2 && kDeferLastPart_;
-  static_assert(!kDeferLastPart_ || (kBlockN == 256 && kCluster == 1), "single-CTA 256-column tiles (2-CTA: spills)");
+  static constexpr bool kDeferLastPart = kDeferLastPart_;
+  static_assert(!kDeferLastPart || (kParts == 2 && kCluster == 1), "single-CTA 256-column tiles (2-CTA: spills)");
   // the tile's first chain issued before its K loop (while an epilogue runs)
   static constexpr bool kFirstChainEarly = kDeferEpilogue || kDeferLastPart;
   static constexpr int kAccum = kPartN / 2;  // fp32 accumulator registers per thread of a 64 x kPartN wgmma

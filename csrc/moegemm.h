@@ -210,7 +210,8 @@ struct ExpertBias {
 // The FP8 ragged-row GEMM (fprop, dgrad) runs on moegemm's own persistent sm90 kernel
 // (csrc/kernels/gemm/sm90/) with the tiling heuristics.h picks (tiling < 0) or the one at that index of its
 // table (kRaggedRowsTilings). workspace: gemm_fp8_ragged_rows_workspace_size bytes, zeroed before the launch (the
-// kernel's tile walk draws from a counter that starts at 0).
+// kernel's tile walk draws from a counter that starts at 0) and zero again after it: launches one after the other
+// on a stream may share it.
 int num_ragged_rows_tilings();  // the size of that table
 size_t gemm_fp8_ragged_rows_workspace_size();
 void gemm_fp8_ragged_rows(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int tiling, void* workspace,

@@ -135,6 +135,43 @@ def test_kernels_agree_and_graph_replay_with_new_splits(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
+def test_tile_counter_across_launches_streams_and_graphs(kernel):
+    """The raw op keeps one tile counter per stream, which each launch leaves zero for the next: problems of other
+    sizes back to back (more and fewer tiles than CTAs), two streams in turn, and a captured graph replayed between
+    eager launches on its stream all give the first launch's bits."""
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    problems = []
+    for splits, N, K in (([300, 0, 1000, 7], 512, 256), ([1], 128, 128), (zipf_splits(64, 20000), 2816, 512)):
+        x, w = operands(sum(splits), len(splits), N, K, gen)
+        plan = cuda_ops.make_plan(torch.tensor(splits, device=DEV), sum(splits))
+        qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
+        qw, sw, _, _ = cuda_ops.quantize_weight(w)
+        first = run(qx, sx, qw, sw, plan, kernel)
+        expect = ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, ref.make_plan(plan.new_tensor(splits), sum(splits)), torch.float64)
+        assert rel(first, expect) <= TOL, splits[:4]
+        problems.append(((qx, sx, qw, sw, plan), first))
+    side = torch.cuda.Stream()
+    for _ in range(2):
+        for args, first in problems + problems[::-1]:
+            assert torch.equal(run(*args, kernel), first)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = run(*args, kernel)
+            torch.cuda.current_stream().wait_stream(side)
+            assert torch.equal(out, first)
+    args, first = problems[2]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(*args, kernel)
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(run(*args, kernel), first)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)
+
+
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
 def test_past_int32_elements(kernel):
     """T * K > 2^31: the last expert's rows lie past 2^31 elements of qa."""
     K, N, E = 8192, 128, 3

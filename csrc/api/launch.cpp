@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
+#include <mutex>
+#include <utility>
 
 // Each launch shows in torch.profiler traces as a named range inside its op (no cost when not profiling).
 #define MOEGEMM_RANGE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
@@ -191,6 +194,26 @@ Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& pr
   return dh;
 }
 
+namespace {
+// A tile counter for a ragged-row GEMM launched with none from its caller: the current stream's, zeroed once (the
+// GEMM leaves it zero, and launches on one stream never overlap), so the GEMM needs no launch before it to zero it;
+// while the stream captures a CUDA graph, a fresh one zeroed in the graph (replays may run beside eager work on
+// the stream).
+Tensor stream_tile_counter(const Tensor& like) {
+  const int64_t words = words_of(gemm_fp8_ragged_rows_workspace_size());
+  const cudaStream_t stream = current_stream(like);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TORCH_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess, "moegemm: cudaStreamIsCapturing failed");
+  if (capture != cudaStreamCaptureStatusNone) return empty({words}, at::kInt, like).zero_();
+  static std::mutex mutex;
+  static auto* counters = new std::map<std::pair<int, cudaStream_t>, Tensor>();  // kept to the end of the process
+  const std::lock_guard<std::mutex> lock(mutex);
+  Tensor& counter = (*counters)[{like.get_device(), stream}];
+  if (!counter.defined()) counter = empty({words}, at::kInt, like).zero_();
+  return counter;
+}
+}  // namespace
+
 Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              int tiling, const Tensor& bias, const Tensor& counter) {
   MOEGEMM_RANGE("moegemm::run_gemm_fp8_ragged_rows");
@@ -198,7 +221,7 @@ Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
-  const Tensor ws = counter.defined() ? counter : empty({words_of(gemm_fp8_ragged_rows_workspace_size())}, at::kInt, qa).zero_();
+  const Tensor ws = counter.defined() ? counter : stream_tile_counter(qa);
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   gemm_fp8_ragged_rows({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
                     {cbytes(qb), sb.data_ptr<float>()}, b, tiling, ws.data_ptr(), current_stream(qa));

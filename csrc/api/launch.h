@@ -78,8 +78,8 @@ GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan, boo
 
 // out [T, N] bf16 = qa [T, K] · qb [E, N, K]ᵀ (+ bias [E, N], fp32 or bf16, added before the rounding),
 // blockwise scaled (fprop; dgrad with the Wᵀ copy), with the tiling heuristics.h picks unless `tiling` (>= 0)
-// names one. counter: its tile counter, zeroed by an earlier launch (gemm_workspaces), else one allocated and
-// zeroed here.
+// names one. counter: its tile counter, zeroed by an earlier launch (gemm_workspaces), else the current stream's
+// (which the GEMM leaves zero).
 Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              int tiling = -1, const Tensor& bias = Tensor(), const Tensor& counter = Tensor());
 // The same on a bf16 x [T >= 1, K] in one launch that first builds `plan` from m_splits (undefined: `plan` was built

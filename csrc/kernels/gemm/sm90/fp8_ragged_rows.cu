@@ -48,7 +48,8 @@ int max_active_clusters(const char* name) {
 }
 
 // `prologue`: the fused form's (Cfg::kQuantizeA), whose `a` is the memory its prologue writes; `words` its
-// claims' workspace (kSm90OneLaunchWorkspace bytes). `tile_counter`: the dynamic walk's otherwise, zero at launch.
+// claims' workspace (kSm90OneLaunchWorkspace bytes). `tile_counter`: the dynamic walk's otherwise, zero at launch (and
+// left zero).
 template <class Cfg>
 void launch(const RaggedRows& p, Fp8Operand a, Fp8Operand b, ExpertBias bias, int* tile_counter, cudaStream_t stream,
             const RowsPrologue* prologue = nullptr, uint32_t* words = nullptr) {

@@ -44,7 +44,7 @@
 //   Nothing may touch the accumulator of that chain meanwhile: ptxas would
 //   make the chain wait (C7517), which the compile check (moegemm/_build.py) refuses.
 // - Single CTAs walk the tiles dynamically: the TMA warp draws each next id from a tile counter (the launch's
-//   workspace, zero at launch) a tile ahead and hands it to the scale warp through a ring of shared-memory slots
+//   workspace, zero at launch and left zero by the launch's last draw) a tile ahead and hands it to the scale warp through a ring of shared-memory slots
 //   (pipeline.cuh, TileIdRing); the math warpgroups read each tile from its stages as before, and the walk's end
 //   from a last stage with no copies. A CTA that starts late (its SM held by a kernel on another stream) takes
 //   fewer tiles instead of holding up the whole GEMM. Clusters of two walk the ids statically (below).
@@ -170,7 +170,7 @@ struct Fp8RaggedRowsParams {
   CUtensorMap sa;  // sa as [Kb, T] fp32, rows row_scale_pitch(T) apart, box 1 x kSaBox
   const float* sb;
   const int32_t* plan;
-  int* tile_counter;  // Cfg::kDynamicWalk without kQuantizeA: the walk's counter, zero at launch
+  int* tile_counter;  // Cfg::kDynamicWalk without kQuantizeA: the walk's counter, zero at launch and left zero
   __nv_bfloat16* out;
   const void* bias;  // [E, N] fp32 (bias_f32) or bf16, added before the rounding to bf16; null: none
   bool bias_f32;
@@ -363,9 +363,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fp8_ragged_rows_kernel(const
       if constexpr (Cfg::kDynamicWalk) {
         // Each id is drawn a tile ahead of its use (the counter's latency hidden behind a tile) and handed to the
         // scale warp as the tile before it starts; the walk ends with the first id past the last tile.
+        // Every CTA draws once past the last tile, so the launch's last draw is id num_tiles + gridDim.x - 1: it
+        // leaves the counter zero again, for the next launch given the same workspace.
         auto draw = [&] {
           int id = 0;
-          if (lane == 0) id = atomicAdd(Cfg::kQuantizeA ? p.claims.tiles() : p.tile_counter, 1);
+          if (lane == 0) {
+            int* counter = Cfg::kQuantizeA ? p.claims.tiles() : p.tile_counter;
+            id = atomicAdd(counter, 1);
+            if (!Cfg::kQuantizeA && id == num_tiles + static_cast<int>(gridDim.x) - 1) *counter = 0;
+          }
           return __shfl_sync(0xffffffff, id, 0);
         };
         auto hand_over = [&](int id) {

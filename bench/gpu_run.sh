@@ -6,7 +6,10 @@
 # TRAIN_LM=1 adds the small LM example, TITAN=1 torchtitan's MoE layer (eager; needs torchtitan 0.3.0),
 # SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/), SKIP_BENCH=1 leaves the benchmark out, SKIP_TESTS=1 the
 # tests; GEMM_TABLES=1 the FP8 GEMM tables with every tiling and DeepGEMM (its source in .peers/DeepGEMM), CONTENTION=1
-# the contention tables, both written as bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT.
+# the contention tables, both written as bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT;
+# COMPARE_BASE=<folder> the quick suite of an earlier build against this one: the folder holds that build's source
+# tree (e.g. `git archive <commit> | tar -x -C <folder>`, carried), built into its own extensions folder; COMPARE_RUNS
+# runs of each (default 2) in turns, COMPARE_ARGS the suite's options, compared by bench.suite.compare (compare.md).
 set -uo pipefail
 OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/moegemm-bench/gpu_run}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."  # the repository root: the bench scripts run as modules from there
@@ -35,6 +38,19 @@ fi
 [ -n "${TRAIN_LM:-}" ] && python3 -m bench.examples.train_lm --out "$OUT" 2>&1 | tee "$OUT/train_lm.log" | tail -12
 [ -n "${TITAN:-}" ] && python3 -m bench.examples.torchtitan_layer --modes eager --out "$OUT" 2>&1 | tee "$OUT/torchtitan_layer.log" | tail -16
 ${SKIP_BENCH:+true} python3 -m bench.suite --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -20
+if [ -n "${COMPARE_BASE:-}" ]; then
+  base=$(cd "$COMPARE_BASE" && pwd) runs=/tmp/moegemm-compare
+  suite_args=${COMPARE_ARGS:---quick --variants moegemm,torch_bf16 --splits zipf,balanced --no-probe --no-sweep --no-jitter --no-plots}
+  in_base() { (cd "$base" && TORCH_EXTENSIONS_DIR=/tmp/moegemm-base-extensions PYTHONPATH=/tmp/site:$base \
+               MOEGEMM_COMMIT=${COMPARE_BASE_COMMIT:-base} "$@"); }
+  mkdir -p "$runs"
+  in_base python3 -m moegemm.build > "$runs-build.log" 2>&1 || { tail -20 "$runs-build.log"; exit 1; }
+  for i in $(seq "${COMPARE_RUNS:-2}"); do
+    in_base python3 -m bench.suite $suite_args --out "$runs/base$i" > "$runs/base$i.log" 2>&1
+    python3 -m bench.suite $suite_args --out "$runs/head$i" > "$runs/head$i.log" 2>&1
+  done
+  python3 -m bench.suite.compare --base "$runs"/base*/results.json --head "$runs"/head*/results.json --md "$OUT/compare.md" | tail -40
+fi
 if [ -n "${SANITIZE:-}" ]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize/every_kernel.py > "$OUT/sanitize_$tool.log" 2>&1

@@ -34,7 +34,7 @@ case in a child process per variant ("probe"); a variant/split kind whose probe 
 
 # The parts, one job each (bench/README.md): shared.py, variants.py, cases.py, moegemm_variants.py,
 # implementations.py, measure.py, probes.py, training.py, meta.py, runner.py (the run and results.json),
-# report.py (results.md), plot.py (the PNGs).
+# report.py (results.md), plot.py (the PNGs), compare.py (two builds point by point).
 
 from __future__ import annotations
 

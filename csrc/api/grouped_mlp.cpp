@@ -116,7 +116,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     const bool keep_x = save && need_dw1 && !fp8_x;  // an FP8 x comes back as backward's x and x_scales
     if (!keep_x) qx.q.reset(), qx.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
-    y = run_gemm_fp8_ragged_rows(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2, ws.counters[1]);
+    // (with an FP8 x nothing zeroed ws.words: the stream's counter, as fc1's)
+    y = run_gemm_fp8_ragged_rows(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2, fp8_x ? Tensor() : ws.counters[1]);
     if (save) {
       // a fresh empty tensor per unused slot: outputs of an op may not alias each other
       auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };

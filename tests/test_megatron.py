@@ -484,6 +484,35 @@ def test_main_grad_accumulation(cpu, zipf):
         assert rel(p.main_grad, 2 * q.grad) <= 1e-6
 
 
+def _overwrite_main_grad(device, zipf):
+    """Megatron-FSDP's overwrite_main_grad on the expert weights: wgrad written over stale main_grad values."""
+    cfg = make_config(device, "swiglu", dtype=torch.float32)
+    ex = build_moe(cfg, "moegemm").experts.to(device)
+    plain = build_moe(cfg, "moegemm").experts.to(device)
+    plain.load_state_dict(ex.state_dict())
+    E, H = cfg.num_moe_experts, cfg.hidden_size
+    splits = torch.tensor(zipf(E, 64), device=device)
+    x, probs, dy = torch.randn(64, H, device=device), torch.rand(64, device=device), torch.randn(64, H, device=device)
+    plain(x, splits, probs)[0].backward(dy)
+    for p in (ex.linear_fc1.weight, ex.linear_fc2.weight):
+        p.main_grad = torch.full(p.shape, float("nan"), device=device)
+        p.overwrite_main_grad = True
+    for _ in range(2):
+        ex(x, splits, probs)[0].backward(dy)
+    for p, q in ((ex.linear_fc1.weight, plain.linear_fc1.weight), (ex.linear_fc2.weight, plain.linear_fc2.weight)):
+        assert p.grad is None and torch.isfinite(p.main_grad).all()
+        assert rel(p.main_grad, q.grad) <= 1e-6
+
+
+def test_overwrite_main_grad(cpu, zipf):
+    _overwrite_main_grad(cpu, zipf)
+
+
+@requires_cuda
+def test_overwrite_main_grad_cuda(gpu, zipf):
+    _overwrite_main_grad(gpu, zipf)
+
+
 def test_main_grad_ddp_protocol(cpu, zipf):
     """With Megatron DDP's ``grad_added_to_main_grad`` flag, a dummy grad reaches the grad accumulator
     (so DDP's hook fires) and the flag tells the hook the gradient is already in main_grad. A main_grad

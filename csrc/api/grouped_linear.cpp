@@ -98,7 +98,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy_in, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x_in, const Tensor& weight,
     const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool need_dx, bool need_dw, bool need_db,
-    bool defer_wgrad, std::optional<at::TensorList> fp8_weight_in, const std::optional<Tensor>& x_scales) {
+    bool defer_wgrad, std::optional<at::TensorList> fp8_weight_in, const std::optional<Tensor>& x_scales,
+    bool overwrite_main_grad) {
   const Recipe recipe = to_recipe(recipe_id);
   const c10::List<std::optional<Tensor>> fp8_weight = fp8_weight_list(fp8_weight_in, recipe);
   const bool weight_given = fp8_weight.size() == kFp8Weight;
@@ -108,7 +109,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
   const Tensor dy = grad_input(dy_in, T, N, dy_in);
   check_plan(plan, E, dy);
   const bool defer = defer_wgrad && need_dw;
-  const Tensor main_grad = need_dw && !defer ? main_grad_input(main_grad_in, "main_grad", weight, dy) : Tensor();
+  const MainGrad main_grad =
+      need_dw && !defer ? main_grad_input(main_grad_in, overwrite_main_grad, "main_grad", weight, dy) : MainGrad{};
   c10::DeviceGuard guard(dy.device());
   Tensor dx = none_like(dy, at::kBFloat16), dw = none_like(dy, wgrad_dtype(weight)), db = none_like(dy, at::kFloat);
   const bool fp8 = recipe == Recipe::kFp8Blockwise;
@@ -168,7 +170,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
 }
 
 Tensor linear_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& weight,
-                    const std::optional<Tensor>& main_grad_in, int64_t recipe_id) {
+                    const std::optional<Tensor>& main_grad_in, int64_t recipe_id, bool overwrite_main_grad) {
   const Recipe recipe = to_recipe(recipe_id);
   TORCH_CHECK(plan.is_cuda(), "moegemm: plan must be a CUDA tensor, got one on ", plan.device().str());
   check_weight(weight, "weight", plan);
@@ -177,7 +179,7 @@ Tensor linear_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& w
   const size_t count = fp8 ? contract::linear::wgrad_operands_fp8::kCount : contract::linear::wgrad_operands_bf16::kCount;
   TORCH_CHECK(operands.size() == count, "moegemm: wgrad_operands must hold ", num(static_cast<int64_t>(count)),
               " tensors, got ", num(static_cast<int64_t>(operands.size())));
-  const Tensor main_grad = main_grad_input(main_grad_in, "main_grad", weight, plan);
+  const MainGrad main_grad = main_grad_input(main_grad_in, overwrite_main_grad, "main_grad", weight, plan);
   c10::DeviceGuard guard(plan.device());
   const size_t first = fp8 ? contract::linear::wgrad_operands_fp8::kQdyT : contract::linear::wgrad_operands_bf16::kDy;
   return deferred_weight_grad(recipe, operands, first, "wgrad_operands", weight, main_grad, plan);

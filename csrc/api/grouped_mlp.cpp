@@ -154,7 +154,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     const c10::List<std::optional<Tensor>>& fp8_weights, const std::optional<Tensor>& fc1_main_grad,
     const std::optional<Tensor>& fc2_main_grad, int64_t activation, int64_t recipe_id, bool need_dx, bool need_dw1,
     bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad,
-    const std::optional<Tensor>& x_scales) {
+    const std::optional<Tensor>& x_scales, bool fc1_overwrite_main_grad, bool fc2_overwrite_main_grad) {
   const Recipe recipe = to_recipe(recipe_id);
   const Activation act = to_activation(activation);
   TORCH_CHECK(dy_in.is_cuda(), "moegemm: dy must be a CUDA tensor, got one on ", dy_in.device().str());
@@ -163,8 +163,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   const Tensor dy = grad_input(dy_in, T, s.H, dy_in);
   check_plan(plan, s.E, dy);
   const bool defer = defer_wgrad && (need_dw1 || need_dw2);
-  const Tensor mg1 = need_dw1 && !defer ? main_grad_input(fc1_main_grad, "fc1_main_grad", fc1_weight, dy) : Tensor();
-  const Tensor mg2 = need_dw2 && !defer ? main_grad_input(fc2_main_grad, "fc2_main_grad", fc2_weight, dy) : Tensor();
+  const MainGrad mg1 = need_dw1 && !defer
+                           ? main_grad_input(fc1_main_grad, fc1_overwrite_main_grad, "fc1_main_grad", fc1_weight, dy)
+                           : MainGrad{};
+  const MainGrad mg2 = need_dw2 && !defer
+                           ? main_grad_input(fc2_main_grad, fc2_overwrite_main_grad, "fc2_main_grad", fc2_weight, dy)
+                           : MainGrad{};
   const bool given = pre_quantized(fp8_weights);
   const bool need_dh = need_dx || need_dw1 || need_db1, need_da = need_dh || need_dprobs;
   c10::DeviceGuard guard(dy.device());
@@ -306,7 +310,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
 std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands, const Tensor& fc1_weight,
                                      const Tensor& fc2_weight, const std::optional<Tensor>& fc1_main_grad,
                                      const std::optional<Tensor>& fc2_main_grad, int64_t recipe_id, bool need_dw1,
-                                     bool need_dw2) {
+                                     bool need_dw2, bool fc1_overwrite_main_grad, bool fc2_overwrite_main_grad) {
   const Recipe recipe = to_recipe(recipe_id);
   TORCH_CHECK(plan.is_cuda(), "moegemm: plan must be a CUDA tensor, got one on ", plan.device().str());
   check_weight(fc1_weight, "fc1_weight", plan);
@@ -323,8 +327,10 @@ std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList operands
   const size_t fc2_first = fp8 ? ops_fp8::kQdyT : ops_bf16::kDy, fc1_first = fp8 ? ops_fp8::kQdhT : ops_bf16::kDh;
   TORCH_CHECK(operands.size() == count, "moegemm: wgrad_operands must hold ", num(static_cast<int64_t>(count)),
               " tensors, got ", num(static_cast<int64_t>(operands.size())));
-  const Tensor mg1 = need_dw1 ? main_grad_input(fc1_main_grad, "fc1_main_grad", fc1_weight, plan) : Tensor();
-  const Tensor mg2 = need_dw2 ? main_grad_input(fc2_main_grad, "fc2_main_grad", fc2_weight, plan) : Tensor();
+  const MainGrad mg1 =
+      need_dw1 ? main_grad_input(fc1_main_grad, fc1_overwrite_main_grad, "fc1_main_grad", fc1_weight, plan) : MainGrad{};
+  const MainGrad mg2 =
+      need_dw2 ? main_grad_input(fc2_main_grad, fc2_overwrite_main_grad, "fc2_main_grad", fc2_weight, plan) : MainGrad{};
   c10::DeviceGuard guard(plan.device());
   Tensor dw2 = need_dw2 ? deferred_weight_grad(recipe, operands, fc2_first, "wgrad_operands (fc2)", fc2_weight, mg2, plan)
                         : none_like(plan, wgrad_dtype(fc2_weight));

@@ -21,11 +21,11 @@ inline constexpr char kFwdSchema[] =
 inline constexpr char kBwdSchema[] =
     "linear_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, "
     "int recipe, bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, "
-    "Tensor[]? fp8_weight=None, Tensor? x_scales=None) -> (Tensor dx, Tensor dw, Tensor db, "
-    "Tensor made0, Tensor made1, Tensor made2, Tensor made3)";
+    "Tensor[]? fp8_weight=None, Tensor? x_scales=None, bool overwrite_main_grad=False) -> (Tensor dx, "
+    "Tensor dw, Tensor db, Tensor made0, Tensor made1, Tensor made2, Tensor made3)";
 inline constexpr char kWgradSchema[] =
     "linear_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, "
-    "int recipe) -> Tensor dw";
+    "int recipe, bool overwrite_main_grad=False) -> Tensor dw";
 inline constexpr char kAutogradSchema[] =
     "grouped_linear(Tensor x, Tensor weight, Tensor m_splits, Tensor? bias, int recipe, "
     "Tensor? x_scales=None, Tensor? dx_target=None, Tensor[]? fp8_weight=None) -> Tensor y";
@@ -52,13 +52,14 @@ inline constexpr char kBwdSchema[] =
     "mlp_bwd(Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor fc1_weight, Tensor fc2_weight, "
     "Tensor? probs, Tensor?[] fp8_weights, Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, "
     "int activation, int recipe, bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, "
-    "bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad=False, "
-    "Tensor? x_scales=None) -> (Tensor dx, Tensor dw1, Tensor dw2, Tensor db1, Tensor db2, "
-    "Tensor dprobs, Tensor made0, Tensor made1, Tensor made2, Tensor made3, Tensor made4, Tensor made5)";
+    "bool need_db2, bool need_dprobs, bool release_saved, bool defer_wgrad=False, Tensor? x_scales=None, "
+    "bool fc1_overwrite_main_grad=False, bool fc2_overwrite_main_grad=False) -> (Tensor dx, Tensor dw1, "
+    "Tensor dw2, Tensor db1, Tensor db2, Tensor dprobs, Tensor made0, Tensor made1, Tensor made2, "
+    "Tensor made3, Tensor made4, Tensor made5)";
 inline constexpr char kWgradSchema[] =
     "mlp_wgrad(Tensor plan, Tensor[] wgrad_operands, Tensor fc1_weight, Tensor fc2_weight, "
-    "Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, "
-    "bool need_dw2) -> (Tensor dw1, Tensor dw2)";
+    "Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, bool need_dw2, "
+    "bool fc1_overwrite_main_grad=False, bool fc2_overwrite_main_grad=False) -> (Tensor dw1, Tensor dw2)";
 inline constexpr char kAutogradSchema[] =
     "grouped_mlp(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor m_splits, Tensor? fc1_bias, "
     "Tensor? fc2_bias, Tensor? probs, int activation, int recipe, Tensor?[] fp8_weights, "

@@ -92,10 +92,11 @@ Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t 
   return w;
 }
 
-Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like) {
-  if (!main_grad.has_value()) return Tensor();
+MainGrad main_grad_input(const std::optional<Tensor>& main_grad, bool overwrite, const char* name, const Tensor& weight,
+                         const Tensor& like) {
+  if (!main_grad.has_value()) return {};
   check_tensor(*main_grad, name, at::kFloat, {weight.size(0), weight.size(1), weight.size(2)}, like);
-  return *main_grad;
+  return {*main_grad, overwrite};
 }
 
 Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe) {
@@ -120,7 +121,7 @@ Quantized wgrad_x_rows(const Tensor& saved_q, const Tensor& saved_s, const std::
   return {aligned(saved_q), row_scales_input(saved_s, "saved sx", T, ceil_div(K, kBlock), like), Tensor(), Tensor()};
 }
 
-Tensor fp8_weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, const Tensor& qgT,
+Tensor fp8_weight_grad(const Tensor& weight, const MainGrad& main_grad, const Tensor& like, const Tensor& qgT,
                        const Tensor& sgT, const Tensor& qxT, const Tensor& sxT, const Tensor& plan, const Tensor& zeroed) {
   return weight_grad(weight, main_grad, like, [&](const Tensor& out, bool accumulate) {
     run_gemm_fp8_ragged_reduction(qgT, sgT, qxT, sxT, plan, out, accumulate, {}, zeroed);
@@ -130,7 +131,7 @@ Tensor fp8_weight_grad(const Tensor& weight, const Tensor& main_grad, const Tens
 size_t wgrad_operand_count(Recipe recipe) { return recipe == Recipe::kFp8Blockwise ? 4 : 2; }
 
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
-                            const Tensor& main_grad, const Tensor& plan) {
+                            const MainGrad& main_grad, const Tensor& plan) {
   const int64_t N = weight.size(1), K = weight.size(2);
   TORCH_CHECK(operands.size() >= first + wgrad_operand_count(recipe), "moegemm: wgrad_operands must hold at least ",
               num(static_cast<int64_t>(first + wgrad_operand_count(recipe))), " tensors, got ",

@@ -39,8 +39,15 @@ using Fp8WeightNames = std::array<const char*, 4>;
 extern const Fp8WeightNames kFc1Fp8Names, kFc2Fp8Names, kLinearFp8Names;
 Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t first, const Fp8WeightNames& names, int64_t E,
                            int64_t N, int64_t K, bool transposed, const Tensor& like);
-// main_grad [E, N, K] fp32 on like's device, contiguous; undefined if absent.
-Tensor main_grad_input(const std::optional<Tensor>& main_grad, const char* name, const Tensor& weight, const Tensor& like);
+// Where a weight's gradient goes besides a fresh dw: its main_grad [E, N, K] fp32 (undefined if none), added to, or
+// written over with `overwrite` (the weight's overwrite_main_grad: Megatron-FSDP's flag, as Transformer Engine reads it).
+struct MainGrad {
+  Tensor tensor;
+  bool overwrite = false;
+};
+// main_grad checked: fp32 [E, N, K] on like's device, contiguous; none if absent (then `overwrite` has no effect).
+MainGrad main_grad_input(const std::optional<Tensor>& main_grad, bool overwrite, const char* name, const Tensor& weight,
+                         const Tensor& like);
 
 // x's FP8 row copy for wgrad's column copy (fp8_blockwise), checked: the one forward saved (saved_q [T, K] e4m3,
 // saved_s [T, ceil(K/128)] fp32 in the row-scale layout), or with x_scales an FP8 x given back to backward (x: its
@@ -62,22 +69,22 @@ Quantized fp8_x_input(const Tensor& x, const Tensor& x_scales, Recipe recipe);
 // backward over this plan (its device values cannot be checked against their widths on the host).
 size_t wgrad_operand_count(Recipe recipe);
 Tensor deferred_weight_grad(Recipe recipe, at::TensorList operands, size_t first, const char* name, const Tensor& weight,
-                            const Tensor& main_grad, const Tensor& plan);
+                            const MainGrad& main_grad, const Tensor& plan);
 // The fp8 weight gradient from the column copies of the output gradient (qgT, sgT) and of the input (qxT, sxT), as
-// weight_grad returns it (written, or accumulated into main_grad); `zeroed`: its GEMM's workspace, zeroed by the
+// weight_grad returns it (written, or into main_grad); `zeroed`: its GEMM's workspace, zeroed by the
 // quantizer that made the last of them (fp8_wgrad_workspace), or undefined (then allocated and zeroed here).
-Tensor fp8_weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, const Tensor& qgT,
+Tensor fp8_weight_grad(const Tensor& weight, const MainGrad& main_grad, const Tensor& like, const Tensor& qgT,
                        const Tensor& sgT, const Tensor& qxT, const Tensor& sxT, const Tensor& plan,
                        const Tensor& zeroed = {});
 
-// The gradient of a weight [E, N, K]: `gemm(out, accumulate)` accumulates into main_grad when it is
-// defined (then the returned dw is the [0] placeholder), else writes a fresh dw in the wgrad dtype
-// (bf16 for bf16 weights, fp32 otherwise).
+// The gradient of a weight [E, N, K]: `gemm(out, accumulate)` accumulates into main_grad when there is one (writes
+// it with main_grad.overwrite; then the returned dw is the [0] placeholder), else writes a fresh dw in the wgrad
+// dtype (bf16 for bf16 weights, fp32 otherwise).
 at::ScalarType wgrad_dtype(const Tensor& weight);
 template <class Gemm>
-Tensor weight_grad(const Tensor& weight, const Tensor& main_grad, const Tensor& like, Gemm&& gemm) {
-  if (main_grad.defined()) {
-    gemm(main_grad, true);
+Tensor weight_grad(const Tensor& weight, const MainGrad& main_grad, const Tensor& like, Gemm&& gemm) {
+  if (main_grad.tensor.defined()) {
+    gemm(main_grad.tensor, !main_grad.overwrite);
     return none_like(like, wgrad_dtype(weight));
   }
   Tensor dw = new_wgrad(weight.size(0), weight.size(1), weight.size(2), wgrad_dtype(weight), like);

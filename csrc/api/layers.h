@@ -3,6 +3,8 @@
 // csrc/moegemm.h in order on the current stream, and returns what autograd saves. Outputs not asked for
 // come back as [0] placeholders (the Python shells map them to None). No host sync anywhere. The slots of
 // saved, made and wgrad_operands are declared by name in moegemm/backends/contract.py (api/layer_contract.h).
+// A weight gradient goes into the weight's main_grad when one is given (accumulated; written over when its
+// overwrite_main_grad flag is set), else into a fresh dw.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,12 +33,12 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x, cons
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     const Tensor& dy, const Tensor& plan, at::TensorList saved, const std::optional<Tensor>& x, const Tensor& weight,
     const std::optional<Tensor>& main_grad, int64_t recipe, bool need_dx, bool need_dw, bool need_db, bool defer_wgrad,
-    std::optional<at::TensorList> fp8_weight, const std::optional<Tensor>& x_scales);
-// The deferred weight gradient: dw as linear_bwd's (written, or accumulated into main_grad) from
+    std::optional<at::TensorList> fp8_weight, const std::optional<Tensor>& x_scales, bool overwrite_main_grad);
+// The deferred weight gradient: dw as linear_bwd's (written, or into main_grad) from
 // wgrad_operands fp8 [qdyT, sdyT, qxT, sxT] / bf16 [dy, x] (a defer_wgrad linear_bwd's with the saved or
 // given rest) over the same plan.
 Tensor linear_wgrad(const Tensor& plan, at::TensorList wgrad_operands, const Tensor& weight,
-                    const std::optional<Tensor>& main_grad, int64_t recipe);
+                    const std::optional<Tensor>& main_grad, int64_t recipe, bool overwrite_main_grad);
 
 // -> (y [T, H] bf16, plan, saved (empty unless `save`)); see grouped_mlp.cpp for saved.
 std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
@@ -53,13 +55,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     const Tensor& fc2_weight, const std::optional<Tensor>& probs, const c10::List<std::optional<Tensor>>& fp8_weights,
     const std::optional<Tensor>& fc1_main_grad, const std::optional<Tensor>& fc2_main_grad, int64_t activation,
     int64_t recipe, bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs,
-    bool release_saved, bool defer_wgrad, const std::optional<Tensor>& x_scales);
+    bool release_saved, bool defer_wgrad, const std::optional<Tensor>& x_scales, bool fc1_overwrite_main_grad,
+    bool fc2_overwrite_main_grad);
 // The deferred weight gradients (dw1, dw2) of a defer_wgrad mlp_bwd over the same plan, [0] where not needed
 // or accumulated into a main_grad; wgrad_operands fp8 [qdyT, sdyT, qaT, saT, qdhT, sdhT, qxT, sxT], bf16
 // [dy, a, dh, x] (fc2's pair first).
 std::tuple<Tensor, Tensor> mlp_wgrad(const Tensor& plan, at::TensorList wgrad_operands, const Tensor& fc1_weight,
                                      const Tensor& fc2_weight, const std::optional<Tensor>& fc1_main_grad,
                                      const std::optional<Tensor>& fc2_main_grad, int64_t recipe, bool need_dw1,
-                                     bool need_dw2);
+                                     bool need_dw2, bool fc1_overwrite_main_grad, bool fc2_overwrite_main_grad);
 
 }  // namespace moegemm::api

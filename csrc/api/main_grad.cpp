@@ -26,4 +26,22 @@ std::optional<at::Tensor> main_grad_attribute(const at::Tensor& weight, const ch
   return THPVariable_Unpack(main_grad.ptr());
 }
 
+bool overwrite_main_grad_attribute(const at::Tensor& weight) {
+  if (!weight.defined() || !Py_IsInitialized()) return false;
+  pybind11::gil_scoped_acquire gil;
+  PyObject* obj = THPVariable_Wrap(weight);
+  if (obj == nullptr) throw python_error();
+  const auto w = pybind11::reinterpret_steal<pybind11::object>(obj);
+  PyObject* attr = PyObject_GetAttrString(w.ptr(), "overwrite_main_grad");
+  if (attr == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw python_error();
+    PyErr_Clear();
+    return false;
+  }
+  const auto flag = pybind11::reinterpret_steal<pybind11::object>(attr);
+  const int truth = PyObject_IsTrue(flag.ptr());
+  if (truth < 0) throw python_error();
+  return truth == 1;
+}
+
 }  // namespace moegemm::api

@@ -175,7 +175,7 @@ LINEAR_BWD = LayerOp(
     "linear_bwd",
     "Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor weight, Tensor(a!)? main_grad, int recipe, "
     "bool need_dx, bool need_dw, bool need_db, bool defer_wgrad=False, Tensor[]? fp8_weight=None, "
-    "Tensor? x_scales=None",
+    "Tensor? x_scales=None, bool overwrite_main_grad=False",
     outputs=(slot("dx", "T K", ACT, lambda a: a.need_dx),
              slot("dw", "E N K", "weight", lambda a: a.need_dw and a.main_grad is None and not a.defer),
              slot("db", "E N", F32, lambda a: a.need_db)),
@@ -188,7 +188,8 @@ LINEAR_BWD = LayerOp(
 )
 LINEAR_WGRAD = LayerOp(
     "linear_wgrad",
-    "Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, int recipe",
+    "Tensor plan, Tensor[] wgrad_operands, Tensor weight, Tensor(a!)? main_grad, int recipe, "
+    "bool overwrite_main_grad=False",
     outputs=(slot("dw", "E N K", "weight", lambda a: a.main_grad is None),),
     dims=lambda a: _linear(a, None),
     wgrad_operands={FP8_BLOCKWISE: ("qdyT", "sdyT", "qxT", "sxT"), BF16: ("dy", "x")},
@@ -222,7 +223,8 @@ MLP_BWD = LayerOp(
     "Tensor dy, Tensor plan, Tensor[] saved, Tensor? x, Tensor fc1_weight, Tensor fc2_weight, Tensor? probs, "
     "Tensor?[] fp8_weights, Tensor(a!)? fc1_main_grad, Tensor(b!)? fc2_main_grad, int activation, int recipe, "
     "bool need_dx, bool need_dw1, bool need_dw2, bool need_db1, bool need_db2, bool need_dprobs, bool release_saved, "
-    "bool defer_wgrad=False, Tensor? x_scales=None",
+    "bool defer_wgrad=False, Tensor? x_scales=None, bool fc1_overwrite_main_grad=False, "
+    "bool fc2_overwrite_main_grad=False",
     outputs=(slot("dx", "T H", ACT, lambda a: a.need_dx),
              slot("dw1", "E F1 H", "fc1_weight", lambda a: a.need_dw1 and a.fc1_main_grad is None and not a.defer),
              slot("dw2", "E H F", "fc2_weight", lambda a: a.need_dw2 and a.fc2_main_grad is None and not a.defer),
@@ -243,7 +245,8 @@ MLP_BWD = LayerOp(
 MLP_WGRAD = LayerOp(
     "mlp_wgrad",
     "Tensor plan, Tensor[] wgrad_operands, Tensor fc1_weight, Tensor fc2_weight, Tensor(a!)? fc1_main_grad, "
-    "Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, bool need_dw2",
+    "Tensor(b!)? fc2_main_grad, int recipe, bool need_dw1, bool need_dw2, bool fc1_overwrite_main_grad=False, "
+    "bool fc2_overwrite_main_grad=False",
     outputs=(slot("dw1", "E F1 H", "fc1_weight", lambda a: a.need_dw1 and a.fc1_main_grad is None),
              slot("dw2", "E H F", "fc2_weight", lambda a: a.need_dw2 and a.fc2_main_grad is None)),
     dims=lambda a: _mlp(a, None),

@@ -31,8 +31,12 @@ def _add_bias(y, bias, plan):
     return y if bias is None else R.add_bias_(y, bias, plan)
 
 
-def _weight_grad(gemm, operands: tuple, plan, weight, main_grad):
-    """``gemm(*operands, plan)`` accumulated into main_grad (then None), or a fresh dw."""
+def _weight_grad(gemm, operands: tuple, plan, weight, main_grad, overwrite: bool = False):
+    """``gemm(*operands, plan)`` accumulated into main_grad, or with ``overwrite`` written into it (then None), or a
+    fresh dw."""
+    if main_grad is not None and overwrite:
+        main_grad.copy_(gemm(*operands, plan, out_dtype=torch.float32))
+        return None
     dw = gemm(*operands, plan, out=main_grad, out_dtype=wgrad_dtype(weight))
     return None if main_grad is not None else dw
 
@@ -91,30 +95,33 @@ def _linear_bwd(a) -> dict:
         if a.defer:
             out.update(qdyT=qdyT, sdyT=sdyT, qxT=qxT, sxT=sxT)
         elif a.need_dw:
-            out["dw"] = _weight_grad(R.gemm_fp8_ragged_reduction, (qdyT, sdyT, qxT, sxT), plan, a.weight, a.main_grad)
+            out["dw"] = _weight_grad(R.gemm_fp8_ragged_reduction, (qdyT, sdyT, qxT, sxT), plan, a.weight, a.main_grad,
+                                   a.overwrite_main_grad)
     else:
         if a.need_dx:
             w = saved["w_bf16"] if a.weight.dtype != a.act else a.weight
             out["dx"] = R.gemm_bf16_dgrad(dy, w, plan)
         if a.need_dw and not a.defer:  # deferred: dy and x, the caller has them
-            out["dw"] = _weight_grad(R.gemm_bf16_wgrad, (dy, a.x), plan, a.weight, a.main_grad)
+            out["dw"] = _weight_grad(R.gemm_bf16_wgrad, (dy, a.x), plan, a.weight, a.main_grad, a.overwrite_main_grad)
     if a.need_db:
         out["db"] = R.bias_grad(dy, plan)
     return out
 
 
-def _deferred_weight_grad(ops: dict, grad: tuple, inp: tuple, plan, weight, main_grad, recipe: int):
+def _deferred_weight_grad(ops: dict, grad: tuple, inp: tuple, plan, weight, main_grad, overwrite: bool, recipe: int):
     """One weight's deferred gradient from its wgrad operands: the gradient's pair ``grad`` and the
     input's pair ``inp`` (names of ``ops``; bf16: one name each)."""
     if recipe == FP8_BLOCKWISE:
-        return _weight_grad(R.gemm_fp8_ragged_reduction, tuple(ops[n] for n in grad + inp), plan, weight, main_grad)
-    return _weight_grad(R.gemm_bf16_wgrad, (ops[grad[0]], ops[inp[0]]), plan, weight, main_grad)
+        return _weight_grad(R.gemm_fp8_ragged_reduction, tuple(ops[n] for n in grad + inp), plan, weight, main_grad,
+                            overwrite)
+    return _weight_grad(R.gemm_bf16_wgrad, (ops[grad[0]], ops[inp[0]]), plan, weight, main_grad, overwrite)
 
 
 def _linear_wgrad(a) -> dict:
     ops = C.by_name(C.LINEAR_WGRAD.wgrad_operands[a.recipe], a.wgrad_operands)
     grad, inp = (("qdyT", "sdyT"), ("qxT", "sxT")) if a.recipe == FP8_BLOCKWISE else (("dy",), ("x",))
-    return dict(dw=_deferred_weight_grad(ops, grad, inp, a.plan, a.weight, a.main_grad, a.recipe))
+    return dict(dw=_deferred_weight_grad(ops, grad, inp, a.plan, a.weight, a.main_grad, a.overwrite_main_grad,
+                                         a.recipe))
 
 
 # ----------------------------------------------------------------------------------------- expert MLP
@@ -156,7 +163,7 @@ def _mlp_bwd(a) -> dict:
             out.update(qdyT=qdyT, sdyT=sdyT)
         elif a.need_dw2:
             out["dw2"] = _weight_grad(R.gemm_fp8_ragged_reduction, (qdyT, sdyT, saved["qaT"], saved["saT"]), plan, a.fc2_weight,
-                                      a.fc2_main_grad)
+                                      a.fc2_main_grad, a.fc2_overwrite_main_grad)
         if need_dh or a.need_dprobs:
             h = saved["h"]
             da = R.gemm_fp8_ragged_rows(qdy, sdy, qw2T, sw2T, plan, dy.dtype)
@@ -172,12 +179,13 @@ def _mlp_bwd(a) -> dict:
                 out.update(qdhT=qdhT, sdhT=sdhT, qxT=qxT, sxT=sxT)
             elif a.need_dw1:
                 out["dw1"] = _weight_grad(R.gemm_fp8_ragged_reduction, (qdhT, sdhT, qxT, sxT), plan, a.fc1_weight,
-                                          a.fc1_main_grad)
+                                          a.fc1_main_grad, a.fc1_overwrite_main_grad)
     else:
         w1 = saved["w1_bf16"] if a.fc1_weight.dtype != a.act else a.fc1_weight
         w2 = saved["w2_bf16"] if a.fc2_weight.dtype != a.act else a.fc2_weight
         if a.need_dw2 and not a.defer:  # deferred: dy and a, the caller has them
-            out["dw2"] = _weight_grad(R.gemm_bf16_wgrad, (dy, saved["a"]), plan, a.fc2_weight, a.fc2_main_grad)
+            out["dw2"] = _weight_grad(R.gemm_bf16_wgrad, (dy, saved["a"]), plan, a.fc2_weight, a.fc2_main_grad,
+                                      a.fc2_overwrite_main_grad)
         if need_dh or a.need_dprobs:
             da = R.gemm_bf16_dgrad(dy, w2, plan)
             dh, out["dprobs"] = R.act_backward_bf16(da, saved["h"], p32, act)
@@ -186,7 +194,8 @@ def _mlp_bwd(a) -> dict:
             if a.need_dw1 and a.defer:
                 out["dh"] = dh
             elif a.need_dw1:
-                out["dw1"] = _weight_grad(R.gemm_bf16_wgrad, (dh, a.x), plan, a.fc1_weight, a.fc1_main_grad)
+                out["dw1"] = _weight_grad(R.gemm_bf16_wgrad, (dh, a.x), plan, a.fc1_weight, a.fc1_main_grad,
+                                          a.fc1_overwrite_main_grad)
             if a.need_db1:
                 out["db1"] = R.bias_grad(dh, plan)
     if a.need_db2:
@@ -202,9 +211,11 @@ def _mlp_wgrad(a) -> dict:
         fc2, fc1 = (("dy",), ("a",)), (("dh",), ("x",))
     out = {}
     if a.need_dw2:
-        out["dw2"] = _deferred_weight_grad(ops, *fc2, a.plan, a.fc2_weight, a.fc2_main_grad, a.recipe)
+        out["dw2"] = _deferred_weight_grad(ops, *fc2, a.plan, a.fc2_weight, a.fc2_main_grad, a.fc2_overwrite_main_grad,
+                                           a.recipe)
     if a.need_dw1:
-        out["dw1"] = _deferred_weight_grad(ops, *fc1, a.plan, a.fc1_weight, a.fc1_main_grad, a.recipe)
+        out["dw1"] = _deferred_weight_grad(ops, *fc1, a.plan, a.fc1_weight, a.fc1_main_grad, a.fc1_overwrite_main_grad,
+                                           a.recipe)
     return out
 
 

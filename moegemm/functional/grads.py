@@ -63,6 +63,13 @@ def weight_grad_target(weight, need_dw: bool):
     return getattr(weight, "main_grad", None)
 
 
+def overwrites_main_grad(weight, main_grad) -> bool:
+    """Whether the gradient is written into ``main_grad`` instead of added to it: the weight's
+    ``overwrite_main_grad`` flag (Megatron-FSDP's, as Transformer Engine reads it), when main_grad is the target."""
+    return main_grad is not None and main_grad is getattr(weight, "main_grad", None) and \
+        bool(getattr(weight, "overwrite_main_grad", False))
+
+
 def finish_weight_grad(dw, need_dw: bool, weight, main_grad):
     """The gradient autograd returns for ``weight``: None when not needed or when it went into main_grad."""
     if not need_dw or main_grad is not None:

@@ -29,8 +29,8 @@ from .._validate import (SplitsLike, check_bias, check_fp8_weight, check_main_gr
 from ..backends import contract
 from ..layout import BF16, RECIPE_IDS
 from .grads import (WgradStore, add_grad, check_deferrable, check_wgrad_store, drops_on_failure, finish_sum,
-                    finish_weight_grad, grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph,
-                    weight_grad_target)
+                    finish_weight_grad, grad_target, overwrites_main_grad, refuse_double_backward,
+                    refuse_split_backward_in_fullgraph, weight_grad_target)
 from .inputs import split_x
 
 _WGRAD_GATHER = {recipe: contract.LINEAR.wgrad_gather(recipe) for recipe in RECIPE_IDS.values()}
@@ -39,7 +39,8 @@ _WGRAD_GATHER = {recipe: contract.LINEAR.wgrad_gather(recipe) for recipe in RECI
 def _linear_wgrad_job(plan, operands, weight, recipe: int):
     def job():
         target = grad_target(weight)
-        dw = backends.select(plan.device).linear_wgrad(plan, operands, weight, target, recipe)
+        dw = backends.select(plan.device).linear_wgrad(plan, operands, weight, target, recipe,
+                                                       overwrites_main_grad(weight, target))
         add_grad(weight, None if target is not None else dw)
     return job
 
@@ -72,7 +73,7 @@ class _GroupedLinear(torch.autograd.Function):
         with drops_on_failure(ctx.store):
             dx, dw, db, *made = backends.select(dy.device).linear_bwd(
                 dy, plan, saved, x, weight, main_grad, ctx.recipe, need_dx, need_dw, need_db, defer, fp8_weight or None,
-                x_scales)
+                x_scales, overwrites_main_grad(ctx.weight, main_grad))
             if defer:  # the wgrad op's operands, by name from what this backward has (contract.LINEAR)
                 pool = (*made, *saved, dy.contiguous(), x)
                 operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]
@@ -97,7 +98,8 @@ def grouped_linear(
     int32/int64 tensor on x's device, which is never read on the host); bias: ``[E, N]``;
     recipe: ``"fp8_blockwise"`` or ``"bf16"``. ``check_splits`` (or ``MOEGEMM_CHECK_SPLITS=1``)
     validates device ``m_splits`` on the device, at the cost of one sync.
-    If ``weight`` has a ``main_grad`` attribute (fp32), its gradient is accumulated there instead.
+    If ``weight`` has a ``main_grad`` attribute (fp32), its gradient is accumulated there instead (written there
+    when ``weight.overwrite_main_grad`` is true, as Megatron-FSDP sets it).
 
     ``x`` may be FP8: ``Fp8Rows(q, s, grad_target)`` (see ``moegemm.to_fp8_rows``), fp8_blockwise only; y is
     bf16 and dx (bf16) goes to ``grad_target`` (none computed without one).

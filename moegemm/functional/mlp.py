@@ -23,8 +23,8 @@ from .._validate import (SplitsLike, check_activation, check_bias, check_fp8_wei
 from ..backends import contract
 from ..layout import ACTIVATIONS, BF16, RECIPE_IDS
 from .grads import (WgradStore, add_grad, check_deferrable, check_wgrad_store, drops_on_failure, finish_sum,
-                    finish_weight_grad, grad_target, refuse_double_backward, refuse_split_backward_in_fullgraph,
-                    weight_grad_target)
+                    finish_weight_grad, grad_target, overwrites_main_grad, refuse_double_backward,
+                    refuse_split_backward_in_fullgraph, weight_grad_target)
 from .inputs import split_x
 
 _RELEASED = "released"
@@ -60,7 +60,8 @@ def _mlp_wgrad_job(plan, operands, w1, w2, recipe: int, need_dw1: bool, need_dw2
     def job():
         t1 = grad_target(w1) if need_dw1 else None
         t2 = grad_target(w2) if need_dw2 else None
-        dw1, dw2 = backends.select(plan.device).mlp_wgrad(plan, operands, w1, w2, t1, t2, recipe, need_dw1, need_dw2)
+        dw1, dw2 = backends.select(plan.device).mlp_wgrad(plan, operands, w1, w2, t1, t2, recipe, need_dw1, need_dw2,
+                                                          overwrites_main_grad(w1, t1), overwrites_main_grad(w2, t2))
         if need_dw2:
             add_grad(w2, None if t2 is not None else dw2)
         if need_dw1:
@@ -101,7 +102,8 @@ class _GroupedMLP(torch.autograd.Function):
         with drops_on_failure(ctx.store):
             dx, dw1, dw2, db1, db2, dp, *made = backends.select(dy.device).mlp_bwd(
                 dy, plan, saved, x, w1, w2, probs, fp8_weights, mg1, mg2, ctx.activation, ctx.recipe, need_dx, need_dw1,
-                need_dw2, need_db1, need_db2, need_dp, release, defer, x_scales)
+                need_dw2, need_db1, need_db2, need_dp, release, defer, x_scales, overwrites_main_grad(ctx.w1, mg1),
+                overwrites_main_grad(ctx.w2, mg2))
             if defer:  # the wgrad op's operands, by name (contract.MLP); the op never frees the saved ones it needs
                 pool = (*made, *saved, dy.contiguous(), x)
                 operands = [pool[i] for i in _WGRAD_GATHER[ctx.recipe]]

@@ -65,6 +65,8 @@ def _weight_for_op(param: torch.Tensor) -> torch.Tensor:
     mg = _fusable_main_grad(param)
     if mg is not None:
         w.main_grad = mg
+        if getattr(param, "overwrite_main_grad", False):  # Megatron-FSDP: the gradient written over main_grad
+            w.overwrite_main_grad = True
     return w
 
 

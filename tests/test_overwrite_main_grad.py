@@ -42,15 +42,21 @@ def _check_written(mg, expected):
             assert (mg[e] == 0).all()
 
 
+def _pair(make, split: bool):
+    """A module and its copy, the copy with a split backward or not."""
+    torch.manual_seed(0)
+    ref = make()
+    mod = copy.deepcopy(ref)
+    mod.delay_wgrad_compute = split
+    return ref, mod
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("split", [False, True])
 def test_linear(device, recipe, split):
-    torch.manual_seed(0)
     E, K, N, T = len(SPLITS), 128, 256, sum(SPLITS)
-    ref = moegemm.GroupedLinear(E, K, N, recipe=recipe, device=device)
-    mod = copy.deepcopy(ref)
-    mod.delay_wgrad_compute = split
+    ref, mod = _pair(lambda: moegemm.GroupedLinear(E, K, N, recipe=recipe, device=device), split)
     x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
     dy = torch.randn(T, N, device=device, dtype=torch.bfloat16)
     expected = _zeroed(ref.weight)
@@ -67,11 +73,8 @@ def test_linear(device, recipe, split):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("split", [False, True])
 def test_mlp_each_weight_its_own_flag(device, recipe, split):
-    torch.manual_seed(0)
     E, H, F, T = len(SPLITS), 128, 128, sum(SPLITS)
-    ref = moegemm.GroupedMLP(E, H, F, activation="swiglu", recipe=recipe, device=device)
-    mod = copy.deepcopy(ref)
-    mod.delay_wgrad_compute = split
+    ref, mod = _pair(lambda: moegemm.GroupedMLP(E, H, F, activation="swiglu", recipe=recipe, device=device), split)
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
     probs = torch.rand(T, device=device)
     dy = torch.randn(T, H, device=device, dtype=torch.bfloat16)

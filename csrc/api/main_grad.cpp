@@ -7,19 +7,26 @@
 
 namespace moegemm::api {
 
-std::optional<at::Tensor> main_grad_attribute(const at::Tensor& weight, const char* name) {
-  if (!weight.defined() || !Py_IsInitialized()) return std::nullopt;
-  pybind11::gil_scoped_acquire gil;
+namespace {
+// getattr(weight, attr, None) on the weight's own Python object; the caller holds the GIL.
+pybind11::object weight_attribute(const at::Tensor& weight, const char* attr) {
   PyObject* obj = THPVariable_Wrap(weight);  // the weight's own Python object (new reference)
   if (obj == nullptr) throw python_error();
   const auto w = pybind11::reinterpret_steal<pybind11::object>(obj);
-  PyObject* attr = PyObject_GetAttrString(w.ptr(), "main_grad");
-  if (attr == nullptr) {
+  PyObject* value = PyObject_GetAttrString(w.ptr(), attr);
+  if (value == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw python_error();
     PyErr_Clear();
-    return std::nullopt;
+    return pybind11::none();
   }
-  const auto main_grad = pybind11::reinterpret_steal<pybind11::object>(attr);
+  return pybind11::reinterpret_steal<pybind11::object>(value);
+}
+}  // namespace
+
+std::optional<at::Tensor> main_grad_attribute(const at::Tensor& weight, const char* name) {
+  if (!weight.defined() || !Py_IsInitialized()) return std::nullopt;
+  pybind11::gil_scoped_acquire gil;
+  const pybind11::object main_grad = weight_attribute(weight, "main_grad");
   if (main_grad.is_none()) return std::nullopt;
   TORCH_CHECK_TYPE(THPVariable_Check(main_grad.ptr()), "moegemm: ", name, ".main_grad must be a float32 tensor, got ",
                    Py_TYPE(main_grad.ptr())->tp_name);
@@ -29,16 +36,7 @@ std::optional<at::Tensor> main_grad_attribute(const at::Tensor& weight, const ch
 bool overwrite_main_grad_attribute(const at::Tensor& weight) {
   if (!weight.defined() || !Py_IsInitialized()) return false;
   pybind11::gil_scoped_acquire gil;
-  PyObject* obj = THPVariable_Wrap(weight);
-  if (obj == nullptr) throw python_error();
-  const auto w = pybind11::reinterpret_steal<pybind11::object>(obj);
-  PyObject* attr = PyObject_GetAttrString(w.ptr(), "overwrite_main_grad");
-  if (attr == nullptr) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw python_error();
-    PyErr_Clear();
-    return false;
-  }
-  const auto flag = pybind11::reinterpret_steal<pybind11::object>(attr);
+  const pybind11::object flag = weight_attribute(weight, "overwrite_main_grad");
   const int truth = PyObject_IsTrue(flag.ptr());
   if (truth < 0) throw python_error();
   return truth == 1;

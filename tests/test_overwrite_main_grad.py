@@ -88,3 +88,35 @@ def test_mlp_each_weight_its_own_flag(device, recipe, split):
         mod.backward_dw()
         _check_written(mg1, expected1)
         assert rel(mg2, n * expected2) <= 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [False, True])
+def test_flag_without_main_grad_accumulates(device, split):
+    """Without a main_grad the flag changes nothing: .grad accumulates over backward passes (in the split backward
+    into an fp32 .grad by the GEMM itself)."""
+    E, K, N, T = len(SPLITS), 128, 256, sum(SPLITS)
+    ref, mod = _pair(lambda: moegemm.GroupedLinear(E, K, N, recipe="fp8_blockwise", device=device,
+                                                   dtype=torch.float32), split)
+    mod.weight.overwrite_main_grad = True
+    x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device=device, dtype=torch.bfloat16)
+    ref(x, SPLITS).backward(dy)
+    for n in (1, 2):
+        mod(x, SPLITS).backward(dy)
+        mod.backward_dw()
+        assert rel(mod.weight.grad, n * ref.weight.grad) <= 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_input(device):
+    """An FP8 x (Fp8Rows): fc1's gradient, made from x's FP8 rows, written over main_grad too."""
+    E, H, F, T = len(SPLITS), 128, 128, sum(SPLITS)
+    ref, mod = _pair(lambda: moegemm.GroupedMLP(E, H, F, activation="swiglu", device=device), False)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    expected = _zeroed(ref.fc1.weight)
+    ref(moegemm.to_fp8_rows(x), SPLITS).backward(dy)
+    mg = _stale(mod.fc1.weight, True)
+    mod(moegemm.to_fp8_rows(x), SPLITS).backward(dy)
+    _check_written(mg, expected)

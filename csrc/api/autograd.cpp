@@ -114,13 +114,13 @@ struct LinearNode : torch::autograd::Function<LinearNode> {
     const Tensor &plan = kept[0], &x = kept[1], &x_scales = kept[2], &weight = kept[3];
     const std::vector<Tensor> fp8_weight(kept.begin() + 4, kept.begin() + 4 + fp8_count);
     const std::vector<Tensor> saved(kept.begin() + 4 + fp8_count, kept.end());
-    const std::optional<Tensor> main_grad = need_dw ? main_grad_attribute(weight, "weight") : std::nullopt;
-    const bool overwrite = main_grad.has_value() && overwrite_main_grad_attribute(weight);
+    const MainGradAttributes target = need_dw ? main_grad_attributes(weight, "weight") : MainGradAttributes{};
+    const std::optional<Tensor>& main_grad = target.main_grad;
     at::AutoDispatchBelowADInplaceOrView below;
     auto [dx, dw, db, made0, made1, made2, made3] =
         dispatched<linear_bwd>("moegemm::linear_bwd")
             .call(dy, plan, saved, defined_or_none(x), weight, main_grad, ctx->saved_data["recipe"].toInt(), need_dx,
-                  need_dw, need_db, false, list_or_none(fp8_weight), defined_or_none(x_scales), overwrite);
+                  need_dw, need_db, false, list_or_none(fp8_weight), defined_or_none(x_scales), target.overwrite);
     return {need_dx ? dx : Tensor(), in_dtype(dw, need_dw && !main_grad.has_value(), weight.scalar_type()),
             in_dtype(db, need_db, kept_dtype(ctx->saved_data["bias_dtype"].toInt())), Tensor()};
   }
@@ -185,10 +185,10 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
     const int64_t bits = d["needs"].toInt();
     bool need[6];
     for (int i = 0; i < 6; ++i) need[i] = needs(bits, i);
-    const std::optional<Tensor> mg1 = need[kMlpDw1] ? main_grad_attribute(fc1_weight, "fc1_weight") : std::nullopt;
-    const std::optional<Tensor> mg2 = need[kMlpDw2] ? main_grad_attribute(fc2_weight, "fc2_weight") : std::nullopt;
-    const bool overwrite1 = mg1.has_value() && overwrite_main_grad_attribute(fc1_weight);
-    const bool overwrite2 = mg2.has_value() && overwrite_main_grad_attribute(fc2_weight);
+    const MainGradAttributes t1 = need[kMlpDw1] ? main_grad_attributes(fc1_weight, "fc1_weight") : MainGradAttributes{};
+    const MainGradAttributes t2 = need[kMlpDw2] ? main_grad_attributes(fc2_weight, "fc2_weight") : MainGradAttributes{};
+    const std::optional<Tensor>& mg1 = t1.main_grad;
+    const std::optional<Tensor>& mg2 = t2.main_grad;
     const std::vector<int64_t> dtypes = d["dtypes"].toIntVector();
     at::AutoDispatchBelowADInplaceOrView below;
     // eager: mlp_bwd frees each saved tensor after its last use (nothing else holds them); a trace keeps them
@@ -196,7 +196,7 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
         dispatched<mlp_bwd>("moegemm::mlp_bwd")
             .call(dy, plan, saved, x, fc1_weight, fc2_weight, probs, fp8_weights, mg1, mg2, d["activation"].toInt(),
                   d["recipe"].toInt(), need[kMlpDx], need[kMlpDw1], need[kMlpDw2], need[kMlpDb1], need[kMlpDb2],
-                  need[kMlpDprobs], !traced(dy), false, x_scales, overwrite1, overwrite2);
+                  need[kMlpDprobs], !traced(dy), false, x_scales, t1.overwrite, t2.overwrite);
     return {need[kMlpDx] ? dx : Tensor(),
             in_dtype(dw1, need[kMlpDw1] && !mg1.has_value(), fc1_weight.scalar_type()),
             in_dtype(dw2, need[kMlpDw2] && !mg2.has_value(), fc2_weight.scalar_type()),

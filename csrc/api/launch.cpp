@@ -203,7 +203,10 @@ Tensor stream_tile_counter(const Tensor& like) {
   const int64_t words = words_of(gemm_fp8_ragged_rows_workspace_size());
   const cudaStream_t stream = current_stream(like);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  TORCH_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess, "moegemm: cudaStreamIsCapturing failed");
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    const cudaError_t error = cudaGetLastError();  // (cleared, so that no later check reports it)
+    TORCH_CHECK(false, "moegemm: cudaStreamIsCapturing failed: ", cudaGetErrorString(error));
+  }
   if (capture != cudaStreamCaptureStatusNone) return empty({words}, at::kInt, like).zero_();
   static std::mutex mutex;
   static auto* counters = new std::map<std::pair<int, cudaStream_t>, Tensor>();  // kept to the end of the process

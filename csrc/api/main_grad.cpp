@@ -23,23 +23,16 @@ pybind11::object weight_attribute(const at::Tensor& weight, const char* attr) {
 }
 }  // namespace
 
-std::optional<at::Tensor> main_grad_attribute(const at::Tensor& weight, const char* name) {
-  if (!weight.defined() || !Py_IsInitialized()) return std::nullopt;
+MainGradAttributes main_grad_attributes(const at::Tensor& weight, const char* name) {
+  if (!weight.defined() || !Py_IsInitialized()) return {};
   pybind11::gil_scoped_acquire gil;
   const pybind11::object main_grad = weight_attribute(weight, "main_grad");
-  if (main_grad.is_none()) return std::nullopt;
+  if (main_grad.is_none()) return {};
   TORCH_CHECK_TYPE(THPVariable_Check(main_grad.ptr()), "moegemm: ", name, ".main_grad must be a float32 tensor, got ",
                    Py_TYPE(main_grad.ptr())->tp_name);
-  return THPVariable_Unpack(main_grad.ptr());
-}
-
-bool overwrite_main_grad_attribute(const at::Tensor& weight) {
-  if (!weight.defined() || !Py_IsInitialized()) return false;
-  pybind11::gil_scoped_acquire gil;
-  const pybind11::object flag = weight_attribute(weight, "overwrite_main_grad");
-  const int truth = PyObject_IsTrue(flag.ptr());
-  if (truth < 0) throw python_error();
-  return truth == 1;
+  const int overwrite = PyObject_IsTrue(weight_attribute(weight, "overwrite_main_grad").ptr());
+  if (overwrite < 0) throw python_error();
+  return {THPVariable_Unpack(main_grad.ptr()), overwrite == 1};
 }
 
 }  // namespace moegemm::api

@@ -63,11 +63,10 @@ def weight_grad_target(weight, need_dw: bool):
     return getattr(weight, "main_grad", None)
 
 
-def overwrites_main_grad(weight, main_grad) -> bool:
-    """Whether the gradient is written into ``main_grad`` instead of added to it: the weight's
-    ``overwrite_main_grad`` flag (Megatron-FSDP's, as Transformer Engine reads it), when main_grad is the target."""
-    return main_grad is not None and main_grad is getattr(weight, "main_grad", None) and \
-        bool(getattr(weight, "overwrite_main_grad", False))
+def overwrites_main_grad(weight, target) -> bool:
+    """Whether the gradient is written into its target instead of added to it: the weight's ``overwrite_main_grad``
+    flag (Megatron-FSDP's, as Transformer Engine reads it), when the target is main_grad (not an fp32 ``.grad``)."""
+    return target is not None and target is not weight.grad and bool(getattr(weight, "overwrite_main_grad", False))
 
 
 def finish_weight_grad(dw, need_dw: bool, weight, main_grad):

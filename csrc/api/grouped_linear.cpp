@@ -75,7 +75,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
     // the bias added in the GEMM's epilogue; a bf16 x quantized (into its row copy, qx) in the GEMM's launch where
     // that pays
     Quantized qx;
-    y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, qx, gemm_workspaces(false, 1, plan, true));
+    // (an FP8 x: no workspace, the GEMM takes the stream's tile counter)
+    const GemmWorkspaces ws = fp8_x ? GemmWorkspaces{} : gemm_workspaces(false, 1, plan, true);
+    y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, qx, ws);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
     const bool keep_wT = need_dx && !weight_given;

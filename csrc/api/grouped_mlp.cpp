@@ -110,13 +110,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     }
     // biases added in the GEMMs' epilogues; a bf16 x quantized (into its row copy, qx) in fc1's launch where that pays
     Quantized qx;
-    const GemmWorkspaces ws = gemm_workspaces(false, 2, plan, true);  // fc1's and fc2's tile counters, zeroed before fc1
+    // fc1's and fc2's tile counters, zeroed before fc1 (an FP8 x: none, the GEMMs take the stream's counter)
+    const GemmWorkspaces ws = fp8_x ? GemmWorkspaces{} : gemm_workspaces(false, 2, plan, true);
     Tensor h = run_fprop(x, fp8_x ? &given_x : nullptr, plan, plan_from, qw1.q, qw1.s, b1, qx, ws);
     qw1.q.reset(), qw1.s.reset();
     const bool keep_x = save && need_dw1 && !fp8_x;  // an FP8 x comes back as backward's x and x_scales
     if (!keep_x) qx.q.reset(), qx.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
-    // (with an FP8 x nothing zeroed ws.words: the stream's counter, as fc1's)
     y = run_gemm_fp8_ragged_rows(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2, fp8_x ? Tensor() : ws.counters[1]);
     if (save) {
       // a fresh empty tensor per unused slot: outputs of an op may not alias each other

@@ -251,7 +251,7 @@ Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_spli
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx, const GemmWorkspaces& ws) {
   const int64_t T = x.size(0), K = x.size(1);
-  if (fp8_x != nullptr) {  // no launch of ours before the GEMM to zero ws.words: the stream's counter instead
+  if (fp8_x != nullptr) {  // no launch of ours before the GEMM to zero a counter: the stream's (ws unused)
     if (plan_from.defined()) run_make_plan_into(plan_from, T, plan);
     qx = *fp8_x;
     return run_gemm_fp8_ragged_rows(qx.q, qx.s, qb, sb, plan, -1, bias);

@@ -92,7 +92,7 @@ Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_spli
 // (fp8_x), or a bf16 x quantized first; where the heuristics prefer it (gemm_fp8_ragged_rows_quantize_a_preferred),
 // quantized and multiplied in one launch (run_gemm_fp8_ragged_rows_quantize_a, which builds the plan too). `ws`: the words
 // zeroed by x's quantizer or the one launch (gemm_workspaces with at least one counter, the first this GEMM's, and
-// the claims); with fp8_x none zeroes them, and the GEMM takes the stream's tile counter instead.
+// the claims); with fp8_x none is read (it may be empty): the GEMM takes the stream's tile counter.
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx, const GemmWorkspaces& ws);
 // out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the

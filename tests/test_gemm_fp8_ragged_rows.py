@@ -147,7 +147,8 @@ def test_tile_counter_across_launches_streams_and_graphs(kernel):
         qx, sx, _, _ = cuda_ops.quantize_act(x, plan, cols=False)
         qw, sw, _, _ = cuda_ops.quantize_weight(w)
         first = run(qx, sx, qw, sw, plan, kernel)
-        expect = ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, ref.make_plan(torch.tensor(splits, device=DEV), sum(splits)), torch.float64)
+        plan_ref = ref.make_plan(torch.tensor(splits, device=DEV), sum(splits))
+        expect = ref.gemm_fp8_ragged_rows(qx, sx, qw, sw, plan_ref, torch.float64)
         assert rel(first, expect) <= TOL, splits[:4]
         problems.append(((qx, sx, qw, sw, plan), first))
     side = torch.cuda.Stream()

@@ -114,8 +114,8 @@ struct LinearNode : torch::autograd::Function<LinearNode> {
     const Tensor &plan = kept[0], &x = kept[1], &x_scales = kept[2], &weight = kept[3];
     const std::vector<Tensor> fp8_weight(kept.begin() + 4, kept.begin() + 4 + fp8_count);
     const std::vector<Tensor> saved(kept.begin() + 4 + fp8_count, kept.end());
-    const MainGradAttributes target = need_dw ? main_grad_attributes(weight, "weight") : MainGradAttributes{};
-    const std::optional<Tensor>& main_grad = target.main_grad;
+    const MainGrad target = need_dw ? main_grad_attributes(weight, "weight") : MainGrad{};
+    const std::optional<Tensor> main_grad = defined_or_none(target.tensor);
     at::AutoDispatchBelowADInplaceOrView below;
     auto [dx, dw, db, made0, made1, made2, made3] =
         dispatched<linear_bwd>("moegemm::linear_bwd")
@@ -185,10 +185,9 @@ struct MlpNode : torch::autograd::Function<MlpNode> {
     const int64_t bits = d["needs"].toInt();
     bool need[6];
     for (int i = 0; i < 6; ++i) need[i] = needs(bits, i);
-    const MainGradAttributes t1 = need[kMlpDw1] ? main_grad_attributes(fc1_weight, "fc1_weight") : MainGradAttributes{};
-    const MainGradAttributes t2 = need[kMlpDw2] ? main_grad_attributes(fc2_weight, "fc2_weight") : MainGradAttributes{};
-    const std::optional<Tensor>& mg1 = t1.main_grad;
-    const std::optional<Tensor>& mg2 = t2.main_grad;
+    const MainGrad t1 = need[kMlpDw1] ? main_grad_attributes(fc1_weight, "fc1_weight") : MainGrad{};
+    const MainGrad t2 = need[kMlpDw2] ? main_grad_attributes(fc2_weight, "fc2_weight") : MainGrad{};
+    const std::optional<Tensor> mg1 = defined_or_none(t1.tensor), mg2 = defined_or_none(t2.tensor);
     const std::vector<int64_t> dtypes = d["dtypes"].toIntVector();
     at::AutoDispatchBelowADInplaceOrView below;
     // eager: mlp_bwd frees each saved tensor after its last use (nothing else holds them); a trace keeps them

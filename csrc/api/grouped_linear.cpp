@@ -75,8 +75,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> linear_fwd(const Tensor& x_in, c
     // the bias added in the GEMM's epilogue; a bf16 x quantized (into its row copy, qx) in the GEMM's launch where
     // that pays
     Quantized qx;
-    // (an FP8 x: no workspace, the GEMM takes the stream's tile counter)
-    const GemmWorkspaces ws = fp8_x ? GemmWorkspaces{} : gemm_workspaces(false, 1, plan, true);
+    const GemmWorkspaces ws = fp8_x ? stream_workspaces(x) : gemm_workspaces(false, plan, true);
     y = run_fprop(x, fp8_x ? &given : nullptr, plan, plan_from, qw.q, qw.s, bias, qx, ws);
     // Wᵀ for dgrad: saved when made here; given copies come back through linear_bwd's fp8_weight (an
     // output may not alias an input)
@@ -123,7 +122,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
     TORCH_CHECK(saved.size() == saved_fp8::kCount, "moegemm: saved must hold ", num(saved_fp8::kCount), " tensors, got ",
                 num(saved.size()));
     if (need_dx || need_dw) {
-      const GemmWorkspaces ws = gemm_workspaces(false, 1, plan);  // dgrad's tile counter, zeroed by dy's quantizer
+      const GemmWorkspaces ws = gemm_workspaces(false, plan);  // dgrad's tile counter, zeroed by dy's quantizer
       Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_dx, need_dw, {}, ws.words);
       if (need_dx) {
         Quantized wT;
@@ -135,7 +134,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd(
           check_tensor(saved[saved_fp8::kSwT], "saved swT", at::kFloat, {E, Kb, Nb}, dy);
           wT.qT = aligned(saved[saved_fp8::kQwT]), wT.sT = aligned(saved[saved_fp8::kSwT]);
         }
-        dx = run_gemm_fp8_ragged_rows(qdy.q, qdy.s, wT.qT, wT.sT, plan, -1, Tensor(), ws.counters[0]);
+        dx = run_gemm_fp8_ragged_rows(qdy.q, qdy.s, wT.qT, wT.sT, plan, -1, Tensor(), ws.counter);
       }
       if (need_dw) {
         const Quantized rows = wgrad_x_rows(saved[saved_fp8::kQx], saved[saved_fp8::kSx], x_in, x_scales, T, K, dy);

@@ -110,14 +110,14 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> mlp_fwd(
     }
     // biases added in the GEMMs' epilogues; a bf16 x quantized (into its row copy, qx) in fc1's launch where that pays
     Quantized qx;
-    // fc1's and fc2's tile counters, zeroed before fc1 (an FP8 x: none, the GEMMs take the stream's counter)
-    const GemmWorkspaces ws = fp8_x ? GemmWorkspaces{} : gemm_workspaces(false, 2, plan, true);
+    // fc1's tile counter, zeroed before fc1 (an FP8 x: the stream's), which fc1 leaves zero for fc2
+    const GemmWorkspaces ws = fp8_x ? stream_workspaces(x) : gemm_workspaces(false, plan, true);
     Tensor h = run_fprop(x, fp8_x ? &given_x : nullptr, plan, plan_from, qw1.q, qw1.s, b1, qx, ws);
     qw1.q.reset(), qw1.s.reset();
     const bool keep_x = save && need_dw1 && !fp8_x;  // an FP8 x comes back as backward's x and x_scales
     if (!keep_x) qx.q.reset(), qx.s.reset();
     Quantized qa = run_act_quantize(h, probs, act, plan, true, need_dw2);
-    y = run_gemm_fp8_ragged_rows(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2, fp8_x ? Tensor() : ws.counters[1]);
+    y = run_gemm_fp8_ragged_rows(qa.q, qa.s, qw2.q, qw2.s, plan, -1, b2, ws.counter);
     if (save) {
       // a fresh empty tensor per unused slot: outputs of an op may not alias each other
       auto none8 = [&] { return none_like(x, at::kFloat8_e4m3fn); };
@@ -211,8 +211,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
       t.reset();
       if (!given) drop_saved(slot);
     };
-    // fc2 wgrad's workspace and the tile counters of fc2's and fc1's dgrad, zeroed by dy's quantizer
-    GemmWorkspaces ws = gemm_workspaces(need_dw2 && !defer, 2, plan);
+    // fc2 wgrad's workspace and the tile counter of fc2's and then fc1's dgrad, zeroed by dy's quantizer
+    GemmWorkspaces ws = gemm_workspaces(need_dw2 && !defer, plan);
     Tensor ws2 = ws.wgrad;
     Quantized qdy = run_quantize_act(dy, DType::kBF16, plan, need_da, need_dw2, {}, ws.words);
     if (need_dw2 && defer) {
@@ -224,7 +224,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     }
     ws2.reset(), qdy.qT.reset(), qdy.sT.reset(), drop_saved(fp8::kQaT), drop_saved(fp8::kSaT);
     if (need_da) {
-      Tensor da = run_gemm_fp8_ragged_rows(qdy.q, qdy.s, w2T.qT, w2T.sT, plan, -1, Tensor(), ws.counters[0]);
+      Tensor da = run_gemm_fp8_ragged_rows(qdy.q, qdy.s, w2T.qT, w2T.sT, plan, -1, Tensor(), ws.counter);
       qdy.q.reset(), qdy.s.reset(), drop_weight(w2T.qT, fp8::kQw2T), drop_weight(w2T.sT, fp8::kSw2T);
       const Tensor h = aligned(saved[fp8::kH]);
       Tensor partial;
@@ -235,7 +235,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
         db1 = run_bias_grad(run_act_backward_bf16(da, h, probs, act, unused_partial), plan);
       }
       da.reset(), drop_saved(fp8::kH);
-      if (need_dx) dx = run_gemm_fp8_ragged_rows(qdh.q, qdh.s, w1T.qT, w1T.sT, plan, -1, Tensor(), ws.counters[1]);
+      if (need_dx) dx = run_gemm_fp8_ragged_rows(qdh.q, qdh.s, w1T.qT, w1T.sT, plan, -1, Tensor(), ws.counter);
       qdh.q.reset(), qdh.s.reset(), drop_weight(w1T.qT, fp8::kQw1T), drop_weight(w1T.sT, fp8::kSw1T);
       if (need_dw1) {  // x's column copy, made from its row copy
         const Tensor ws1 = fp8_wgrad_workspace(!defer, plan);  // fc1 wgrad's, zeroed by requantize_cols' launch

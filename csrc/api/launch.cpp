@@ -224,7 +224,7 @@ Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor
   const int64_t T = qa.size(0), K = qa.size(1), N = qb.size(1);
   Tensor out = empty({T, N}, at::kBFloat16, qa);
   if (T == 0) return out;
-  const Tensor ws = counter.defined() ? counter : stream_tile_counter(qa);
+  const Tensor ws = counter.defined() ? counter : stream_tile_counter(qa);  // (the raw op)
   const ExpertBias b{bias.defined() ? bias.data_ptr() : nullptr, bias.defined() && bias.scalar_type() == at::kFloat};
   gemm_fp8_ragged_rows({plan_ptr(plan), E, T, N, K, out.data_ptr()}, {cbytes(qa), sa.data_ptr<float>()},
                     {cbytes(qb), sb.data_ptr<float>()}, b, tiling, ws.data_ptr(), current_stream(qa));
@@ -251,16 +251,15 @@ Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_spli
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx, const GemmWorkspaces& ws) {
   const int64_t T = x.size(0), K = x.size(1);
-  if (fp8_x != nullptr) {  // no launch of ours before the GEMM to zero a counter: the stream's (ws unused)
+  if (fp8_x != nullptr) {
     if (plan_from.defined()) run_make_plan_into(plan_from, T, plan);
     qx = *fp8_x;
-    return run_gemm_fp8_ragged_rows(qx.q, qx.s, qb, sb, plan, -1, bias);
   } else if (T > 0 && gemm_fp8_ragged_rows_quantize_a_preferred(T, K)) {
     return run_gemm_fp8_ragged_rows_quantize_a(x, plan_from, plan, qb, sb, bias, qx, ws);
   } else {
     qx = run_quantize_act(x, DType::kBF16, plan, true, false, plan_from, ws.words);
   }
-  return run_gemm_fp8_ragged_rows(qx.q, qx.s, qb, sb, plan, -1, bias, ws.counters.front());
+  return run_gemm_fp8_ragged_rows(qx.q, qx.s, qb, sb, plan, -1, bias, ws.counter);
 }
 
 namespace {
@@ -292,19 +291,23 @@ Tensor fp8_wgrad_workspace(bool wanted, const Tensor& plan) {
   return wgrad_workspace(fp8_wgrad_workspace_bytes(plan), plan);
 }
 
-GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan, bool claims) {
+GemmWorkspaces gemm_workspaces(bool wgrad, const Tensor& plan, bool claims) {
   GemmWorkspaces ws;
   const int64_t wgrad_words = wgrad ? words_of(fp8_wgrad_workspace_bytes(plan)) : 0;
-  const int64_t counter_words = words_of(gemm_fp8_ragged_rows_workspace_size());
-  const int64_t total = wgrad_words + counters * counter_words;
+  const int64_t total = wgrad_words + words_of(gemm_fp8_ragged_rows_workspace_size());
   const int64_t claim_words = claims ? words_of(gemm_fp8_ragged_rows_quantize_a_workspace_size()) : 0;
-  if (total + claim_words == 0) return ws;
   // (the wgrad workspace first: CUTLASS's part of it wants the allocation's alignment; the claims last, not zeroed)
   const Tensor all = empty({total + claim_words}, at::kInt, plan);
-  if (total > 0) ws.words = all.narrow(0, 0, total);
+  ws.words = all.narrow(0, 0, total);
   if (claims) ws.claims = all.narrow(0, total, claim_words);
   if (wgrad) ws.wgrad = ws.words.narrow(0, 0, wgrad_words);
-  for (int i = 0; i < counters; ++i) ws.counters.push_back(ws.words.narrow(0, wgrad_words + i * counter_words, counter_words));
+  ws.counter = ws.words.narrow(0, wgrad_words, total - wgrad_words);
+  return ws;
+}
+
+GemmWorkspaces stream_workspaces(const Tensor& like) {
+  GemmWorkspaces ws;
+  ws.counter = stream_tile_counter(like);
   return ws;
 }
 

@@ -65,21 +65,25 @@ Tensor run_act_bf16(const Tensor& h, const Tensor& probs, Activation act);
 Tensor run_act_backward_bf16(const Tensor& da, const Tensor& h, const Tensor& probs, Activation act, Tensor& dprobs_partial);
 
 // The words that one launch zeroes for the GEMMs after it (a quantizer's `zero`): the wgrad workspace of
-// fp8_wgrad_workspace (when wanted) first, then one tile counter per ragged-row GEMM (gemm_fp8_ragged_rows's workspace),
-// so that those GEMMs need no launch of their own to zero them. A forward's workspaces also hold the one-launch
-// forward's claim words (`claims`), in the same allocation but past the zeroed words.
+// fp8_wgrad_workspace (when wanted) first, then the tile counter of the ragged-row GEMMs (gemm_fp8_ragged_rows's
+// workspace: each GEMM leaves it zero, so the GEMMs one after the other on the stream share it), so that those GEMMs
+// need no launch of their own to zero them. A forward's workspaces also hold the one-launch forward's claim words
+// (`claims`), in the same allocation but past the zeroed words.
 struct GemmWorkspaces {
-  Tensor words;                  // the zeroed words, all of them (undefined: none)
-  Tensor wgrad;                  // undefined unless wanted
-  std::vector<Tensor> counters;  // one word each
-  Tensor claims;                 // gemm_fp8_ragged_rows_quantize_a's workspace, any contents (undefined unless wanted)
+  Tensor words;    // the zeroed words, all of them (undefined: none)
+  Tensor wgrad;    // undefined unless wanted
+  Tensor counter;  // one word
+  Tensor claims;   // gemm_fp8_ragged_rows_quantize_a's workspace, any contents (undefined unless wanted)
 };
-GemmWorkspaces gemm_workspaces(bool wgrad, int counters, const Tensor& plan, bool claims = false);
+GemmWorkspaces gemm_workspaces(bool wgrad, const Tensor& plan, bool claims = false);
+// The workspaces of GEMMs with no launch of ours before them to zero a counter (an FP8 x's forward): the current
+// stream's tile counter (stream_tile_counter), nothing else.
+GemmWorkspaces stream_workspaces(const Tensor& like);
 
 // out [T, N] bf16 = qa [T, K] · qb [E, N, K]ᵀ (+ bias [E, N], fp32 or bf16, added before the rounding),
 // blockwise scaled (fprop; dgrad with the Wᵀ copy), with the tiling heuristics.h picks unless `tiling` (>= 0)
-// names one. counter: its tile counter, zeroed by an earlier launch (gemm_workspaces), else the current stream's
-// (which the GEMM leaves zero).
+// names one. counter: its tile counter, zero at launch (gemm_workspaces', or stream_workspaces'), else the current
+// stream's.
 Tensor run_gemm_fp8_ragged_rows(const Tensor& qa, const Tensor& sa, const Tensor& qb, const Tensor& sb, const Tensor& plan,
                              int tiling = -1, const Tensor& bias = Tensor(), const Tensor& counter = Tensor());
 // The same on a bf16 x [T >= 1, K] in one launch that first builds `plan` from m_splits (undefined: `plan` was built
@@ -91,8 +95,7 @@ Tensor run_gemm_fp8_ragged_rows_quantize_a(const Tensor& x, const Tensor& m_spli
 // backward, from this row copy), the plan built from plan_from's counts when defined: an FP8 x given as its row copy
 // (fp8_x), or a bf16 x quantized first; where the heuristics prefer it (gemm_fp8_ragged_rows_quantize_a_preferred),
 // quantized and multiplied in one launch (run_gemm_fp8_ragged_rows_quantize_a, which builds the plan too). `ws`: the words
-// zeroed by x's quantizer or the one launch (gemm_workspaces with at least one counter, the first this GEMM's, and
-// the claims); with fp8_x none is read (it may be empty): the GEMM takes the stream's tile counter.
+// zeroed by x's quantizer or the one launch (gemm_workspaces with the claims); with fp8_x, stream_workspaces.
 Tensor run_fprop(const Tensor& x, const Quantized* fp8_x, const Tensor& plan, const Tensor& plan_from, const Tensor& qb,
                  const Tensor& sb, const Tensor& bias, Quantized& qx, const GemmWorkspaces& ws);
 // out [E, N, K] (fp32 = or +=, bf16 =) from the column copies qaT [N, Wc] (dy) and qbT [K, Wc] (x), on the

@@ -7,6 +7,7 @@
 #include <initializer_list>
 
 #include "api/launch.h"
+#include "api/main_grad.h"
 
 namespace moegemm::api {
 
@@ -39,13 +40,7 @@ using Fp8WeightNames = std::array<const char*, 4>;
 extern const Fp8WeightNames kFc1Fp8Names, kFc2Fp8Names, kLinearFp8Names;
 Quantized fp8_weight_input(const c10::List<std::optional<Tensor>>& list, size_t first, const Fp8WeightNames& names, int64_t E,
                            int64_t N, int64_t K, bool transposed, const Tensor& like);
-// Where a weight's gradient goes besides a fresh dw: its main_grad [E, N, K] fp32 (undefined if none), added to, or
-// written over with `overwrite` (the weight's overwrite_main_grad: Megatron-FSDP's flag, as Transformer Engine reads it).
-struct MainGrad {
-  Tensor tensor;
-  bool overwrite = false;
-};
-// main_grad checked: fp32 [E, N, K] on like's device, contiguous; none if absent (then `overwrite` has no effect).
+// main_grad (MainGrad, api/main_grad.h) checked: fp32 [E, N, K] on like's device, contiguous; none if absent (then `overwrite` has no effect).
 MainGrad main_grad_input(const std::optional<Tensor>& main_grad, bool overwrite, const char* name, const Tensor& weight,
                          const Tensor& like);
 

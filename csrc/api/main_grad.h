@@ -6,18 +6,19 @@
 
 #include <ATen/ATen.h>
 
-#include <optional>
-
 namespace moegemm::api {
 
-struct MainGradAttributes {
-  std::optional<at::Tensor> main_grad;  // getattr(weight, "main_grad", None); nullopt when absent or None
-  bool overwrite = false;               // bool(getattr(weight, "overwrite_main_grad", False)) with a main_grad
+// Where a weight's gradient goes besides a fresh dw: its main_grad [E, N, K] fp32 (undefined if none), added to, or
+// written over with `overwrite` (the weight's overwrite_main_grad: Megatron-FSDP's flag, as Transformer Engine
+// reads it).
+struct MainGrad {
+  at::Tensor tensor;
+  bool overwrite = false;
 };
 
-// Both attributes in one GIL-held read (none when no Python runs). A main_grad that is not a tensor is a
-// TypeError naming `name`; its dtype, shape and device are the entries' to check (main_grad_input).
-// overwrite_main_grad is Megatron-FSDP's flag: the gradient written into main_grad instead of added to it.
-MainGradAttributes main_grad_attributes(const at::Tensor& weight, const char* name);
+// getattr(weight, "main_grad", None) and bool(getattr(weight, "overwrite_main_grad", False)) in one GIL-held read
+// (none when absent or None, or when no Python runs). A main_grad that is not a tensor is a TypeError naming
+// `name`; its dtype, shape and device are the entries' to check (main_grad_input).
+MainGrad main_grad_attributes(const at::Tensor& weight, const char* name);
 
 }  // namespace moegemm::api

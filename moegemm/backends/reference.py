@@ -31,7 +31,7 @@ def _add_bias(y, bias, plan):
     return y if bias is None else R.add_bias_(y, bias, plan)
 
 
-def _weight_grad(gemm, operands: tuple, plan, weight, main_grad, overwrite: bool = False):
+def _weight_grad(gemm, operands: tuple, plan, weight, main_grad, overwrite: bool):
     """``gemm(*operands, plan)`` accumulated into main_grad, or with ``overwrite`` written into it (then None), or a
     fresh dw."""
     if main_grad is not None and overwrite:

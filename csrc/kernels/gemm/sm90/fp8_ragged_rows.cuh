@@ -44,10 +44,11 @@
 //   Nothing may touch the accumulator of that chain meanwhile: ptxas would
 //   make the chain wait (C7517), which the compile check (moegemm/_build.py) refuses.
 // - Single CTAs walk the tiles dynamically: the TMA warp draws each next id from a tile counter (the launch's
-//   workspace, zero at launch and left zero by the launch's last draw) a tile ahead and hands it to the scale warp through a ring of shared-memory slots
-//   (pipeline.cuh, TileIdRing); the math warpgroups read each tile from its stages as before, and the walk's end
-//   from a last stage with no copies. A CTA that starts late (its SM held by a kernel on another stream) takes
-//   fewer tiles instead of holding up the whole GEMM. Clusters of two walk the ids statically (below).
+//   workspace, zero at launch and left zero by the launch's last draw) a tile ahead and hands it to the scale warp
+//   through a ring of shared-memory slots (pipeline.cuh, TileIdRing); the math warpgroups read each tile from its
+//   stages as before, and the walk's end from a last stage with no copies. A CTA that starts late (its SM held by
+//   a kernel on another stream) takes fewer tiles instead of holding up the whole GEMM. Clusters of two walk the
+//   ids statically (below).
 // - The producer's TMA warp and scale warp each walk the tile list in the plan (global memory): each looks the
 //   next tile's expert up with warp votes from the current one's (RaggedRowTiles::at_after: usually one vote's
 //   load, not a binary search's log2(E) dependent loads), right after the current tile's first stage, so that

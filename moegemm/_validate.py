@@ -273,8 +273,8 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
 
     Host input (list, tuple, CPU tensor) is checked on the host and copied asynchronously. A tensor on
     ``device`` is returned as it is (never read on the host) unless the checked mode is on. Under
-    torch.compile a tensor's values are not read either (a traced graph cannot read data on the host): the
-    plan clamps them, as it does for device tensors."""
+    torch.compile a CPU tensor's counts cannot be read while tracing: the graph checks them when it runs
+    (``_assert_host_counts_in_graph``)."""
     check_optional_bool("check_splits", check_splits)
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1:
@@ -284,15 +284,13 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
         if m_splits.numel() != E:
             raise ValueError(f"len(m_splits) must equal the number of experts E = {E}, got {m_splits.numel()}")
         if m_splits.device.type == "cpu" and device.type != "cpu":
-            if not torch.compiler.is_compiling():
-                _check_host_counts(m_splits.tolist(), T)
+            _check_host_tensor_counts(m_splits, T)
             src = m_splits.contiguous().pin_memory() if torch.cuda.is_available() else m_splits
             return src.to(device, non_blocking=True)
         if m_splits.device != device:
             raise ValueError(f"m_splits is on {m_splits.device} but x is on {device}")
         if m_splits.device.type == "cpu":
-            if not torch.compiler.is_compiling():
-                _check_host_counts(m_splits.tolist(), T)
+            _check_host_tensor_counts(m_splits, T)
         elif checked_mode(check_splits):
             _check_device_counts(m_splits, T)
         return m_splits.contiguous()
@@ -318,6 +316,23 @@ def _check_host_counts(counts, T: int) -> None:
             raise ValueError(f"m_splits[{i}] must be non-negative, got {m}")
     if sum(counts) != T:
         raise ValueError(f"sum(m_splits) must equal x.shape[0] = {T}, got {sum(counts)}")
+
+
+def _check_host_tensor_counts(m: torch.Tensor, T: int) -> None:
+    if torch.compiler.is_compiling():
+        _assert_host_counts_in_graph(m, T)
+    else:
+        _check_host_counts(m.tolist(), T)
+
+
+def _assert_host_counts_in_graph(m: torch.Tensor, T) -> None:
+    """The host check of a CPU tensor's counts as graph ops (torch._assert_async), for torch.compile, whose tracing
+    cannot read them: on the CPU a failed assert raises RuntimeError when the graph runs. T may be symbolic."""
+    m = m.long()
+    at_most = f" = {T}" if isinstance(T, int) else ""
+    torch._assert_async((m >= 0).all(), "moegemm: m_splits must be non-negative")
+    torch._assert_async((m <= T).all(), f"moegemm: every count of m_splits must be at most x.shape[0]{at_most}")
+    torch._assert_async(m.clamp(0, T).sum() == T, f"moegemm: sum(m_splits) must equal x.shape[0]{at_most}")
 
 
 def _check_device_counts(m: torch.Tensor, T: int) -> None:

@@ -4,6 +4,8 @@ fp8_blockwise included, with m_splits as a list or a CPU tensor; compiled and ea
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -130,4 +132,22 @@ def test_split_backward_under_compile_without_fullgraph(kind):
     layer, f = _split_layer(kind)
     with torch.no_grad():
         assert torch.equal(torch.compile(f, fullgraph=True)(x, m), f(x, m))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("counts, message", [
+    ([5, 0, 11, -1], "moegemm: m_splits must be non-negative"),
+    ([5, 0, 5, 0], "moegemm: sum(m_splits) must equal x.shape[0] = 15"),
+    ([16, 0, 0, 0], "moegemm: every count of m_splits must be at most x.shape[0] = 15"),
+])
+def test_cpu_tensor_splits_checked_inside_the_graph(counts, message):
+    """A CPU tensor's counts cannot be read while tracing: the compiled graph checks them when it runs, as the eager
+    call checks them on the host (a silently clamped plan otherwise)."""
+    torch._dynamo.reset()
+    x = torch.randn(15, 32, dtype=torch.bfloat16)
+    w = torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    f = torch.compile(lambda x, w, m: moegemm.grouped_linear(x, w, m, recipe="bf16"), fullgraph=True)
+    assert torch.equal(f(x, w, torch.tensor([5, 0, 10, 0])), moegemm.grouped_linear(x, w, [5, 0, 10, 0], recipe="bf16"))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        f(x, w, torch.tensor(counts))
     torch._dynamo.reset()

@@ -263,3 +263,29 @@ def test_cuda_split_under_torch_compile(recipe):
     assert rel(x.grad, gx) <= 1e-3
     for a, b in zip(ref.parameters(), split.parameters()):
         assert rel(b.grad, a.grad) <= 1e-3
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_with_pending_work_starts_empty(how):
+    """A copy of a layer whose weight-gradient work is pending gets none of it: the work writes the original's
+    gradients (once, as without the copy) and the copy's backward_dw() does nothing."""
+    import io
+
+    ref, split = _linear_pair("cpu", "bf16", torch.bfloat16)
+    splits = zipf_splits(4, 300)
+    x = torch.randn(300, 128, dtype=torch.bfloat16)
+    dy = torch.randn(300, 256, dtype=torch.bfloat16)
+    ref(x, splits).backward(dy)
+    split(x, splits).backward(dy)
+    if how == "deepcopy":
+        twin = copy.deepcopy(split)
+    else:
+        buf = io.BytesIO()
+        torch.save(split, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert len(twin._wgrad_store) == 0 and len(split._wgrad_store) == 1
+    twin.backward_dw()
+    split.backward_dw()
+    assert twin.weight.grad is None
+    assert torch.equal(split.weight.grad, ref.weight.grad)

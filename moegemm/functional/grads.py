@@ -139,6 +139,11 @@ class WgradStore:
     def clear(self) -> None:
         self._pending.clear()
 
+    def __getstate__(self):
+        """A copy (``copy.deepcopy``, pickle) starts empty: pending work writes the original layer's gradients and
+        holds its operands, so it stays with the original."""
+        return {**self.__dict__, "_pending": collections.deque(), "_warned": False}
+
 
 def check_wgrad_store(store) -> None:
     """``wgrad_store`` of the functions: None or a ``WgradStore``."""

@@ -548,6 +548,23 @@ def test_to_fp8_inference_grad_mode_without_input_grad(case):
         y.sum().backward()  # must not crash on the FP8-only weights (no transposed copies kept)
 
 
+def test_to_fp8_inference_refuses_state_dicts():
+    """After to_fp8_inference the weight parameters are placeholders and the FP8 weights are no state: saving or
+    loading a state_dict (directly or through a parent module) is refused, not given zeros or ignored."""
+    m = GroupedMLP(2, 128, 128, recipe="fp8_blockwise")
+    saved = m.state_dict()
+    parent = torch.nn.Sequential(m)
+    m.to_fp8_inference()
+    for save in (m.state_dict, parent.state_dict):
+        with pytest.raises(RuntimeError, match=r"state_dict of a GroupedMLP that holds only FP8 weights"):
+            save()
+    for load in (lambda: m.load_state_dict(saved), lambda: m.load_state_dict(saved, assign=True),
+                 lambda: parent.load_state_dict({f"0.{k}": v for k, v in saved.items()})):
+        with pytest.raises(RuntimeError, match=r"load_state_dict of a GroupedMLP that holds only FP8 weights"):
+            load()
+    assert GroupedMLP(2, 128, 128, recipe="fp8_blockwise").load_state_dict(saved) is not None  # the normal module
+
+
 def test_to_fp8_inference_needs_fp8_recipe():
     m = GroupedMLP(2, 128, 128, recipe="bf16")
     with pytest.raises(ValueError, match="recipe"):

@@ -76,6 +76,22 @@ class GroupedMLP(ExpertLayer, nn.Module):
                 holder.bias.requires_grad_(False)
         return self.eval()
 
+    def _refuse_in_fp8_inference(self, what: str) -> None:
+        if self._fp8_inference is not None:
+            raise RuntimeError(f"moegemm: {what} of a GroupedMLP that holds only FP8 weights (to_fp8_inference): its "
+                               "weight parameters are placeholders, and its FP8 weights are not part of a state_dict; "
+                               "save or load the model's state before to_fp8_inference()")
+
+    def state_dict(self, *args, **kwargs):
+        """(Refused after ``to_fp8_inference``: its weights would be the placeholders.)"""
+        self._refuse_in_fp8_inference("state_dict")
+        return super().state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # (refused after to_fp8_inference: forward would keep the FP8 weights and ignore what was loaded)
+        self._refuse_in_fp8_inference("load_state_dict")
+        super()._load_from_state_dict(*args, **kwargs)
+
     def forward(self, x: torch.Tensor, m_splits: SplitsLike, probs: Optional[torch.Tensor] = None,
                 is_first_microbatch: Optional[bool] = None, check_splits: Optional[bool] = None) -> torch.Tensor:
         """x: ``[T, hidden]`` bf16, or an FP8 ``Fp8Rows`` (fp8_blockwise)."""

@@ -268,6 +268,28 @@ def checked_mode(check_splits) -> bool:
     return CHECK_SPLITS if check_splits is None else bool(check_splits)
 
 
+def num_splits(m_splits) -> int:
+    """E of a public function's ``m_splits`` (a list, tuple or 1-D tensor): its length, after checking its type and
+    rank (the layers take E from their weights)."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1:
+            raise ValueError(f"m_splits must be 1-D, got shape {tuple(m_splits.shape)}")
+    elif not isinstance(m_splits, (list, tuple)):
+        raise TypeError(f"m_splits must be a list of ints or an int32/int64 tensor, got {type(m_splits).__name__}")
+    return len(m_splits)
+
+
+def check_token_count(name: str, T) -> int:
+    """A token count given as an argument (make_plan's T): an int in [0, MAX_TOKENS] (a symbolic size under
+    torch.compile passes as it is: a tensor's size, checked with the tensor)."""
+    if isinstance(T, torch.SymInt):
+        return T
+    T = check_int_arg(name, T)
+    if not 0 <= T <= MAX_TOKENS:
+        raise ValueError(f"{name} (tokens) must be in [0, {MAX_TOKENS}], got {T}")
+    return T
+
+
 def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device, check_splits=None) -> torch.Tensor:
     """Validate ``m_splits`` and return it as an int32/int64 tensor on ``device``.
 

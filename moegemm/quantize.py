@@ -8,7 +8,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import backends
-from ._validate import SplitsLike, check_num_experts, check_tokens_input, check_weight, splits_to_device
+from ._validate import (SplitsLike, check_num_experts, check_token_count, check_tokens_input, check_weight, num_splits,
+                        splits_to_device)
 from .layout import BLOCK, MAX_TOKENS, ceil_div
 
 
@@ -17,8 +18,10 @@ def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> t
     if device is None:
         device = m_splits.device if isinstance(m_splits, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
-    check_num_experts(len(m_splits), "len(m_splits) (the number of experts)")  # the layers check weight.shape[0]
-    m = splits_to_device(m_splits, len(m_splits), T, device, check_splits)
+    T = check_token_count("T", T)
+    E = num_splits(m_splits)
+    check_num_experts(E, "len(m_splits) (the number of experts)")  # the layers check weight.shape[0]
+    m = splits_to_device(m_splits, E, T, device, check_splits)
     return backends.select(device).make_plan(m, T)
 
 

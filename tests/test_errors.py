@@ -220,6 +220,18 @@ def test_public_quantizer_errors():
         moegemm.make_plan([1, 2], 4)
     with pytest.raises(ValueError, match=r"m_splits\[0\]"):
         moegemm.make_plan([-1, 5], 4)
+    from moegemm.layout import MAX_TOKENS
+    for T in (MAX_TOKENS + 1, -1):  # a plan of int32 offsets would wrap
+        with pytest.raises(ValueError, match=r"T \(tokens\) must be in \[0, "):
+            moegemm.make_plan([T, 0], T)
+    for T in ("5", 5.0, True):
+        with pytest.raises(TypeError, match=r"T must be an int"):
+            moegemm.make_plan([2, 3], T)
+    for m in (torch.tensor(8), torch.tensor([[8]])):  # one count, not a list of them
+        with pytest.raises(ValueError, match=r"m_splits must be 1-D"):
+            moegemm.quantize_act(torch.randn(8, 128), m)
+    with pytest.raises(TypeError, match=r"m_splits must be a list"):
+        moegemm.make_plan(8, 8)
     with pytest.raises(ValueError, match=r"\bx\b"):
         moegemm.quantize_act(torch.randn(8, 24), [8])
     with pytest.raises(ValueError, match=r"\bx\b"):

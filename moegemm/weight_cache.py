@@ -81,6 +81,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import backends
+from ._validate import check_bool_arg
 
 __all__ = ["FP8WeightCache", "weights_changed", "generation", "attach", "switch"]
 
@@ -310,7 +311,7 @@ def _get_switch(module) -> bool:
 
 
 def _set_switch(module, on: bool) -> None:
-    module._fp8_cache.auto = bool(on)
+    module._fp8_cache.auto = check_bool_arg("fp8_weight_cache", on)
     if not on:
         module._fp8_cache.clear()
 

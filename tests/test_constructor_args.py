@@ -98,3 +98,17 @@ def test_good_arguments_still_build_and_run():
     x = torch.randn(10, 32, dtype=torch.bfloat16)
     assert lin(x, [3, 0, 7, 0]).shape == (10, 48)
     assert mlp(x, [3, 0, 7, 0]).shape == (10, 32)
+
+
+@pytest.mark.parametrize("attr", ["fp8_weight_cache", "delay_wgrad_compute"])
+@pytest.mark.parametrize("layer", ["GroupedLinear", "GroupedMLP"])
+def test_switches_set_on_an_instance_are_checked(layer, attr):
+    """The switches settable after construction take True or False only, as the constructor does ("False" would turn
+    the split backward on)."""
+    m = getattr(moegemm, layer)(2, 128, 128)
+    for bad in ("False", "no", 1, None):
+        with pytest.raises(TypeError, match=rf"{attr} must be True or False"):
+            setattr(m, attr, bad)
+    before = getattr(m, attr)
+    setattr(m, attr, not before)
+    assert getattr(m, attr) is (not before)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import weight_cache
-from .._validate import check_optional_bool, check_recipe
+from .._validate import check_bool_arg, check_optional_bool, check_recipe
 from ..functional import WgradStore
 
 
@@ -37,7 +37,7 @@ class ExpertLayer:
     def _init_expert_layer(self, recipe: str, fp8_weight_cache: bool = True, delay_wgrad_compute: bool = False) -> None:
         self.recipe = check_recipe(recipe)
         weight_cache.attach(self, fp8_weight_cache)
-        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.delay_wgrad_compute = delay_wgrad_compute
         self._wgrad_store = WgradStore()
 
     def expert_weights(self) -> tuple:
@@ -45,6 +45,15 @@ class ExpertLayer:
         raise NotImplementedError
 
     fp8_weight_cache = weight_cache.switch
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether backward leaves the weight gradients to ``backward_dw()`` (settable: True or False)."""
+        return self._delay_wgrad_compute
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, on: bool) -> None:
+        self._delay_wgrad_compute = check_bool_arg("delay_wgrad_compute", on)
 
     def fp8_weights(self, is_first_microbatch: Optional[bool] = None):
         """The FP8 copies of ``expert_weights()`` for this call, one ``quantize_weight`` 4-tuple each; None:

@@ -323,6 +323,13 @@ def test_experts_input_shapes_and_splits_forms(cpu, zipf):
     assert y3.shape == (16, 4, H) and torch.equal(y3.reshape(64, H), y)
     y0, _ = ex(torch.zeros(0, H), torch.zeros(E, dtype=torch.long), torch.zeros(0))
     assert y0.shape == (0, H)
+    assert torch.equal(ex(x, torch.tensor(splits, dtype=torch.float32), probs)[0], y)  # torch.histc's counts
+    with pytest.raises(TypeError, match=r"tokens_per_expert must hold integer counts, got a torch\.bool tensor"):
+        ex(x, torch.tensor(splits) > 0, probs)
+    with pytest.raises(TypeError, match=r"permuted_probs must be a tensor or None, got list"):
+        ex(x, splits, probs.tolist())
+    with pytest.raises(TypeError, match=r"permuted_local_hidden_states must be a tensor or an Fp8Rows, got list"):
+        ex(x.tolist(), splits, probs)
 
 
 # ----------------------------------------------------------------------------------------- CPU: checkpoints

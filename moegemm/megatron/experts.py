@@ -56,6 +56,27 @@ def _fusable_main_grad(param):
     return None
 
 
+def _counts(tokens_per_expert):
+    """Megatron's tokens_per_expert as grouped_mlp takes them: a numpy array as a tensor, and float counts (those of
+    torch.histc, which Megatron's dispatchers have used) as int64, on the device without reading them. A bool tensor is
+    no count."""
+    splits = tokens_per_expert
+    if not isinstance(splits, (torch.Tensor, list, tuple)):
+        splits = torch.as_tensor(splits)  # numpy
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype == torch.bool:
+            raise TypeError("tokens_per_expert must hold integer counts, got a torch.bool tensor")
+        if splits.dtype not in (torch.int32, torch.int64):
+            splits = splits.to(torch.int64)
+    return splits
+
+
+def _check_probs(permuted_probs):
+    if not isinstance(permuted_probs, torch.Tensor):
+        raise TypeError(f"permuted_probs must be a tensor or None, got {type(permuted_probs).__name__}")
+    return permuted_probs
+
+
 def _weight_for_op(param: torch.Tensor) -> torch.Tensor:
     if not hasattr(param, "main_grad"):
         return param
@@ -260,6 +281,8 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
             raise NotImplementedError("MoegemmExperts does not support the inference routing_map path")
         x = permuted_local_hidden_states
         H = self.hidden_size
+        if not isinstance(x, (torch.Tensor, Fp8Rows)):
+            raise TypeError(f"permuted_local_hidden_states must be a tensor or an Fp8Rows, got {type(x).__name__}")
         if isinstance(x, Fp8Rows):  # an FP8 dispatcher's tokens: [T, H] e4m3 rows + 1x128 scales
             return self._forward_fp8(x, tokens_per_expert, permuted_probs)
         if x.shape[-1] != H:
@@ -269,18 +292,14 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
         T = x2.shape[0]
         probs = None
         if permuted_probs is not None:
-            probs = permuted_probs.reshape(-1)
+            probs = _check_probs(permuted_probs).reshape(-1)
             if probs.numel() != T:
                 raise ValueError(f"permuted_probs must hold one value per token ({T}), got shape "
                                  f"{tuple(permuted_probs.shape)}")
         if getattr(self.config, "moe_apply_probs_on_input", False) and probs is not None:
             x2 = (probs.unsqueeze(-1) * x2).to(x.dtype)
             probs = None
-        splits = tokens_per_expert
-        if not isinstance(splits, (torch.Tensor, list, tuple)):
-            splits = torch.as_tensor(splits)  # numpy
-        if isinstance(splits, torch.Tensor) and splits.dtype not in (torch.int32, torch.int64):
-            splits = splits.to(torch.int64)
+        splits = _counts(tokens_per_expert)
         compute_dtype = x2.dtype
         if backends.uses_cuda(x2.device) and compute_dtype != torch.bfloat16:
             compute_dtype = torch.bfloat16  # moegemm's CUDA path takes bf16 activations
@@ -314,14 +333,12 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
         """The experts of FP8 tokens (``Fp8Rows``: q [T, H] e4m3, s [T, H/128] fp32, grad_target receiving
         the bf16 input gradient): fc1 reads the rows as they are (fp8_blockwise only, as grouped_mlp checks)."""
         T = x.q.shape[0]
-        probs = None if permuted_probs is None else permuted_probs.reshape(-1)
+        probs = None if permuted_probs is None else _check_probs(permuted_probs).reshape(-1)
         if probs is not None and probs.numel() != T:
             raise ValueError(f"permuted_probs must hold one value per token ({T}), got shape {tuple(permuted_probs.shape)}")
         if getattr(self.config, "moe_apply_probs_on_input", False) and probs is not None:
             raise NotImplementedError("moe_apply_probs_on_input needs the bf16 tokens, not FP8 ones")
-        splits = tokens_per_expert
-        if isinstance(splits, torch.Tensor) and splits.dtype not in (torch.int32, torch.int64):
-            splits = splits.to(torch.int64)
+        splits = _counts(tokens_per_expert)
         y = self._add_fc2_bias(self._mlp(x, splits, probs), splits, probs, T)
         return y, None
 

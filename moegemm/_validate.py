@@ -182,17 +182,17 @@ def check_x(x: torch.Tensor, K: int, device: torch.device, cuda_path: bool = Fal
         raise ValueError(f"x must be contiguous, got strides {x.stride()} for shape {tuple(shape)}")
 
 
-def check_bias(bias, E: int, N: int, device: torch.device) -> None:
+def check_bias(bias, E: int, N: int, device: torch.device, name: str = "bias") -> None:
     if bias is None:
         return
     if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(bias).__name__}")
     if tuple(bias.shape) != (E, N):
-        raise ValueError(f"bias must have shape [E, N] = {(E, N)}, got {tuple(bias.shape)}")
+        raise ValueError(f"{name} must have shape [E, N] = {(E, N)}, got {tuple(bias.shape)}")
     if bias.device != device:
-        raise ValueError(f"bias is on {bias.device} but weight is on {device}")
+        raise ValueError(f"{name} is on {bias.device} but the weights are on {device}")
     if not bias.is_floating_point():
-        raise TypeError(f"bias.dtype must be floating point, got {bias.dtype}")
+        raise TypeError(f"{name}.dtype must be floating point, got {bias.dtype}")
 
 
 def check_fp8_weight(fp8, weight: torch.Tensor, name: str, weight_name: str = "weight",
@@ -251,15 +251,18 @@ def check_optional_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be None, True or False, got {type(value).__name__} {value!r}")
 
 
-def check_main_grad(weight: torch.Tensor) -> None:
-    """Megatron's gradient-accumulation fusion: ``weight.main_grad`` must be an fp32 buffer like weight."""
+def check_main_grad(weight: torch.Tensor, name: str = "weight") -> None:
+    """Megatron's gradient-accumulation fusion: ``weight.main_grad`` must be an fp32 buffer like weight (``name``:
+    the weight's argument name in messages)."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         return
-    if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32:
-        raise TypeError(f"weight.main_grad must be a float32 tensor, got {getattr(main_grad, 'dtype', type(main_grad))}")
+    if not isinstance(main_grad, torch.Tensor):
+        raise TypeError(f"{name}.main_grad must be a float32 tensor, got {type(main_grad).__name__}")
+    if main_grad.dtype != torch.float32:
+        raise TypeError(f"{name}.main_grad must be a float32 tensor, got {main_grad.dtype}")
     if main_grad.shape != weight.shape or main_grad.device != weight.device or not main_grad.is_contiguous():
-        raise ValueError(f"weight.main_grad must be contiguous with weight's shape {tuple(weight.shape)} on "
+        raise ValueError(f"{name}.main_grad must be contiguous with {name}'s shape {tuple(weight.shape)} on "
                          f"{weight.device}, got {tuple(main_grad.shape)} with strides {main_grad.stride()} on "
                          f"{main_grad.device}")
 

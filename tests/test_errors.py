@@ -352,3 +352,25 @@ def test_device_m_splits_checked_mode():
         grouped_linear(x, w, bad, check_splits=True)
     with pytest.raises(ValueError, match=r"sum\(m_splits\)"):
         grouped_linear(x, w, torch.tensor([10, 0, 29], device="cuda"), check_splits=True)
+
+
+def test_mlp_errors_name_the_argument():
+    """grouped_mlp's two biases and two weights' main_grad are named as its arguments."""
+    w1 = torch.randn(E, 2 * 64, K, dtype=torch.bfloat16)
+    w2 = torch.randn(E, K, 64, dtype=torch.bfloat16)
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^fc2_bias must have shape \[E, N\]"):
+        moegemm.grouped_mlp(x, w1, w2, SPLITS, fc2_bias=torch.zeros(E, 64))
+    with pytest.raises(TypeError, match=r"^fc1_bias must be a torch.Tensor or None, got list"):
+        moegemm.grouped_mlp(x, w1, w2, SPLITS, fc1_bias=[0.0])
+    w2.main_grad = torch.zeros(w2.shape, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^fc2_weight\.main_grad must be a float32 tensor, got torch\.bfloat16"):
+        moegemm.grouped_mlp(x, w1, w2, SPLITS)
+    w2.main_grad = [0.0]
+    with pytest.raises(TypeError, match=r"^fc2_weight\.main_grad must be a float32 tensor, got list"):
+        moegemm.grouped_mlp(x, w1, w2, SPLITS)
+    w1.requires_grad_()
+    y = moegemm.grouped_mlp(x, w1, torch.randn(E, K, 64, dtype=torch.bfloat16), SPLITS)
+    w1.main_grad = torch.zeros(E, 1, dtype=torch.float32)  # replaced between forward and backward
+    with pytest.raises(ValueError, match=r"^fc1_weight\.main_grad must be contiguous with fc1_weight's shape"):
+        y.float().sum().backward()

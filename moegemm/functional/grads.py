@@ -54,12 +54,12 @@ def _refuse_if_one_graph() -> bool:
     return False
 
 
-def weight_grad_target(weight, need_dw: bool):
+def weight_grad_target(weight, need_dw: bool, name: str = "weight"):
     """Megatron's gradient-accumulation fusion: wgrad goes into ``weight.main_grad`` when it exists.
     Checked again here: the attribute may have been replaced between forward and backward."""
     if not need_dw:
         return None
-    check_main_grad(weight)
+    check_main_grad(weight, name)
     return getattr(weight, "main_grad", None)
 
 

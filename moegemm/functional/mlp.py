@@ -94,7 +94,8 @@ class _GroupedMLP(torch.autograd.Function):
         refuse_double_backward("grouped_mlp")
         need_dx, need_dw1, need_dw2, need_db1, need_db2, need_dp = ctx.needs_input_grad[:6]
         defer = ctx.store is not None and (need_dw1 or need_dw2)
-        mg1, mg2 = (None, None) if defer else (weight_grad_target(ctx.w1, need_dw1), weight_grad_target(ctx.w2, need_dw2))
+        mg1, mg2 = (None, None) if defer else (weight_grad_target(ctx.w1, need_dw1, "fc1_weight"),
+                                               weight_grad_target(ctx.w2, need_dw2, "fc2_weight"))
         tensors, release = _unstash(ctx)
         (plan, x, x_scales, w1, w2, probs), rest = tensors[:6], tensors[6:]
         fp8_weights, saved = rest[:ctx.num_fp8_weights], rest[ctx.num_fp8_weights:]
@@ -131,10 +132,10 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     E, F1, H, _ = check_mlp_weights(fc1_weight, fc2_weight, activation)
     x, x_fp8, x_scales = split_x(x, H, fc1_weight.device, recipe, backends.uses_cuda(fc1_weight.device))
     x_dev = x_fp8 if x_scales is not None else x
-    check_bias(fc1_bias, E, F1, fc1_weight.device)
-    check_bias(fc2_bias, E, H, fc1_weight.device)
-    check_main_grad(fc1_weight)
-    check_main_grad(fc2_weight)
+    check_bias(fc1_bias, E, F1, fc1_weight.device, "fc1_bias")
+    check_bias(fc2_bias, E, H, fc1_weight.device, "fc2_bias")
+    check_main_grad(fc1_weight, "fc1_weight")
+    check_main_grad(fc2_weight, "fc2_weight")
     T = x_dev.shape[0]
     check_probs(probs, T, x_dev.device)
     check_wgrad_store(wgrad_store)

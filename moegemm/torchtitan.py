@@ -57,8 +57,8 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from . import backends, weight_buffers
-from ._validate import (check_bool_arg, check_mlp_dims, check_probs, check_recipe, check_x, check_x_tensor,
-                        splits_to_device)
+from ._validate import (check_bool_arg, check_fp8_weight_pair, check_mlp_dims, check_probs, check_recipe, check_weight,
+                        check_x, check_x_tensor, splits_to_device)
 from .backends import contract as C
 from .functional.grads import refuse_double_backward
 from .layout import ACTIVATIONS, BF16, FP8_BLOCKWISE, RECIPE_IDS
@@ -157,6 +157,8 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     ``fp8_weights``: the FP8 copies ``(fused fc1, fc2)`` to use, e.g. ``FP8WeightCache.get([(w1, w3), w2])``;
     None: quantized inside the call. Returns ``[T, dim]`` in ``x``'s dtype (computed from ``x`` in bf16)."""
     check_recipe(recipe)
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        check_weight(w, name)
     E, F, D = w1.shape
     check_mlp_dims(E, D, F, "swiglu", names=("w1/w3 (fc1)", "w2 (fc2)"))
     for name, w, shape in (("w3", w3, (E, F, D)), ("w2", w2, (E, D, F))):
@@ -168,14 +170,17 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     xb = x.to(torch.bfloat16).contiguous()
     check_x(xb, D, w1.device, cuda_path=backends.uses_cuda(w1.device))
     check_probs(probs, xb.shape[0], xb.device)
-    m = splits_to_device(m_splits, E, xb.shape[0], xb.device, check_splits)
     recipe_id = RECIPE_IDS[recipe]
+    records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xb, w1, w3, w2, probs))
+    if recipe_id == FP8_BLOCKWISE:  # (fused fc1, fc2): as grouped_mlp's pair, fc1 being [E, 2 hidden, dim]
+        check_fp8_weight_pair(fp8_weights, _stand_in(w1), w2, records_grad)
+    m = splits_to_device(m_splits, E, xb.shape[0], xb.device, check_splits)
     fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe_id == FP8_BLOCKWISE else []
     # (bf16: in bf16, which the op computes in: fp32 weights' bf16 copy is then not saved for a dgrad that never reads it)
     fc1 = _stand_in(w1) if fp8 else torch.cat([w1.detach(), w3.detach()], 1)
     if recipe_id == BF16:
         fc1 = fc1.to(torch.bfloat16)
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (xb, w1, w3, w2, probs)):
+    if not records_grad:
         y = backends.select(xb.device).mlp_fwd(xb, fc1, w2.detach(), m, None, None, probs, _SWIGLU, recipe_id, fp8,
                                                False, False, False, None)[0]
     else:

@@ -858,3 +858,25 @@ def test_layer_benchmark_smoke(tmp_path):
     for variant, tol in (("moegemm_fp8", TOL["fp8_blockwise"]), ("moegemm_bf16", TOL["bf16"]),
                          ("torchtitan_bf16", TOL["bf16"])):
         assert max(rows[variant]["errors"].values()) < tol and rows[variant]["step_ms"] > 0
+
+
+def test_swiglu_experts_checks_its_weights():
+    """The functional entry checks w1, w3, w2 and the FP8 copies as grouped_mlp does its weights (fc1 = [w1; w3])."""
+    from moegemm.torchtitan import swiglu_experts
+
+    E, F, D, T = 3, 32, 32, 16
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+    w1, w3 = torch.randn(E, F, D, dtype=torch.bfloat16), torch.randn(E, F, D, dtype=torch.bfloat16)
+    w2 = torch.randn(E, D, F, dtype=torch.bfloat16)
+    splits = [5, 0, 11]
+    q1, q2 = moegemm.quantize_weight(torch.cat([w1, w3], 1)), moegemm.quantize_weight(w2)
+    want = moegemm.grouped_mlp(x, torch.cat([w1, w3], 1), w2, splits)
+    assert torch.equal(swiglu_experts(x, w1, w3, w2, splits, fp8_weights=(q1, q2)), want)
+    with pytest.raises(TypeError, match=r"^w3\.dtype must be one of"):
+        swiglu_experts(x, w1, w3.int(), w2, splits)
+    with pytest.raises(ValueError, match=r"^w1 must be 3-D"):
+        swiglu_experts(x, w1[0], w3, w2, splits)
+    with pytest.raises(ValueError, match=r"^fp8_weights\[0\]\[0\] .* must have shape \(3, 64, 32\)"):
+        swiglu_experts(x, w1, w3, w2, splits, fp8_weights=(q2, q1))
+    with pytest.raises(TypeError, match=r"^fp8_weights must be the pair"):
+        swiglu_experts(x, w1, w3, w2, splits, fp8_weights=(q1, q2, q2))

@@ -8,8 +8,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import backends
-from ._validate import (SplitsLike, check_num_experts, check_token_count, check_tokens_input, check_weight, num_splits,
-                        splits_to_device)
+from ._validate import (SplitsLike, check_bool_arg, check_num_experts, check_token_count, check_tokens_input, check_weight,
+                        num_splits, splits_to_device)
 from .layout import BLOCK, MAX_TOKENS, ceil_div
 
 
@@ -28,6 +28,8 @@ def make_plan(m_splits: SplitsLike, T: int, device=None, check_splits=None) -> t
 def quantize_act(x: torch.Tensor, m_splits: SplitsLike, rows: bool = True, cols: bool = True):
     """Multi-cast quantization of ``x [T, K]``: ``(q, s, qT, sT)``, None for the parts not asked for."""
     check_tokens_input(x)
+    check_bool_arg("rows", rows)
+    check_bool_arg("cols", cols)
     plan = make_plan(m_splits, x.shape[0], device=x.device)
     return backends.select(x.device).quantize_act(x.contiguous(), plan, rows=rows, cols=cols)
 
@@ -83,6 +85,11 @@ def to_fp8_rows(x: torch.Tensor, grad_target: Optional[torch.Tensor] = None) -> 
     dispatcher would send it. ``grad_target`` defaults to x itself when x requires grad: dx flows back to
     the unquantized tensor (straight through the quantization), as a dispatcher's backward wants it."""
     check_tokens_input(x)
+    if grad_target is not None and (not isinstance(grad_target, torch.Tensor) or not grad_target.is_floating_point()
+                                    or grad_target.shape != x.shape or grad_target.device != x.device):
+        raise ValueError(f"grad_target must be None or a floating-point tensor of x's shape {tuple(x.shape)} on "
+                         f"{x.device}, got {getattr(grad_target, 'dtype', type(grad_target).__name__)} "
+                         f"{tuple(getattr(grad_target, 'shape', ()))} on {getattr(grad_target, 'device', None)}")
     with torch.no_grad():
         q, s, _, _ = quantize_act(x.detach(), [x.shape[0]], rows=True, cols=False)
     if grad_target is None and x.requires_grad:

@@ -374,3 +374,16 @@ def test_mlp_errors_name_the_argument():
     w1.main_grad = torch.zeros(E, 1, dtype=torch.float32)  # replaced between forward and backward
     with pytest.raises(ValueError, match=r"^fc1_weight\.main_grad must be contiguous with fc1_weight's shape"):
         y.float().sum().backward()
+
+
+def test_quantizer_switches_and_grad_target_checked():
+    x = torch.randn(8, 128)
+    with pytest.raises(TypeError, match=r"rows must be True or False, got str 'no'"):
+        moegemm.quantize_act(x, [8], rows="no")
+    with pytest.raises(TypeError, match=r"cols must be True or False, got int 0"):
+        moegemm.quantize_act(x, [8], cols=0)
+    for bad in ("x", torch.zeros(8, 64), torch.zeros(8, 128, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"grad_target must be None or a floating-point tensor of x's shape"):
+            moegemm.to_fp8_rows(x, grad_target=bad)
+    g = torch.zeros(8, 128, requires_grad=True)
+    assert moegemm.to_fp8_rows(x, grad_target=g).grad_target is g

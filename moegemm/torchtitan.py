@@ -57,8 +57,8 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from . import backends, weight_buffers
-from ._validate import (check_bool_arg, check_fp8_weight_pair, check_mlp_dims, check_probs, check_recipe, check_weight,
-                        check_x, check_x_tensor, splits_to_device)
+from ._validate import (check_bool_arg, check_fp8_weight_pair, check_layer_sizes, check_mlp_dims, check_probs,
+                        check_recipe, check_weight, check_x, check_x_tensor, splits_to_device)
 from .backends import contract as C
 from .functional.grads import refuse_double_backward
 from .layout import ACTIVATIONS, BF16, FP8_BLOCKWISE, RECIPE_IDS
@@ -228,6 +228,7 @@ class MoegemmGroupedExperts(GroupedExperts):
     def __init__(self, config: Config):
         check_recipe(config.recipe)
         check_bool_arg("fp8_weight_cache", config.fp8_weight_cache)
+        check_layer_sizes(("num_experts", config.num_experts), ("dim", config.dim), ("hidden_dim", config.hidden_dim))
         check_mlp_dims(config.num_experts, config.dim, config.hidden_dim, "swiglu",
                        names=("w1_EFD/w3_EFD (fc1)", "w2_EDF (fc2)"))
         super().__init__(config)

@@ -398,6 +398,10 @@ def test_sizes_are_checked_at_construction():
         MoegemmGroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=E, recipe="fp4").build()
     with pytest.raises(TypeError, match="fp8_weight_cache must be True or False, got str 'false'"):
         MoegemmGroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=E, fp8_weight_cache="false").build()
+    with pytest.raises(TypeError, match=r"num_experts must be an int, got float 4\.0"):
+        MoegemmGroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=4.0).build()
+    with pytest.raises(TypeError, match=r"dim must be an int, got str"):
+        MoegemmGroupedExperts.Config(dim=str(DIM), hidden_dim=HIDDEN, num_experts=E).build()
 
 
 @requires_torchtitan
@@ -860,6 +864,7 @@ def test_layer_benchmark_smoke(tmp_path):
         assert max(rows[variant]["errors"].values()) < tol and rows[variant]["step_ms"] > 0
 
 
+@requires_torchtitan
 def test_swiglu_experts_checks_its_weights():
     """The functional entry checks w1, w3, w2 and the FP8 copies as grouped_mlp does its weights (fc1 = [w1; w3])."""
     from moegemm.torchtitan import swiglu_experts

@@ -301,13 +301,12 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
     torch.compile a CPU tensor's counts cannot be read while tracing: the graph checks them when it runs
     (``_assert_host_counts_in_graph``)."""
     check_optional_bool("check_splits", check_splits)
+    count = num_splits(m_splits)
+    if isinstance(m_splits, torch.Tensor) and m_splits.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"m_splits.dtype must be torch.int32 or torch.int64, got {m_splits.dtype}")
+    if count != E:
+        raise ValueError(f"len(m_splits) must equal the number of experts E = {E}, got {count}")
     if isinstance(m_splits, torch.Tensor):
-        if m_splits.dim() != 1:
-            raise ValueError(f"m_splits must be 1-D, got shape {tuple(m_splits.shape)}")
-        if m_splits.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"m_splits.dtype must be torch.int32 or torch.int64, got {m_splits.dtype}")
-        if m_splits.numel() != E:
-            raise ValueError(f"len(m_splits) must equal the number of experts E = {E}, got {m_splits.numel()}")
         if m_splits.device.type == "cpu" and device.type != "cpu":
             _check_host_tensor_counts(m_splits, T)
             src = m_splits.contiguous().pin_memory() if torch.cuda.is_available() else m_splits
@@ -319,10 +318,6 @@ def splits_to_device(m_splits: SplitsLike, E: int, T: int, device: torch.device,
         elif checked_mode(check_splits):
             _check_device_counts(m_splits, T)
         return m_splits.contiguous()
-    if not isinstance(m_splits, (list, tuple)):
-        raise TypeError(f"m_splits must be a list of ints or an int32/int64 tensor, got {type(m_splits).__name__}")
-    if len(m_splits) != E:
-        raise ValueError(f"len(m_splits) must equal the number of experts E = {E}, got {len(m_splits)}")
     counts = []
     for i, m in enumerate(m_splits):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):

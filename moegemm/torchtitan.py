@@ -172,12 +172,14 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     check_probs(probs, xb.shape[0], xb.device)
     recipe_id = RECIPE_IDS[recipe]
     records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xb, w1, w3, w2, probs))
-    if recipe_id == FP8_BLOCKWISE:  # (fused fc1, fc2): as grouped_mlp's pair, fc1 being [E, 2 hidden, dim]
-        check_fp8_weight_pair(fp8_weights, _stand_in(w1), w2, records_grad)
+    given = recipe_id == FP8_BLOCKWISE and fp8_weights is not None
+    fc1_like = _stand_in(w1) if given else None
+    if given:  # (fused fc1, fc2): as grouped_mlp's pair, fc1 being [E, 2 hidden, dim]
+        check_fp8_weight_pair(fp8_weights, fc1_like, w2, records_grad)
     m = splits_to_device(m_splits, E, xb.shape[0], xb.device, check_splits)
-    fp8 = [t for w in fp8_weights for t in w] if fp8_weights and recipe_id == FP8_BLOCKWISE else []
+    fp8 = [t for w in fp8_weights for t in w] if given and fp8_weights else []
     # (bf16: in bf16, which the op computes in: fp32 weights' bf16 copy is then not saved for a dgrad that never reads it)
-    fc1 = _stand_in(w1) if fp8 else torch.cat([w1.detach(), w3.detach()], 1)
+    fc1 = fc1_like if fp8 else torch.cat([w1.detach(), w3.detach()], 1)
     if recipe_id == BF16:
         fc1 = fc1.to(torch.bfloat16)
     if not records_grad:

@@ -71,10 +71,15 @@ def _counts(tokens_per_expert):
     return splits
 
 
-def _check_probs(permuted_probs):
+def _token_probs(permuted_probs, T: int):
+    """Megatron's permuted_probs (any shape, one value per token) flattened to [T], or None."""
+    if permuted_probs is None:
+        return None
     if not isinstance(permuted_probs, torch.Tensor):
         raise TypeError(f"permuted_probs must be a tensor or None, got {type(permuted_probs).__name__}")
-    return permuted_probs
+    if permuted_probs.numel() != T:
+        raise ValueError(f"permuted_probs must hold one value per token ({T}), got shape {tuple(permuted_probs.shape)}")
+    return permuted_probs.reshape(-1)
 
 
 def _weight_for_op(param: torch.Tensor) -> torch.Tensor:
@@ -290,12 +295,7 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
         shape = x.shape
         x2 = x.reshape(-1, H)
         T = x2.shape[0]
-        probs = None
-        if permuted_probs is not None:
-            probs = _check_probs(permuted_probs).reshape(-1)
-            if probs.numel() != T:
-                raise ValueError(f"permuted_probs must hold one value per token ({T}), got shape "
-                                 f"{tuple(permuted_probs.shape)}")
+        probs = _token_probs(permuted_probs, T)
         if getattr(self.config, "moe_apply_probs_on_input", False) and probs is not None:
             x2 = (probs.unsqueeze(-1) * x2).to(x.dtype)
             probs = None
@@ -333,9 +333,7 @@ class MoegemmExperts(ExpertLayer, MegatronModule):
         """The experts of FP8 tokens (``Fp8Rows``: q [T, H] e4m3, s [T, H/128] fp32, grad_target receiving
         the bf16 input gradient): fc1 reads the rows as they are (fp8_blockwise only, as grouped_mlp checks)."""
         T = x.q.shape[0]
-        probs = None if permuted_probs is None else _check_probs(permuted_probs).reshape(-1)
-        if probs is not None and probs.numel() != T:
-            raise ValueError(f"permuted_probs must hold one value per token ({T}), got shape {tuple(permuted_probs.shape)}")
+        probs = _token_probs(permuted_probs, T)
         if getattr(self.config, "moe_apply_probs_on_input", False) and probs is not None:
             raise NotImplementedError("moe_apply_probs_on_input needs the bf16 tokens, not FP8 ones")
         splits = _counts(tokens_per_expert)

@@ -230,6 +230,13 @@ def check_fp8_weight(fp8, weight: torch.Tensor, name: str, weight_name: str = "w
         raise ValueError(f"{what} is on {t.device} but {weight_name} is on {device}")
 
 
+def check_fp8_weights_recipe(fp8, recipe: str, name: str) -> None:
+    """FP8 copies of the weights are for the fp8_blockwise recipe: given with another one they would be ignored."""
+    if recipe != "fp8_blockwise" and fp8 is not None and not (isinstance(fp8, (tuple, list)) and len(fp8) == 0):
+        raise ValueError(f"{name} is for recipe='fp8_blockwise' (the FP8 copies of the weights), but recipe is "
+                         f"{recipe!r}: pass {name}=None")
+
+
 def check_fp8_weight_pair(fp8_weights, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, transposed: bool) -> None:
     """``fp8_weights`` of the MLP: None (or empty), or
     ``(quantize_weight(fc1_weight), quantize_weight(fc2_weight))``; the transposed copies needed when

@@ -57,8 +57,8 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from . import backends, weight_buffers
-from ._validate import (check_bool_arg, check_fp8_weight_pair, check_layer_sizes, check_mlp_dims, check_probs,
-                        check_recipe, check_weight, check_x, check_x_tensor, splits_to_device)
+from ._validate import (check_bool_arg, check_fp8_weight_pair, check_fp8_weights_recipe, check_layer_sizes, check_mlp_dims,
+                        check_probs, check_recipe, check_weight, check_x, check_x_tensor, splits_to_device)
 from .backends import contract as C
 from .functional.grads import refuse_double_backward
 from .layout import ACTIVATIONS, BF16, FP8_BLOCKWISE, RECIPE_IDS
@@ -171,6 +171,7 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     check_x(xb, D, w1.device, cuda_path=backends.uses_cuda(w1.device))
     check_probs(probs, xb.shape[0], xb.device)
     recipe_id = RECIPE_IDS[recipe]
+    check_fp8_weights_recipe(fp8_weights, recipe, "fp8_weights")
     records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xb, w1, w3, w2, probs))
     given = recipe_id == FP8_BLOCKWISE and fp8_weights is not None
     fc1_like = _stand_in(w1) if given else None

@@ -314,6 +314,20 @@ def test_fp8_weights_of_the_mlp():
         moegemm.grouped_mlp(x, w1.requires_grad_(), w2, SPLITS, fp8_weights=bare)
 
 
+def test_fp8_weights_with_the_bf16_recipe():
+    """FP8 copies given with recipe="bf16" would be ignored: refused, naming the argument (None and () pass)."""
+    x, w, _ = inputs()
+    w1, w2 = torch.randn(E, 2 * N, K, dtype=torch.bfloat16), torch.randn(E, K, N, dtype=torch.bfloat16)
+    c1, c2 = moegemm.quantize_weight(w1), moegemm.quantize_weight(w2)
+    with pytest.raises(ValueError, match=r"^fp8_weight is for recipe='fp8_blockwise' .* recipe is 'bf16'"):
+        grouped_linear(x, w, SPLITS, recipe="bf16", fp8_weight=moegemm.quantize_weight(w))
+    with pytest.raises(ValueError, match=r"^fp8_weights is for recipe='fp8_blockwise' .* recipe is 'bf16'"):
+        moegemm.grouped_mlp(x, w1, w2, SPLITS, recipe="bf16", fp8_weights=(c1, c2))
+    ref = moegemm.grouped_mlp(x, w1, w2, SPLITS, recipe="bf16")
+    assert torch.equal(moegemm.grouped_mlp(x, w1, w2, SPLITS, recipe="bf16", fp8_weights=()), ref)
+    assert torch.equal(grouped_linear(x, w, SPLITS, recipe="bf16", fp8_weight=None), grouped_linear(x, w, SPLITS, recipe="bf16"))
+
+
 def test_per_call_switches():
     """check_splits, is_first_microbatch and wgrad_store: a string or a number is refused, not read as a truth value."""
     x, w, _ = inputs()

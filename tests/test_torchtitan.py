@@ -885,3 +885,5 @@ def test_swiglu_experts_checks_its_weights():
         swiglu_experts(x, w1, w3, w2, splits, fp8_weights=(q2, q1))
     with pytest.raises(TypeError, match=r"^fp8_weights must be the pair"):
         swiglu_experts(x, w1, w3, w2, splits, fp8_weights=(q1, q2, q2))
+    with pytest.raises(ValueError, match=r"^fp8_weights is for recipe='fp8_blockwise' .* recipe is 'bf16'"):
+        swiglu_experts(x, w1, w3, w2, splits, recipe="bf16", fp8_weights=(q1, q2))

@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 
 from .. import backends
-from .._validate import (SplitsLike, check_bias, check_fp8_weight, check_main_grad, check_recipe, check_weight,
-                         splits_to_device)
+from .._validate import (SplitsLike, check_bias, check_fp8_weight, check_fp8_weights_recipe, check_main_grad, check_recipe,
+                         check_weight, splits_to_device)
 from ..backends import contract
 from ..layout import BF16, RECIPE_IDS
 from .grads import (WgradStore, add_grad, check_deferrable, check_wgrad_store, drops_on_failure, finish_sum,
@@ -115,6 +115,7 @@ def grouped_linear(
     check_bias(bias, E, N, weight.device)
     check_main_grad(weight)
     check_wgrad_store(wgrad_store)
+    check_fp8_weights_recipe(fp8_weight, recipe, "fp8_weight")
     if fp8_weight is not None and recipe == "fp8_blockwise":
         check_fp8_weight(fp8_weight, weight, "fp8_weight")
     m = splits_to_device(m_splits, E, x_dev.shape[0], x_dev.device, check_splits)  # the first device work

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from .. import backends
-from .._validate import (SplitsLike, check_activation, check_bias, check_fp8_weight_pair, check_main_grad,
-                         check_mlp_weights, check_probs, check_recipe, splits_to_device)
+from .._validate import (SplitsLike, check_activation, check_bias, check_fp8_weight_pair, check_fp8_weights_recipe,
+                         check_main_grad, check_mlp_weights, check_probs, check_recipe, splits_to_device)
 from ..backends import contract
 from ..layout import ACTIVATIONS, BF16, RECIPE_IDS
 from .grads import (WgradStore, add_grad, check_deferrable, check_wgrad_store, drops_on_failure, finish_sum,
@@ -141,6 +141,7 @@ def grouped_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Ten
     check_wgrad_store(wgrad_store)
     inputs = (x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, probs)
     records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    check_fp8_weights_recipe(fp8_weights, recipe, "fp8_weights")
     if recipe == "fp8_blockwise":
         check_fp8_weight_pair(fp8_weights, fc1_weight, fc2_weight, records_grad)
     m = splits_to_device(m_splits, E, T, x_dev.device, check_splits)  # the first device work

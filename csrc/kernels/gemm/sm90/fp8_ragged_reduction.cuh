@@ -82,9 +82,9 @@ struct Fp8RaggedReductionConfig : WarpSpecializedCta {
   // two (their accumulators fill the registers): the scales are read from shared memory in the promotion
   // and the stage is released after it.
   static constexpr bool kColsInRegisters = kParts == 1;
-  // At 160 columns their 20 pairs are read before the chain is issued and the warpgroups run independently (no
-  // turns, below), as DeepGEMM's k-grouped kernel does: faster for fp32 accumulation on the wide problems (H200;
-  // docs/performance.md, Ragged-reduction GEMM). At 128 columns, read before the issue, the issue waited for them.
+  // At 160 columns their 20 pairs are read before the chain is issued, as DeepGEMM's k-grouped kernel does: faster
+  // for fp32 accumulation on the wide problems (H200; docs/performance.md, Ragged-reduction GEMM). At 128 columns,
+  // read before the issue, the issue waited for them.
   static constexpr bool kColsBeforeChain = kParts == 1 && kBlockN > 128;
 
   // epilogue: slabs of a warpgroup's 64 rows x one swizzle span, 128 bytes (128B swizzle), or 64 bytes (64B

@@ -5,8 +5,9 @@
 #   bash bench/gpu_run.sh [pytest args...]
 # TRAIN_LM=1 adds the small LM example, TITAN=1 torchtitan's MoE layer (eager; needs torchtitan 0.3.0),
 # SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/), SKIP_BENCH=1 leaves the benchmark out, SKIP_TESTS=1 the
-# tests; GEMM_TABLES=1 the FP8 GEMM tables with every tiling and DeepGEMM (its source in .peers/DeepGEMM), CONTENTION=1
-# the contention tables, both written as bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT;
+# tests, TEST_SHARDS=3 runs them in three parallel pytest processes (bench/pytest_shards.py; the whole suite on an H100
+# takes longer than 600 s in one); GEMM_TABLES=1 the FP8 GEMM tables with every tiling and DeepGEMM (its source in
+# .peers/DeepGEMM), CONTENTION=1 the contention tables, both written as bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT;
 # COMPARE_BASE=<folder> the quick suite of an earlier build against this one: the folder holds that build's source
 # tree (e.g. `git archive <commit> | tar -x -C <folder>`, carried), built into its own extensions folder; COMPARE_RUNS
 # runs of each (default 2) in turns, COMPARE_ARGS the suite's options, compared by bench.suite.compare (compare.md).
@@ -23,7 +24,12 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 start=$(date +%s)
 python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
-${SKIP_TESTS:+true} python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+if [ -z "${SKIP_TESTS:-}" ] && [ "${TEST_SHARDS:-1}" -gt 1 ]; then  # parallel pytest processes (bench/pytest_shards.py)
+  python3 -m bench.pytest_shards --shards "$TEST_SHARDS" --log-dir "$OUT" ${@:-tests} 2>&1 | tee "$OUT/pytest.log"
+  grep -h -E '^(FAILED|ERROR) ' "$OUT"/pytest_shard*.log | head -40
+else
+  ${SKIP_TESTS:+true} python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h100|h200' | tr 'A-Z' 'a-z')
 gpu=${gpu:-gpu}
 if [ -n "${GEMM_TABLES:-}" ]; then  # DeepGEMM's JIT needs the system libstdc++ preloaded (bench/peers/deepgemm.py)

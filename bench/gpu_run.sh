@@ -6,7 +6,7 @@
 # TRAIN_LM=1 adds the small LM example, TITAN=1 torchtitan's MoE layer (eager; needs torchtitan 0.3.0),
 # SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/), SKIP_BENCH=1 leaves the benchmark out, SKIP_TESTS=1 the
 # tests, TEST_SHARDS=3 runs them in three parallel pytest processes (bench/pytest_shards.py; the whole suite on an H100
-# takes longer than 600 s in one); GEMM_TABLES=1 the FP8 GEMM tables with every tiling and DeepGEMM (its source in
+# takes longer than 600 s in one) and the sanitizers beside them; GEMM_TABLES=1 the FP8 GEMM tables with every tiling and DeepGEMM (its source in
 # .peers/DeepGEMM), CONTENTION=1 the contention tables, both written as bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT;
 # COMPARE_BASE=<folder> the quick suite of an earlier build against this one: the folder holds that build's source
 # tree (e.g. `git archive <commit> | tar -x -C <folder>`, carried), built into its own extensions folder; COMPARE_RUNS
@@ -24,9 +24,23 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 start=$(date +%s)
 python3 -m moegemm.build 2>&1 | tee "$OUT/build.log" | tail -30 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
+# compute-sanitizer's memcheck and racecheck over every kernel, and memcheck over the adversarial inputs (invalid device
+# m_splits, misaligned views, E = 1024, raw-op misuse): three processes at once
+sanitize() {
+  for tool in memcheck racecheck; do
+    ( compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize/every_kernel.py > "$OUT/sanitize_$tool.log" 2>&1
+      echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)" ) &
+  done
+  ( compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize/adversarial.py > "$OUT/sanitize_adversarial_memcheck.log" 2>&1
+    echo "compute-sanitizer memcheck (adversarial): rc=$? $(grep -E 'ERROR SUMMARY|sanitize adversarial:' "$OUT/sanitize_adversarial_memcheck.log" | tail -2 | tr '\n' ' ')" ) &
+  wait
+}
+sanitized=
 if [ -z "${SKIP_TESTS:-}" ] && [ "${TEST_SHARDS:-1}" -gt 1 ]; then  # parallel pytest processes (bench/pytest_shards.py)
+  if [ -n "${SANITIZE:-}" ]; then sanitize > "$OUT/sanitize.txt" & sanitizer=$! sanitized=1; fi  # beside the tests
   python3 -m bench.pytest_shards --shards "$TEST_SHARDS" --log-dir "$OUT" ${@:-tests} 2>&1 | tee "$OUT/pytest.log"
   grep -h -E '^(FAILED|ERROR) ' "$OUT"/pytest_shard*.log | head -40
+  [ -n "$sanitized" ] && { wait "$sanitizer"; cat "$OUT/sanitize.txt"; }
 else
   ${SKIP_TESTS:+true} python3 -m pytest -q -x ${@:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
@@ -57,12 +71,4 @@ if [ -n "${COMPARE_BASE:-}" ]; then
   done
   python3 -m bench.suite.compare --base "$runs"/base*/results.json --head "$runs"/head*/results.json --md "$OUT/compare.md" | tail -40
 fi
-if [ -n "${SANITIZE:-}" ]; then
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize/every_kernel.py > "$OUT/sanitize_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
-  done
-  # the adversarial inputs (invalid device m_splits, misaligned views, E = 1024, raw-op misuse)
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize/adversarial.py > "$OUT/sanitize_adversarial_memcheck.log" 2>&1
-  echo "compute-sanitizer memcheck (adversarial): rc=$? $(grep -E 'ERROR SUMMARY|sanitize adversarial:' "$OUT/sanitize_adversarial_memcheck.log" | tail -2 | tr '\n' ' ')"
-fi
+if [ -n "${SANITIZE:-}" ] && [ -z "$sanitized" ]; then sanitize; fi

@@ -5,9 +5,10 @@
 #   bash bench/gpu_run.sh [pytest args...]
 # TRAIN_LM=1 adds the small LM example, TITAN=1 torchtitan's MoE layer (eager; needs torchtitan 0.3.0),
 # SANITIZE=1 the compute-sanitizer drivers (tests/sanitize/), SKIP_BENCH=1 leaves the benchmark out, SKIP_TESTS=1 the
-# tests, TEST_SHARDS=3 runs them in three parallel pytest processes (bench/pytest_shards.py; the whole suite on an H100
-# takes longer than 600 s in one) and the sanitizers beside them; GEMM_TABLES=1 the FP8 GEMM tables with every tiling and DeepGEMM (its source in
-# .peers/DeepGEMM), CONTENTION=1 the contention tables, both written as bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT;
+# tests, TEST_SHARDS=3 runs them in three parallel pytest processes (bench/pytest_shards.py; the whole suite on an
+# H100 takes longer than 600 s in one) and the sanitizers beside them; GEMM_TABLES=1 the FP8 GEMM tables with every
+# tiling and DeepGEMM (its source in .peers/DeepGEMM), CONTENTION=1 the contention tables, both written as
+# bench/results names them (ragged_rows_<gpu>.md/.json, ...) under $OUT;
 # COMPARE_BASE=<folder> the quick suite of an earlier build against this one: the folder holds that build's source
 # tree (e.g. `git archive <commit> | tar -x -C <folder>`, carried), built into its own extensions folder; COMPARE_RUNS
 # runs of each (default 2) in turns, COMPARE_ARGS the suite's options, compared by bench.suite.compare (compare.md).

@@ -3,7 +3,7 @@ launches, compiles) overlaps: the whole GPU suite takes longer than one 600 s ca
 
     python -m bench.pytest_shards --shards 3 [--log-dir DIR] [pytest arguments: files, folders, node ids, options]
 
-Test files (a folder stands for its ``test_*.py`` files; node ids such as ``file::test`` stay whole) are dealt
+Test files (a folder stands for the ``test_*.py`` files under it; node ids such as ``file::test`` stay whole) are dealt
 to the shards largest first, each to the shard with the fewest bytes so far; options go to every shard. Each
 shard runs ``python -m pytest -q -x`` with its own log (``pytest_shard<i>.log`` under --log-dir); its last line
 is printed as it ends. The exit status is 0 when every shard passed, else that of the first shard to fail.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
-    """(test units, options): a folder becomes its test_*.py files (sorted), a file or node id stays one unit;
+    """(test units, options): a folder becomes the test_*.py files under it (sorted), a file or node id stays one unit;
     anything that starts with '-' is an option, and so is the value after an option that takes one."""
     units, options = [], []
     takes_value = {"-k", "-m", "-p", "-c", "-o", "--deselect", "--ignore", "--rootdir", "--maxfail", "--tb"}
@@ -34,7 +34,7 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
                 options.append(args[i + 1])
                 i += 1
         elif Path(a).is_dir():
-            units += [str(p) for p in sorted(Path(a).glob("test_*.py"))]
+            units += [str(p) for p in sorted(Path(a).rglob("test_*.py"))]
         else:
             units.append(a)
         i += 1

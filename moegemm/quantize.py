@@ -72,12 +72,18 @@ def check_fp8_rows(x: Fp8Rows, K: int, device) -> None:
                          f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
     if s.device != q.device:
         raise ValueError(f"Fp8Rows.s must be on {q.device}, got one on {s.device}")
-    if g is not None:
-        if not isinstance(g, torch.Tensor) or not g.is_floating_point() or tuple(g.shape) != tuple(q.shape):
-            raise ValueError(f"Fp8Rows.grad_target must be a floating-point tensor of shape {tuple(q.shape)}, got "
-                             f"{getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}")
-        if g.device != q.device:
-            raise ValueError(f"Fp8Rows.grad_target is on {g.device} but Fp8Rows.q is on {q.device}")
+    check_grad_target(g, q, "Fp8Rows.grad_target", "Fp8Rows.q")
+
+
+def check_grad_target(g, like: torch.Tensor, name: str, like_name: str) -> None:
+    """A grad_target: None, or a floating-point tensor of ``like``'s shape on its device (it receives dx)."""
+    if g is None:
+        return
+    if (not isinstance(g, torch.Tensor) or not g.is_floating_point() or g.shape != like.shape
+            or g.device != like.device):
+        raise ValueError(f"{name} must be None or a floating-point tensor of {like_name}'s shape {tuple(like.shape)} on "
+                         f"{like.device}, got {getattr(g, 'dtype', type(g).__name__)} "
+                         f"{tuple(getattr(g, 'shape', ()))} on {getattr(g, 'device', None)}")
 
 
 def to_fp8_rows(x: torch.Tensor, grad_target: Optional[torch.Tensor] = None) -> Fp8Rows:
@@ -85,11 +91,7 @@ def to_fp8_rows(x: torch.Tensor, grad_target: Optional[torch.Tensor] = None) -> 
     dispatcher would send it. ``grad_target`` defaults to x itself when x requires grad: dx flows back to
     the unquantized tensor (straight through the quantization), as a dispatcher's backward wants it."""
     check_tokens_input(x)
-    if grad_target is not None and (not isinstance(grad_target, torch.Tensor) or not grad_target.is_floating_point()
-                                    or grad_target.shape != x.shape or grad_target.device != x.device):
-        raise ValueError(f"grad_target must be None or a floating-point tensor of x's shape {tuple(x.shape)} on "
-                         f"{x.device}, got {getattr(grad_target, 'dtype', type(grad_target).__name__)} "
-                         f"{tuple(getattr(grad_target, 'shape', ()))} on {getattr(grad_target, 'device', None)}")
+    check_grad_target(grad_target, x, "grad_target", "x")
     with torch.no_grad():
         q, s, _, _ = quantize_act(x.detach(), [x.shape[0]], rows=True, cols=False)
     if grad_target is None and x.requires_grad:
